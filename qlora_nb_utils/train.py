@@ -1,0 +1,335 @@
+"""One explicit training loop, run the same way eager or compiled.
+
+Why not `transformers.Trainer`? Because the question every notebook asks is "what does
+`torch.compile` change?", and that is only answerable when the two runs differ in nothing
+else: same model weights, same batches in the same order, same optimizer, same seed, same
+timers. A loop of forty lines that we can read end to end makes that easy to see. (Notebook
+users of `Trainer`/TRL are covered elsewhere; this loop is the measuring instrument.)
+
+What it records per optimizer step, into a pandas DataFrame: the loss, the wall time of the
+step (with a device sync before the clock is read, so asynchronous GPU work is counted),
+real (non-padding) tokens and tokens/s, and peak memory. On CUDA "peak memory" is
+`torch.cuda.max_memory_allocated` reset at the start of the run; on a CPU no allocator
+tracks peaks, so it is the process's resident set size after each step, which includes
+the Python heap and everything loaded before the run: compare CPU figures only with care.
+
+Ctrl-C (a notebook's "interrupt kernel") loses no trained adapter: the loop catches the
+interrupt, saves the LoRA adapter, and re-raises `TrainingInterrupted`, which carries the
+partial history and the folder the adapter went to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import pandas as pd
+import torch
+
+__all__ = [
+    "TrainConfig",
+    "TrainingInterrupted",
+    "train",
+    "summarize",
+    "save_adapter",
+    "trainable_state",
+    "load_trainable_state",
+]
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Options of one training run.
+
+    Attributes:
+        steps: optimizer steps to run.
+        lr: AdamW learning rate (constant after `warmup_steps` of linear warm-up).
+        weight_decay: AdamW weight decay.
+        grad_accum: micro-batches per optimizer step.
+        max_grad_norm: clip the gradient norm to this; None disables clipping.
+        warmup_steps: linear learning-rate warm-up steps.
+        seed: seeds torch before the first step (dropout, if any, is then reproducible).
+        progress: show a tqdm progress bar.
+        adapter_dir: where to save the LoRA adapter at the end (and on Ctrl-C). When None,
+            nothing is saved at the end, and an interrupt saves to `interrupt_dir`.
+        interrupt_dir: where an interrupted run saves its adapter when `adapter_dir` is None.
+    """
+
+    steps: int = 30
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    grad_accum: int = 1
+    max_grad_norm: float | None = 1.0
+    warmup_steps: int = 0
+    seed: int = 0
+    progress: bool = True
+    adapter_dir: str | Path | None = None
+    interrupt_dir: str | Path = "runs/interrupted"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Raised when a run is interrupted; the adapter trained so far has been saved.
+
+    Attributes:
+        history: the DataFrame of the steps completed before the interrupt.
+        adapter_dir: the folder the adapter was saved to (None if the model has no adapter).
+    """
+
+    def __init__(self, history: pd.DataFrame, adapter_dir: Path | None):
+        super().__init__(f"training interrupted after {len(history)} steps; adapter saved to {adapter_dir}")
+        self.history = history
+        self.adapter_dir = adapter_dir
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the trainable parameters (the LoRA weights in a PEFT model).
+
+    Args:
+        model: the model.
+
+    Returns:
+        name -> cloned tensor, for `load_trainable_state` to restore, so that an eager and a
+        compiled run can start from exactly the same adapter.
+    """
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` (from `trainable_state`) back into the model's trainable parameters.
+
+    Raises:
+        KeyError: when the model's trainable parameters do not match the state's names.
+    """
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if params.keys() != state.keys():
+        missing = sorted(set(state) ^ set(params))[:5]
+        raise KeyError(f"trainable parameters do not match the saved state, e.g. {missing}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name])
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "_orig_mod", model)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(_unwrap(model).parameters()).device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_mem_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**30
+    except ImportError:  # psutil comes with accelerate; stay correct without it
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def save_adapter(model: torch.nn.Module, folder: str | Path) -> Path | None:
+    """Save the PEFT adapter of `model` (compiled or not) to `folder`.
+
+    Returns:
+        The folder, or None when the model carries no adapter (nothing to save).
+    """
+    inner = _unwrap(model)
+    if not hasattr(inner, "peft_config"):
+        return None
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    inner.save_pretrained(folder)
+    return folder
+
+
+def _micro_batches(batches: Iterable[dict]) -> Callable[[], dict]:
+    """Cycle over `batches` forever (a finite list is reused, epoch after epoch)."""
+    source = list(batches) if isinstance(batches, Sequence) else None
+    if source is not None and not source:
+        raise ValueError("batches is empty: nothing to train on")
+    state = {"it": iter(source if source is not None else batches)}
+
+    def nxt() -> dict:
+        try:
+            return next(state["it"])
+        except StopIteration:
+            if source is None:
+                raise ValueError("the batch iterator ran out before the last step; pass a list to cycle it")
+            state["it"] = iter(source)
+            return next(state["it"])
+
+    return nxt
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def train(
+    model: torch.nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    cfg: TrainConfig | None = None,
+    *,
+    forward: Callable[..., Any] | None = None,
+    label: str = "eager",
+    optimizer: torch.optim.Optimizer | None = None,
+) -> pd.DataFrame:
+    """Train `model` for `cfg.steps` optimizer steps and return the per-step history.
+
+    Args:
+        model: a causal LM whose forward takes the batch's keys and returns `.loss`
+            (a PEFT model, or any HF model). Its trainable parameters are optimized.
+        batches: micro-batches (dicts of tensors with `input_ids`, `attention_mask`,
+            `labels`); a list is cycled when the run needs more.
+        cfg: run options; defaults to `TrainConfig()`.
+        forward: the callable to run the forward pass with, e.g. `torch.compile(model)`;
+            defaults to `model` itself (eager). This is the only thing that differs between
+            an eager and a compiled run.
+        label: a name stored in the history's `run` column ("eager", "compiled", ...).
+        optimizer: an optimizer to use instead of a fresh AdamW over the trainable params.
+
+    Returns:
+        A DataFrame with one row per optimizer step: `run`, `step`, `loss`, `step_ms`,
+        `tokens`, `tokens_per_s`, `peak_mem_gib`, `lr`, `grad_norm`.
+
+    Raises:
+        ValueError: when the model has no trainable parameter or `batches` is empty.
+        TrainingInterrupted: on Ctrl-C, after saving the adapter.
+    """
+    cfg = cfg or TrainConfig()
+    forward = model if forward is None else forward
+    device = _device_of(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameter (did you forget LoRA, or freeze everything?)")
+    torch.manual_seed(cfg.seed)
+    opt = optimizer or torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    warm = max(cfg.warmup_steps, 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    next_batch = _micro_batches(batches)
+    rows: list[dict] = []
+    model.train()
+    _reset_peak(device)
+    bar = _progress(cfg.steps, label, cfg.progress)
+    try:
+        for step in range(cfg.steps):
+            rows.append(_one_step(forward, opt, sched, params, next_batch, cfg, device, label, step))
+            bar.update(1)
+            bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", ms=f"{rows[-1]['step_ms']:.0f}")
+    except KeyboardInterrupt:
+        bar.close()
+        history = pd.DataFrame(rows)
+        saved = save_adapter(model, cfg.adapter_dir or cfg.interrupt_dir)
+        raise TrainingInterrupted(history, saved) from None
+    bar.close()
+    if cfg.adapter_dir is not None:
+        save_adapter(model, cfg.adapter_dir)
+    return pd.DataFrame(rows)
+
+
+def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step) -> dict:
+    _sync(device)
+    t0 = time.perf_counter()
+    loss_sum = torch.zeros((), device=device)
+    tokens = 0
+    for _ in range(cfg.grad_accum):
+        batch = _to_device(next_batch(), device)
+        loss = forward(**batch).loss
+        (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach()
+        tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+    grad_norm = float("nan")
+    if cfg.max_grad_norm is not None:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+    lr = opt.param_groups[0]["lr"]
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    loss_value = float(loss_sum) / cfg.grad_accum  # float() syncs; the timer reads after it
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    if not math.isfinite(loss_value):
+        raise FloatingPointError(f"{label}: loss is {loss_value} at step {step}")
+    return {
+        "run": label,
+        "step": step,
+        "loss": loss_value,
+        "step_ms": elapsed * 1e3,
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed,
+        "peak_mem_gib": _peak_mem_gib(device),
+        "lr": lr,
+        "grad_norm": grad_norm,
+    }
+
+
+def _progress(total: int, label: str, enabled: bool):
+    if not enabled:
+        return _NullBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=label, unit="step", leave=True)
+
+
+class _NullBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix(self, **kw) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def summarize(history: pd.DataFrame, warmup: int = 3) -> dict[str, Any]:
+    """Steady-state figures of one run: medians after `warmup` steps.
+
+    Args:
+        history: the DataFrame `train` returned.
+        warmup: steps left out of the medians (compilation happens in the first ones).
+
+    Returns:
+        `median_step_ms`, `tokens_per_s` (median), `peak_mem_gib` (max), `first_step_s`,
+        `losses` (list), `steps`.
+
+    Raises:
+        ValueError: when there are no steps left after `warmup`.
+    """
+    steady = history.iloc[warmup:]
+    if steady.empty:
+        raise ValueError(f"no steps left after {warmup} warm-up steps (ran {len(history)}); run more steps")
+    return {
+        "steps": int(len(history)),
+        "median_step_ms": float(steady["step_ms"].median()),
+        "tokens_per_s": float(steady["tokens_per_s"].median()),
+        "peak_mem_gib": float(history["peak_mem_gib"].max()),
+        "first_step_s": float(history["step_ms"].iloc[0] / 1e3),
+        "losses": [float(x) for x in history["loss"]],
+    }

@@ -1,0 +1,269 @@
+#!/usr/bin/env bash
+# setup.sh: build .venv/ with the exact pins of requirements.txt; safe to run again.
+#
+#   bash setup.sh                          # stable channel: the torch pin of requirements.txt
+#   TORCH_CHANNEL=nightly bash setup.sh    # the one torch nightly of requirements-nightly.txt
+#   PYTHON=python3.12 bash setup.sh        # build .venv with another interpreter
+#   bash setup.sh --dry-run                # check Python and print the plan, install nothing
+#
+# Environment: PYTHON (default python3), TORCH_CHANNEL (stable|nightly), TORCH_INDEX_URL
+# (a wheel index for torch only, e.g. https://download.pytorch.org/whl/cpu on a CPU-only
+# machine), TORCH_NIGHTLY_CUDA (default cu130: the nightly variant used when nvidia-smi works).
+#
+# Order: torch first, then requirements.txt with torch held by a constraints file (so nothing
+# can replace it), then requirements-nodeps.txt with --no-deps, then `pip install -e .`, then
+# a Jupyter kernel. A stamp in .venv/ holds a hash of the inputs; when it matches and the pins
+# verify, a second run installs nothing.
+set -Eeuo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")"
+ROOT=$PWD
+VENV=$ROOT/.venv
+STATE=$VENV/qlora-setup
+PY_MIN=3.11   # lowest Python every pin supports (numpy, pandas, matplotlib, ipykernel, trl)
+PY_MAX=3.13
+KERNEL_NAME=qlora-compile
+KERNEL_DISPLAY="Python (qlora-compile)"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+STEP="start"
+step() { STEP=$1; printf '==> %s\n' "$1"; }
+die() { printf 'setup.sh: error: %s\n' "$*" >&2; exit 1; }
+trap 'rc=$?; printf "setup.sh: FAILED (exit %s) during step: %s\n" "$rc" "$STEP" >&2; exit "$rc"' ERR
+
+DRY_RUN=0
+for arg in "$@"; do
+    case $arg in
+        --dry-run) DRY_RUN=1 ;;
+        -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown argument '$arg' (use --dry-run or --help)" ;;
+    esac
+done
+
+# read_pin NAME FILE: print the `NAME==VERSION` line of FILE (comments and blanks ignored).
+read_pin() {
+    awk -v name="$1" '
+        { sub(/#.*/, ""); gsub(/[ \t\r]/, "") }
+        tolower($0) ~ ("^" tolower(name) "==") { print; found = 1; exit }
+        END { exit !found }' "$2"
+}
+
+# --- 1. which torch: everything here is read from requirements*.txt, nothing is hard-coded
+TORCH_CHANNEL=${TORCH_CHANNEL:-stable}
+step "torch channel: $TORCH_CHANNEL"
+case $TORCH_CHANNEL in
+    stable)
+        TORCH_FILE=requirements.txt
+        TORCH_INDEX=${TORCH_INDEX_URL:-}
+        ;;
+    nightly)
+        TORCH_FILE=requirements-nightly.txt
+        variant=cpu
+        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+            variant=${TORCH_NIGHTLY_CUDA:-cu130}
+        fi
+        TORCH_INDEX=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/nightly/$variant}
+        ;;
+    *)
+        die "unknown TORCH_CHANNEL='$TORCH_CHANNEL': use 'stable' (default; the torch pin of requirements.txt) or 'nightly' (the pin of requirements-nightly.txt)"
+        ;;
+esac
+for f in requirements.txt requirements-nodeps.txt "$TORCH_FILE" pyproject.toml; do
+    [[ -f $f ]] || die "$ROOT/$f is missing"
+done
+TORCH_REQ=$(read_pin torch "$TORCH_FILE") || die "$TORCH_FILE has no 'torch==VERSION' line"
+[[ $TORCH_REQ =~ ^torch==[0-9][0-9A-Za-z.+!]*$ ]] || die "$TORCH_FILE: '$TORCH_REQ' is not an exact pin"
+
+# --- 2. which Python: an existing .venv is kept unless PYTHON asks for another version
+py_version() {  # print MAJOR.MINOR.PATCH of interpreter $1, or fail
+    local out
+    out=$("$1" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null) || return 1
+    [[ $out =~ ([0-9]+\.[0-9]+(\.[0-9]+)?) ]] || return 1
+    printf '%s\n' "${BASH_REMATCH[1]}"
+}
+if [[ -z ${PYTHON:-} && -x $VENV/bin/python ]] && py_version "$VENV/bin/python" >/dev/null; then
+    PYTHON=$VENV/bin/python
+fi
+PYTHON=${PYTHON:-python3}
+step "checking Python ($PYTHON)"
+command -v "$PYTHON" >/dev/null 2>&1 \
+    || die "Python interpreter '$PYTHON' not found: set PYTHON to a Python $PY_MIN to $PY_MAX interpreter"
+PY_VERSION=$(py_version "$PYTHON") || die "'$PYTHON' did not report its version: is it a Python interpreter?"
+IFS=. read -r py_major py_minor _ <<<"$PY_VERSION"
+min_minor=${PY_MIN#3.}; max_minor=${PY_MAX#3.}
+if [[ $py_major != 3 ]] || (( py_minor < min_minor || py_minor > max_minor )); then
+    die "unsupported Python $PY_VERSION ($PYTHON): qlora-compile needs Python $PY_MIN to $PY_MAX; set PYTHON, e.g. PYTHON=python3.11 bash setup.sh"
+fi
+PY_MM=$py_major.$py_minor
+echo "    Python $PY_VERSION; torch pin: $TORCH_REQ${TORCH_INDEX:+ (index $TORCH_INDEX)}"
+
+if (( DRY_RUN )); then
+    cat <<EOF
+==> dry run: would install into $VENV
+    python:       $PYTHON ($PY_VERSION)
+    torch:        $TORCH_REQ
+    torch index:  ${TORCH_INDEX:-pip default (PyPI and pip.conf)}
+    then:         requirements.txt (torch constrained), --no-deps requirements-nodeps.txt, -e .
+    kernel:       $KERNEL_NAME ("$KERNEL_DISPLAY"), --user
+EOF
+    exit 0
+fi
+
+# --- 3. the virtualenv
+if [[ -x $VENV/bin/python ]]; then
+    venv_version=$(py_version "$VENV/bin/python") \
+        || die "$VENV is broken (its python does not run): remove it (rm -rf .venv) and run setup.sh again"
+    [[ ${venv_version%.*} == "$PY_MM" ]] \
+        || die ".venv uses Python $venv_version but $PYTHON is $PY_VERSION: remove it (rm -rf .venv) or run with PYTHON=python${venv_version%.*}"
+else
+    step "creating .venv with $PYTHON (Python $PY_VERSION)"
+    if ! "$PYTHON" -m venv "$VENV"; then
+        rm -rf "$VENV"
+        die "could not create .venv with '$PYTHON -m venv' (Debian/Ubuntu: apt install python3-venv)"
+    fi
+fi
+VPY=$VENV/bin/python
+mkdir -p "$STATE"
+
+inputs_hash() {
+    "$VPY" - "$TORCH_CHANNEL" "$TORCH_REQ" "$TORCH_INDEX" "$PY_VERSION" <<'EOF'
+import hashlib, sys
+h = hashlib.sha256("\0".join(sys.argv[1:]).encode())
+for name in ("requirements.txt", "requirements-nodeps.txt", "requirements-nightly.txt",
+             "pyproject.toml", "setup.sh"):
+    try:
+        with open(name, "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    except FileNotFoundError:
+        h.update(name.encode() + b"\0missing")
+print(h.hexdigest())
+EOF
+}
+
+# verify: every pin installed at its version, pip check clean (apart from the declared
+# dependencies of the --no-deps packages), qlora_nb_utils editable from this checkout, torch
+# imports, and the kernels resolve to this venv's python.
+verify() {
+    "$VPY" - "$TORCH_REQ" "$ROOT" "$KERNEL_NAME" <<'EOF'
+import importlib.metadata as md, os, subprocess, sys
+from pip._vendor.packaging.specifiers import SpecifierSet
+from pip._vendor.packaging.utils import canonicalize_name
+from pip._vendor.packaging.version import Version
+
+torch_req, root, kernel_name = sys.argv[1:4]
+problems = []
+# pip check runs beside the imports below (both take seconds)
+check = subprocess.Popen([sys.executable, "-m", "pip", "check"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+
+def pins(path):
+    for raw in open(os.path.join(root, path), encoding="utf-8"):
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==", 1)
+            yield canonicalize_name(name), version.strip()
+
+nodeps = {name for name, _ in pins("requirements-nodeps.txt")}
+expected = dict(pins("requirements.txt"))
+expected.update(pins("requirements-nodeps.txt"))
+expected["torch"] = torch_req.split("==", 1)[1]
+for name, version in sorted(expected.items()):
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        problems.append(f"{name}=={version} is not installed")
+        continue
+    if not SpecifierSet("==" + version).contains(Version(have), prereleases=True):
+        problems.append(f"{name}: pinned {version}, installed {have}")
+
+try:
+    import qlora_nb_utils
+    where = os.path.realpath(os.path.dirname(qlora_nb_utils.__file__))
+    if where != os.path.realpath(os.path.join(root, "qlora_nb_utils")):
+        problems.append(f"qlora_nb_utils is imported from {where}, not from this checkout")
+except Exception as exc:
+    problems.append(f"import qlora_nb_utils failed: {exc!r}")
+try:
+    import torch  # noqa: F401  (a broken wheel shows up here, not in the metadata)
+except Exception as exc:
+    problems.append(f"import torch failed: {exc!r}")
+
+try:
+    from jupyter_client.kernelspec import KernelSpecManager
+    ksm = KernelSpecManager()
+    argv0 = ksm.get_kernel_spec("python3").argv[0]
+    # jupyter_client runs argv[0] in {python, python3, python3.X} with its own sys.executable
+    if argv0 not in {"python", "python3", "python%d.%d" % sys.version_info[:2]} and \
+            os.path.abspath(argv0) != os.path.abspath(sys.executable):
+        problems.append(f"the python3 kernel of .venv/bin/jupyter would run {argv0}")
+    named = ksm.get_kernel_spec(kernel_name).argv[0]
+    if os.path.abspath(named) != os.path.abspath(sys.executable):
+        problems.append(f"kernel {kernel_name!r} runs {named}, not {sys.executable}")
+except Exception as exc:
+    problems.append(f"kernel check failed: {exc!r}")
+
+check_out = check.communicate()[0]
+for line in check_out.splitlines():
+    first = canonicalize_name(line.split(" ", 1)[0]) if line.strip() else ""
+    if line.strip() and first not in nodeps and not line.startswith("No broken"):
+        problems.append("pip check: " + line.strip())
+
+if problems:
+    print("\n".join("    " + p for p in problems), file=sys.stderr)
+sys.exit(1 if problems else 0)
+EOF
+}
+
+next_steps() {
+    local torch_version
+    torch_version=$("$VPY" -c 'import importlib.metadata as m; print(m.version("torch"))')
+    cat <<EOF
+==> .venv ready: Python $PY_VERSION, torch $torch_version ($TORCH_CHANNEL channel)
+Next:
+  source .venv/bin/activate
+  qlora-nb bench --out out/
+  .venv/bin/python -m pytest tests notebooks --nbval-lax --nbval-current-env --sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
+  .venv/bin/jupyter lab     # notebooks open on this venv's python3; other Jupyters: "$KERNEL_DISPLAY"
+(CI runs the tests with QLORA_NB_PROFILE=ci and the hub offline: see .ci/run)
+EOF
+}
+
+# --- 4. nothing to do?
+HASH=$(inputs_hash)
+if [[ -f $STATE/stamp && $(<"$STATE/stamp") == "$HASH" ]]; then
+    step "checking the installed pins against the stamp"
+    if verify; then
+        echo "    up to date: requirements unchanged and every pin verified; nothing installed"
+        next_steps
+        exit 0
+    fi
+    echo "    the stamp matches but the check above failed: installing again"
+fi
+rm -f "$STATE/stamp"
+
+# --- 5. install
+step "installing $TORCH_REQ first"
+"$VPY" -m pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH_REQ"
+TORCH_INSTALLED=$("$VPY" -c 'import importlib.metadata as m; print(m.version("torch"))')
+printf 'torch==%s\n' "$TORCH_INSTALLED" >"$STATE/constraints.txt"
+awk '{ line = $0; sub(/#.*/, "", line); gsub(/[ \t\r]/, "", line) }
+     tolower(line) !~ /^torch==/' requirements.txt >"$STATE/requirements-without-torch.txt"
+
+step "installing requirements.txt (torch held at $TORCH_INSTALLED by $STATE/constraints.txt)"
+"$VPY" -m pip install -r "$STATE/requirements-without-torch.txt" -c "$STATE/constraints.txt"
+
+step "installing requirements-nodeps.txt with --no-deps"
+"$VPY" -m pip install --no-deps -r requirements-nodeps.txt
+
+step "installing qlora_nb_utils (pip install --no-deps -e .)"
+"$VPY" -m pip install --no-deps -e .
+
+step "registering the Jupyter kernel '$KERNEL_NAME' (--user)"
+"$VPY" -m ipykernel install --user --name "$KERNEL_NAME" --display-name "$KERNEL_DISPLAY"
+
+step "verifying pins, pip check, imports and kernels"
+verify
+TORCH_NOW=$("$VPY" -c 'import importlib.metadata as m; print(m.version("torch"))')
+[[ $TORCH_NOW == "$TORCH_INSTALLED" ]] || die "torch changed from $TORCH_INSTALLED to $TORCH_NOW during the install"
+printf '%s\n' "$HASH" >"$STATE/stamp"
+next_steps

