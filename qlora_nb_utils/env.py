@@ -1,0 +1,273 @@
+"""Facts about the machine a notebook runs on, checked rather than assumed.
+
+QLoRA under ``torch.compile`` fails in ways that depend on the machine more than on the code:
+bfloat16 needs an Ampere (SM80) or newer GPU, bitsandbytes may be installed but have no
+backend for the device at hand, and the versions of five libraries decide which graph breaks
+appear. A notebook that learns these facts halfway through a training run wastes the user's
+time, so this module answers them up front, with errors that say what to change.
+
+The bitsandbytes check does real work: it quantizes and dequantizes a small tensor to NF4 on
+the device and multiplies by it, because "importable" and "runs on this device" are different
+questions. The answer is cached per device type.
+"""
+
+import importlib
+import importlib.metadata
+import os
+import platform
+import re
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+DeviceLike = Union[str, torch.device, None]
+
+#: Distributions reported by :func:`versions`, in display order.
+_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "trl")
+
+#: Accepted spellings of each training dtype.
+_DTYPE_ALIASES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+_DEVICE_CHOICES = "'auto', 'cpu', 'cuda' or 'cuda:<index>'"
+
+#: bnb_status results, keyed by device type ("cpu", "cuda").
+_BNB_CACHE: Dict[str, Tuple[bool, str]] = {}
+
+
+def versions() -> Dict[str, Optional[str]]:
+    """Versions of Python and of the libraries whose behaviour the notebooks depend on.
+
+    Never raises: a missing library is reported as ``"not installed"``.
+
+    Returns:
+        A dict with keys ``python``, ``torch``, ``transformers``, ``peft``, ``bitsandbytes``,
+        ``accelerate``, ``datasets``, ``trl`` (version strings) and ``cuda`` (the CUDA version
+        torch was built with, or ``None`` for a CPU build).
+    """
+    out: Dict[str, Optional[str]] = {"python": platform.python_version()}
+    for dist in _PACKAGES:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    out["torch"] = torch.__version__
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def resolve_device(device: DeviceLike = "auto") -> torch.device:
+    """Turn a user's device choice into a concrete ``torch.device``.
+
+    Args:
+        device: ``"auto"`` or ``None`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``,
+            ``"cuda:<index>"``, or a ``torch.device`` of type cpu or cuda.
+
+    Returns:
+        The device; CUDA devices always carry an index.
+
+    Raises:
+        ValueError: for an unknown device string, or a CUDA device that this machine lacks.
+    """
+    if device is None or device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", device.strip().lower()):
+            raise ValueError(f"device must be one of {_DEVICE_CHOICES}; got {device!r}")
+        device = torch.device(device.strip().lower())
+    if not isinstance(device, torch.device) or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be one of {_DEVICE_CHOICES}; got {device!r}")
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(device)!r} was requested but torch sees no CUDA GPU "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}). "
+            "Use device='cpu', or 'auto' to pick whatever is available."
+        )
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device 'cuda:{index}' does not exist: this machine has "
+            f"{torch.cuda.device_count()} CUDA GPU(s)"
+        )
+    return torch.device("cuda", index)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _cpu_mem_gib() -> Optional[float]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_info(device: DeviceLike = "auto") -> dict:
+    """Describe a device in the terms that matter for QLoRA training.
+
+    Args:
+        device: anything :func:`resolve_device` accepts.
+
+    Returns:
+        A dict with ``type`` ("cpu"/"cuda"), ``name`` (GPU name or CPU model), ``capability``
+        (a ``(major, minor)`` tuple for CUDA, else ``None``), ``total_mem_gib`` (GPU memory, or
+        host memory for the CPU; ``None`` if unknown), ``bf16_supported`` (bool) and
+        ``sm80_plus`` (bool for CUDA, ``None`` for the CPU).
+
+    Raises:
+        ValueError: as :func:`resolve_device`.
+    """
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        return {
+            "type": "cpu",
+            "name": _cpu_name(),
+            "capability": None,
+            "total_mem_gib": _cpu_mem_gib(),
+            "bf16_supported": True,
+            "sm80_plus": None,
+        }
+    capability = tuple(torch.cuda.get_device_capability(dev))
+    props = torch.cuda.get_device_properties(dev)
+    return {
+        "type": "cuda",
+        "name": torch.cuda.get_device_name(dev),
+        "capability": capability,
+        "total_mem_gib": props.total_memory / 2**30,
+        "bf16_supported": capability >= (8, 0),
+        "sm80_plus": capability >= (8, 0),
+    }
+
+
+def _parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    valid = sorted(set(_DTYPE_ALIASES) - {"half", "float"})
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return dtype
+        raise ValueError(f"dtype must be one of {valid} (or the torch dtypes); got {dtype}")
+    if isinstance(dtype, str) and dtype.strip().lower().removeprefix("torch.") in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[dtype.strip().lower().removeprefix("torch.")]
+    raise ValueError(f"dtype must be one of {valid} (or the torch dtypes); got {dtype!r}")
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], device: DeviceLike = "auto") -> torch.dtype:
+    """Turn a dtype choice into a ``torch.dtype`` the device can train in.
+
+    Args:
+        dtype: ``"bf16"``/``"bfloat16"``, ``"fp16"``/``"float16"``, ``"fp32"``/``"float32"``,
+            or one of ``torch.bfloat16``, ``torch.float16``, ``torch.float32``.
+        device: anything :func:`resolve_device` accepts.
+
+    Returns:
+        The torch dtype.
+
+    Raises:
+        ValueError: for an unknown dtype (the message lists the valid ones), or bfloat16 on a
+            CUDA GPU older than SM80 (the message names the GPU and offers float16).
+    """
+    parsed = _parse_dtype(dtype)
+    dev = resolve_device(device)
+    if parsed is torch.bfloat16 and dev.type == "cuda":
+        capability = tuple(torch.cuda.get_device_capability(dev))
+        if capability < (8, 0):
+            name = torch.cuda.get_device_name(dev)
+            raise ValueError(
+                f"bfloat16 needs an Ampere (SM80) or newer GPU, but {name} has compute capability "
+                f"{capability[0]}.{capability[1]}. Train in float16 instead: dtype='float16' "
+                "(on the command line: --dtype float16)."
+            )
+    return parsed
+
+
+def _bnb_round_trip(dev: torch.device) -> None:
+    """Quantize, dequantize and multiply through NF4 on ``dev``; raise if anything is off."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbF
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 64, generator=gen).to(dev)
+    packed, state = bnbF.quantize_4bit(weight, quant_type="nf4", blocksize=64)
+    restored = bnbF.dequantize_4bit(packed, state)
+    if restored.shape != weight.shape or not torch.isfinite(restored).all():
+        raise RuntimeError("NF4 dequantize returned a wrong shape or non-finite values")
+    if (restored - weight).abs().max().item() > 1.0:
+        raise RuntimeError("NF4 round trip error is far larger than 4-bit rounding allows")
+    x = torch.randn(2, 64, generator=gen).to(dev)
+    out = bnb.matmul_4bit(x, packed.t(), quant_state=state)
+    if not torch.allclose(out, x @ restored.t(), atol=1e-3, rtol=1e-3):
+        raise RuntimeError("NF4 matmul disagrees with the dequantized weights")
+
+
+def bnb_status(device: DeviceLike = "auto") -> Tuple[bool, str]:
+    """Whether bitsandbytes can run NF4 on a device, and why not if it cannot.
+
+    The check imports bitsandbytes and runs a tiny quantize/dequantize/matmul round trip on the
+    device; the answer is cached per device type for the life of the process.
+
+    Args:
+        device: anything :func:`resolve_device` accepts.
+
+    Returns:
+        ``(True, "bitsandbytes <version> runs NF4 on <type>")`` or ``(False, reason)``.
+
+    Raises:
+        ValueError: as :func:`resolve_device`.
+    """
+    dev = resolve_device(device)
+    if dev.type not in _BNB_CACHE:
+        _BNB_CACHE[dev.type] = _check_bnb(dev)
+    return _BNB_CACHE[dev.type]
+
+
+def _check_bnb(dev: torch.device) -> Tuple[bool, str]:
+    try:
+        bnb = importlib.import_module("bitsandbytes")
+    except ImportError as exc:
+        return False, (
+            f"bitsandbytes is not installed ({exc}); install it with `pip install bitsandbytes` "
+            "or use quant='none'"
+        )
+    except Exception as exc:  # a broken install raises all sorts of things at import
+        return False, f"bitsandbytes is installed but failed to import: {type(exc).__name__}: {exc}"
+    version = getattr(bnb, "__version__", "?")
+    try:
+        _bnb_round_trip(dev)
+    except Exception as exc:
+        return False, (
+            f"bitsandbytes {version} is installed but cannot run NF4 on {dev.type} "
+            f"(no working backend for this device): {type(exc).__name__}: {exc}"
+        )
+    return True, f"bitsandbytes {version} runs NF4 on {dev.type}"
+
+
+def require_bnb(device: DeviceLike = "auto") -> None:
+    """Raise unless bitsandbytes can run NF4 on ``device``.
+
+    Args:
+        device: anything :func:`resolve_device` accepts.
+
+    Raises:
+        RuntimeError: with the reason from :func:`bnb_status`.
+        ValueError: as :func:`resolve_device`.
+    """
+    ok, reason = bnb_status(device)
+    if not ok:
+        raise RuntimeError(f"4-bit (NF4) loading is not possible here: {reason}")

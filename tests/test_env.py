@@ -1,0 +1,159 @@
+"""Tests for qlora_nb_utils.env: versions, device and dtype checks, the bitsandbytes probe."""
+
+import importlib.metadata
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qlora_nb_utils import env
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretend to have one CUDA GPU; returns a setter for its name and capability."""
+
+    def install(name="Tesla T4", capability=(7, 5), mem_gib=15.0):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        props = SimpleNamespace(total_memory=int(mem_gib * 2**30))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+
+    return install
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_versions_reports_every_library():
+    info = env.versions()
+    assert set(info) == {"python", "torch", "transformers", "peft", "bitsandbytes",
+                         "accelerate", "datasets", "trl", "cuda"}
+    assert info["torch"] == torch.__version__
+    assert info["python"].count(".") == 2
+    assert info["cuda"] == torch.version.cuda
+    assert all(isinstance(v, str) for k, v in info.items() if k != "cuda")
+
+
+def test_versions_never_raises_for_missing_library(monkeypatch):
+    real = importlib.metadata.version
+
+    def fake(dist):
+        if dist == "trl":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", fake)
+    assert env.versions()["trl"] == "not installed"
+
+
+def test_resolve_device_auto_and_cpu(no_gpu):
+    assert env.resolve_device("auto") == torch.device("cpu")
+    assert env.resolve_device(None) == torch.device("cpu")
+    assert env.resolve_device(" CPU ") == torch.device("cpu")
+    assert env.resolve_device(torch.device("cpu")) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("bad", ["npu", "cuda:x", "tpu", "", 3])
+def test_resolve_device_rejects_unknown(bad):
+    with pytest.raises(ValueError, match="'auto', 'cpu', 'cuda'"):
+        env.resolve_device(bad)
+
+
+def test_resolve_device_cuda_without_gpu_explains(no_gpu):
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        env.resolve_device("cuda")
+
+
+def test_resolve_device_fake_gpu_gets_an_index(fake_gpu):
+    fake_gpu()
+    assert env.resolve_device("auto") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="has 1 CUDA GPU"):
+        env.resolve_device("cuda:3")
+
+
+@pytest.mark.parametrize("spelling, expected", [
+    ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("torch.bfloat16", torch.bfloat16),
+    ("fp16", torch.float16), ("float16", torch.float16), ("FP32", torch.float32),
+    ("float32", torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+])
+def test_resolve_dtype_accepts(spelling, expected):
+    assert env.resolve_dtype(spelling, "cpu") is expected
+
+
+@pytest.mark.parametrize("bad", ["int8", "bf32", "", torch.int8, torch.float64, None])
+def test_resolve_dtype_rejects_and_lists_choices(bad):
+    with pytest.raises(ValueError) as err:
+        env.resolve_dtype(bad, "cpu")
+    assert "bfloat16" in str(err.value) and "float16" in str(err.value)
+
+
+def test_bf16_on_pre_ampere_gpu_names_gpu_and_offers_fp16(fake_gpu):
+    fake_gpu("Tesla T4", (7, 5))
+    with pytest.raises(ValueError) as err:
+        env.resolve_dtype("bf16", "cuda")
+    message = str(err.value)
+    assert "Tesla T4" in message and "7.5" in message and "--dtype float16" in message
+    assert env.resolve_dtype("float16", "cuda") is torch.float16
+
+
+def test_bf16_on_ampere_gpu_is_fine(fake_gpu):
+    fake_gpu("NVIDIA A100", (8, 0))
+    assert env.resolve_dtype("bfloat16", "cuda:0") is torch.bfloat16
+
+
+def test_device_info_fake_old_gpu(fake_gpu):
+    fake_gpu("Tesla T4", (7, 5), mem_gib=15.0)
+    info = env.device_info("cuda")
+    assert info == {"type": "cuda", "name": "Tesla T4", "capability": (7, 5),
+                    "total_mem_gib": pytest.approx(15.0), "bf16_supported": False,
+                    "sm80_plus": False}
+
+
+def test_device_info_cpu():
+    info = env.device_info("cpu")
+    assert info["type"] == "cpu" and info["capability"] is None and info["sm80_plus"] is None
+    assert info["bf16_supported"] is True
+    assert isinstance(info["name"], str) and info["name"]
+    assert info["total_mem_gib"] is None or info["total_mem_gib"] > 0
+
+
+def test_bnb_runs_nf4_on_this_cpu_and_caches(monkeypatch):
+    monkeypatch.setattr(env, "_BNB_CACHE", {})
+    ok, reason = env.bnb_status("cpu")
+    assert ok, reason
+    assert "runs NF4 on cpu" in reason
+
+    def broken(dev):
+        raise AssertionError("the cached answer should have been used")
+
+    monkeypatch.setattr(env, "_bnb_round_trip", broken)
+    assert env.bnb_status("cpu") == (ok, reason)
+    env.require_bnb("cpu")  # must not raise
+
+
+def test_bnb_not_installed_is_reported(monkeypatch):
+    monkeypatch.setattr(env, "_BNB_CACHE", {})
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes the import fail
+    ok, reason = env.bnb_status("cpu")
+    assert not ok and "not installed" in reason
+    with pytest.raises(RuntimeError, match="not installed"):
+        env.require_bnb("cpu")
+
+
+def test_bnb_without_backend_is_reported(monkeypatch):
+    monkeypatch.setattr(env, "_BNB_CACHE", {})
+
+    def no_kernel(dev):
+        raise NotImplementedError("no kernel registered for this device")
+
+    monkeypatch.setattr(env, "_bnb_round_trip", no_kernel)
+    ok, reason = env.bnb_status("cpu")
+    assert not ok
+    assert "installed but cannot run NF4 on cpu" in reason and "no kernel registered" in reason
