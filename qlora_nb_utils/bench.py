@@ -1,0 +1,240 @@
+"""Eager vs compiled, side by side in one process: the main job.
+
+A speed-up is only honest when both sides see the same things, so `run_bench` loads the
+model once, snapshots its LoRA weights, trains eagerly, restores the snapshot, and trains
+the compiled model on the very same list of batches with the same seed. Compilation is
+counted and timed by `diagnostics.CompileCounter` and reported apart from the steady state;
+step times are medians after warm-up steps. Everything lands in one JSON-ready dict with
+the device, library versions, command and date, so that a figure quoted anywhere can be
+traced to the run that produced it.
+
+Batches are padded to a fixed length by default: one shape, one compilation. Variable
+lengths and what they cost are the subject of notebook 04.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import data as qdata
+from . import diagnostics, env, models
+from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
+
+__all__ = [
+    "DEFAULTS",
+    "compare",
+    "default_dtype",
+    "make_bench_batches",
+    "run_bench",
+    "side_by_side",
+    "write_results",
+]
+
+PADDING_POLICIES = ("fixed", "multiple", "longest")
+
+
+def default_dtype(device: torch.device) -> str:
+    """bf16 on SM80+ GPUs, fp16 on older ones, fp32 on a CPU (exact parity, no slow bf16 emulation)."""
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.get_device_capability(device) >= (8, 0) else "float16"
+    return "float32"
+
+
+DEFAULTS: dict[str, Any] = {
+    "model": "smollm2-135m",
+    "quant": "nf4",
+    "steps": 30,
+    "batch_size": 4,
+    "seq_len": 128,
+    "padding": "fixed",
+    "device": "auto",
+    "dtype": "auto",
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "lr": 2e-4,
+    "warmup": 3,
+    "seed": 0,
+    "mode": None,
+    "backend": "inductor",
+    "data": None,
+    "attn_implementation": "sdpa",
+}
+
+
+def _validate(opts: dict[str, Any]) -> None:
+    unknown = set(opts) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown bench option(s) {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    if opts["padding"] not in PADDING_POLICIES:
+        raise ValueError(f"padding must be one of {PADDING_POLICIES}, got {opts['padding']!r}")
+    for key in ("steps", "batch_size", "seq_len"):
+        if int(opts[key]) < 1:
+            raise ValueError(f"{key} must be >= 1, got {opts[key]}")
+    if int(opts["warmup"]) >= int(opts["steps"]):
+        raise ValueError(f"warmup ({opts['warmup']}) must be smaller than steps ({opts['steps']})")
+
+
+def make_bench_batches(tokenizer, *, batch_size: int, seq_len: int, steps: int, padding: str = "fixed", data=None, seed: int = 0):
+    """The list of micro-batches both runs train on, built once from the shipped data.
+
+    Returns:
+        (batches, padding_stats) where batches is a list of `steps` dicts of CPU tensors.
+    """
+    examples = qdata.load_examples(data)
+    tokenized = qdata.tokenize_examples(examples, tokenizer, max_len=seq_len)
+    collator = qdata.PaddingCollator(
+        pad_token_id=tokenizer.pad_token_id, policy=padding, max_length=seq_len if padding == "fixed" else None
+    )
+    loader = qdata.make_batches(tokenized, batch_size, collator, seed=seed)
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == steps:
+            break
+    if len(batches) < steps:
+        raise ValueError(f"the data gives {len(batches)} batches of {batch_size}; fewer than steps={steps}")
+    return batches, qdata.padding_stats(batches)
+
+
+def run_bench(progress: bool = True, log=print, command: str | None = None, **options: Any) -> dict[str, Any]:
+    """Run the same QLoRA fine-tune eagerly and compiled, and compare.
+
+    Args:
+        progress: show progress bars.
+        log: where one-line status messages go (`print` by default).
+        command: the command line to record in the results (defaults to `sys.argv`).
+        **options: any of `DEFAULTS` (model, quant, steps, batch_size, seq_len, padding,
+            device, dtype, lora_r, lora_alpha, lr, warmup, seed, mode, backend, data,
+            attn_implementation).
+
+    Returns:
+        The results dict (see `write_results` for the file): device, versions, command,
+        date, model, options, per-run summaries under `eager` and `compiled`, and
+        `graph_breaks`, `break_reasons`, `fullgraph_ok`, `compilations`, `recompilations`,
+        `recompile_reasons`, `compile_s`, `speedup`, `max_abs_loss_diff`, `padding`.
+
+    Raises:
+        ValueError: for an unknown option or a bad value.
+    """
+    opts = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None or k in ("mode",)}}
+    _validate(opts)
+    device = env.resolve_device(opts["device"])
+    dtype_name = default_dtype(device) if opts["dtype"] == "auto" else opts["dtype"]
+    dtype = env.resolve_dtype(dtype_name, device)
+    log(f"==> loading {opts['model']} ({opts['quant']}, {dtype}) on {device}")
+    model, tok = models.load_model(
+        opts["model"], quant=opts["quant"], lora=True, lora_r=opts["lora_r"], lora_alpha=opts["lora_alpha"],
+        dtype=dtype, device=device, attn_implementation=opts["attn_implementation"], seed=opts["seed"],
+    )
+    batches, pad_stats = make_bench_batches(
+        tok, batch_size=opts["batch_size"], seq_len=opts["seq_len"], steps=opts["steps"],
+        padding=opts["padding"], data=opts["data"], seed=opts["seed"],
+    )
+    cfg = TrainConfig(steps=opts["steps"], lr=opts["lr"], seed=opts["seed"], progress=progress)
+    runs = side_by_side(model, batches, cfg, backend=opts["backend"], mode=opts["mode"], log=log)
+    return _assemble(opts, device, dtype, runs, pad_stats, command)
+
+
+def side_by_side(model, batches, cfg: TrainConfig, *, backend: str = "inductor", mode: str | None = None, log=print) -> dict[str, Any]:
+    """Train `model` eagerly, then compiled from the same starting weights, on the same batches.
+
+    The trainable parameters are snapshotted before the eager run and restored before the
+    compiled one, so both start from the same point; the frozen (quantized) weights are
+    shared, never copied. The compiled run goes through `diagnostics.CompileCounter`.
+
+    Args:
+        model: a causal LM (PEFT or plain) already on its device.
+        batches: the list of micro-batches both runs use.
+        cfg: the training options, shared by both runs.
+        backend: torch.compile backend.
+        mode: torch.compile mode (None for the default).
+        log: where one-line status messages go.
+
+    Returns:
+        `eager` and `compiled` history DataFrames, `breaks` (a graph-break report),
+        `fullgraph` (the fullgraph check) and `counter` (the CompileCounter).
+    """
+    device = next(model.parameters()).device
+    start = trainable_state(model)
+    log("==> eager run")
+    eager = train(model, batches, cfg, label="eager")
+
+    log("==> graph-break check (explain + fullgraph)")
+    first = {k: v.to(device) for k, v in batches[0].items()}
+    breaks = diagnostics.graph_breaks(model, **first)
+    full = diagnostics.check_fullgraph(model, **first)
+    torch.compiler.reset()
+
+    log(f"==> compiled run (backend={backend}, mode={mode or 'default'})")
+    load_trainable_state(model, start)
+    counter = diagnostics.CompileCounter(backend=backend)
+    compiled_fn = counter.compile(model, mode=mode)
+    compiled = train(model, batches, cfg, forward=compiled_fn, label="compiled")
+    return {"eager": eager, "compiled": compiled, "breaks": breaks, "fullgraph": full, "counter": counter}
+
+
+def compare(runs: dict[str, Any], warmup: int = 3) -> dict[str, Any]:
+    """The figures of a `side_by_side` result: summaries, speedup, loss parity, compile counts."""
+    e, c = summarize(runs["eager"], warmup), summarize(runs["compiled"], warmup)
+    breaks, full, counter = runs["breaks"], runs["fullgraph"], runs["counter"]
+    return {
+        "eager": e,
+        "compiled": c,
+        "graph_breaks": int(breaks.graph_break_count),
+        "break_reasons": list(breaks.break_reasons),
+        "fullgraph_ok": bool(full.ok),
+        "fullgraph_error": full.error,
+        "compilations": int(counter.compilations),
+        "recompilations": int(counter.recompilations),
+        "recompile_reasons": list(counter.recompile_reasons),
+        "compile_s": float(counter.compile_s),
+        "speedup": e["median_step_ms"] / c["median_step_ms"],
+        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(e["losses"], c["losses"])),
+    }
+
+
+def _assemble(opts, device, dtype, runs, pad_stats, command) -> dict[str, Any]:
+    if command is None:
+        command = shlex.join(sys.argv) if sys.argv and sys.argv[0] else "run_bench()"
+    return {
+        "device": env.device_info(device),
+        "versions": env.versions(),
+        "command": command,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": opts["model"],
+        "options": {**opts, "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
+        **compare(runs, int(opts["warmup"])),
+        "padding": pad_stats,
+        "history": {k: runs[k].to_dict(orient="list") for k in ("eager", "compiled")},
+    }
+
+
+def write_results(results: dict[str, Any], out_dir: str | Path, plot: bool = True) -> dict[str, Path]:
+    """Write `results.json` (and `loss_curves.png`) into `out_dir`.
+
+    Returns:
+        name -> path of each file written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json"}
+    paths["json"].write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        from . import plots
+
+        paths["loss_png"] = out / "loss_curves.png"
+        fig = plots.plot_loss_curves(results, path=paths["loss_png"])
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return paths

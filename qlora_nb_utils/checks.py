@@ -1,0 +1,130 @@
+"""Diagnose one named configuration, and judge the report against the project's targets.
+
+`diagnostics` knows how to count breaks and compilations for any model and batch; this
+module knows *which* model and batches a user means when they say "QLoRA on tiny with
+gradient checkpointing over lengths 64, 80, 96", builds them from the shipped data exactly
+as a training run would, and turns the report into a list of problems. The CLI's
+`diagnose --strict` and the tests use the same `problems()` so that "clean" means one thing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any, Sequence
+
+import torch
+
+from . import data as qdata
+from . import diagnostics, env, models
+
+__all__ = ["diagnose", "problems", "make_length_batcher"]
+
+
+def make_length_batcher(tokenizer, batch_size: int, *, data=None, seed: int = 0):
+    """A `make_batch(seq_len)` that cuts real examples from the shipped data to `seq_len`.
+
+    Each call returns `batch_size` examples tokenized without truncation, then truncated
+    or right-padded to exactly `seq_len` tokens, so a run over many lengths sees real text
+    at every length.
+
+    Args:
+        tokenizer: the model's tokenizer (with a pad token).
+        batch_size: examples per batch.
+        data: a JSONL path; defaults to the shipped training set.
+        seed: which examples are drawn.
+
+    Returns:
+        A function `seq_len -> batch dict` (CPU tensors).
+    """
+    examples = qdata.load_examples(data, limit=max(64, 4 * batch_size))
+    tokenized = qdata.tokenize_examples(examples, tokenizer, max_len=4096)
+    collator = qdata.PaddingCollator(pad_token_id=tokenizer.pad_token_id, policy="longest")
+    gen = torch.Generator().manual_seed(seed)
+
+    def make_batch(seq_len: int) -> dict[str, torch.Tensor]:
+        idx = torch.randperm(len(tokenized), generator=gen)[:batch_size].tolist()
+        batch = collator([tokenized[i] for i in idx])
+        width = batch["input_ids"].shape[1]
+        if width >= seq_len:
+            return {k: v[:, :seq_len].contiguous() for k, v in batch.items()}
+        pad = seq_len - width
+        fill = {"input_ids": tokenizer.pad_token_id, "attention_mask": 0, "labels": -100}
+        return {k: torch.nn.functional.pad(v, (0, pad), value=fill[k]) for k, v in batch.items()}
+
+    return make_batch
+
+
+def diagnose(
+    model: str = "tiny",
+    *,
+    quant: str = "nf4",
+    lora: bool = True,
+    grad_ckpt: bool = False,
+    seq_lens: Sequence[int] = (64,),
+    batch_size: int = 2,
+    device: str = "auto",
+    dtype: str = "auto",
+    seed: int = 0,
+    compile_kwargs: dict | None = None,
+) -> dict[str, Any]:
+    """Load a configuration and report its graph breaks and compilations.
+
+    Args:
+        model: a model name (see `models.MODEL_NAMES`), an HF id or a path.
+        quant: "nf4" or "none".
+        lora: add LoRA adapters (all linear layers).
+        grad_ckpt: enable gradient checkpointing the way users do
+            (`prepare_model_for_kbit_training(..., use_gradient_checkpointing=True)` for nf4,
+            `gradient_checkpointing_enable()` otherwise).
+        seq_lens: lengths the compiled model is run on, in order; compilations are counted.
+        batch_size: examples per batch.
+        device: "auto", "cpu" or "cuda".
+        dtype: "auto" (bf16 on SM80+, fp16 on older GPUs, fp32 on a CPU) or a dtype name.
+        seed: seeds LoRA init and the examples drawn.
+        compile_kwargs: `backend`, `mode`, `dynamic`, `fullgraph`, `options` for the run.
+
+    Returns:
+        The `diagnostics.diagnose_model` dict plus the configuration, device, versions, date.
+    """
+    from .bench import default_dtype
+
+    dev = env.resolve_device(device)
+    torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
+    net, tok = models.load_model(
+        model, quant=quant, lora=lora, dtype=torch_dtype, device=dev, seed=seed,
+        gradient_checkpointing=grad_ckpt, prepare_kbit=grad_ckpt and quant == "nf4",
+    )
+    make_batch = make_length_batcher(tok, batch_size, seed=seed)
+    to_dev = lambda b: {k: v.to(dev) for k, v in b.items()}  # noqa: E731
+    report = diagnostics.diagnose_model(
+        net, to_dev(make_batch(seq_lens[0])), compile_kwargs=compile_kwargs,
+        seq_lens=list(seq_lens), make_batch=lambda n: to_dev(make_batch(n)),
+    )
+    report.update(
+        model=model, quant=quant, lora=lora, grad_ckpt=grad_ckpt, batch_size=batch_size,
+        dtype=str(torch_dtype).replace("torch.", ""), device=env.device_info(dev),
+        versions=env.versions(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+    return report
+
+
+def problems(report: dict[str, Any], max_compilations: int = 2) -> list[str]:
+    """What in a diagnose report misses the targets (empty list: clean).
+
+    Args:
+        report: a `diagnose` / `diagnostics.diagnose_model` dict.
+        max_compilations: the most compilations a run over the lengths may take.
+
+    Returns:
+        One sentence per problem.
+    """
+    found = []
+    if report.get("graph_breaks"):
+        found.append(f"{report['graph_breaks']} graph break(s)")
+    if not report.get("fullgraph_ok"):
+        first = (report.get("fullgraph_error") or "unknown error").splitlines()[0]
+        found.append(f"fullgraph=True compile failed: {first}")
+    compilations = report.get("compilations")
+    if compilations is not None and compilations > max_compilations:
+        found.append(f"{compilations} compilations over {len(report.get('seq_lens') or [])} lengths (max {max_compilations})")
+    return found

@@ -1,0 +1,152 @@
+"""`qlora-nb`: the command line for what the notebooks do, for scripts and CI.
+
+`qlora-nb bench` is the main job: the same QLoRA fine-tune eager and compiled, side by
+side, a table on the terminal and `results.json` + a loss-curve PNG in `--out`.
+`qlora-nb diagnose` reports graph breaks, the `fullgraph=True` verdict and compilations over
+a list of sequence lengths; with `--strict` it fails (exit 1) on any break, a failed
+fullgraph compile, or more compilations than `--max-compilations`, so CI can guard it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seq_lens(text: str) -> list[int]:
+    try:
+        lens = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not lens or min(lens) < 2:
+        raise argparse.ArgumentTypeError(f"sequence lengths must be integers >= 2, got {text!r}")
+    return lens
+
+
+def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:
+    p.add_argument("--model", default=default_model, help="tiny, smollm2-135m, llama-3.2-1b-shape, llama-3.1-8b-shape, an HF id or a path")
+    p.add_argument("--quant", choices=("nf4", "none"), default="nf4")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    p.add_argument("--batch-size", type=_positive_int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(prog="qlora-nb", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="eager vs compiled QLoRA fine-tune, side by side")
+    _add_model_args(b, "smollm2-135m")
+    b.add_argument("--steps", type=_positive_int, default=30)
+    b.add_argument("--seq-len", type=_positive_int, default=128)
+    b.add_argument("--padding", choices=("fixed", "multiple", "longest"), default="fixed")
+    b.add_argument("--lr", type=float, default=2e-4)
+    b.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    b.add_argument("--mode", default=None, help="torch.compile mode (default, reduce-overhead, max-autotune, ...)")
+    b.add_argument("--backend", default="inductor")
+    b.add_argument("--data", default=None, help="a JSONL file with prompt/response (default: the shipped KJV set)")
+    b.add_argument("--out", default="out", help="folder for results.json and loss_curves.png")
+    b.add_argument("--no-progress", action="store_true")
+
+    d = sub.add_parser("diagnose", help="graph breaks, fullgraph check, compilations over sequence lengths")
+    _add_model_args(d, "tiny")
+    d.add_argument("--no-lora", action="store_true", help="the base model without adapters")
+    d.add_argument("--grad-ckpt", action="store_true", help="enable gradient checkpointing the way users do")
+    d.add_argument("--seq-lens", type=_seq_lens, default=[64], help="comma-separated, e.g. 64,80,96")
+    d.add_argument("--max-compilations", type=_positive_int, default=2)
+    d.add_argument("--json", dest="json_path", default=None, help="also write the report here")
+    d.add_argument("--strict", action="store_true", help="exit 1 on any break, fullgraph failure or too many compilations")
+    return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    results = bench.run_bench(
+        progress=not args.no_progress, command=args.command_line,
+        model=args.model, quant=args.quant, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        padding=args.padding, device=args.device, dtype=args.dtype, lr=args.lr, warmup=args.warmup,
+        seed=args.seed, mode=args.mode, backend=args.backend, data=args.data,
+    )
+    paths = bench.write_results(results, args.out)
+    print_bench_table(results)
+    for name, path in paths.items():
+        print(f"wrote {path}")
+    return 0
+
+
+def print_bench_table(results: dict) -> None:
+    """Print the bench results as a table (rich when available)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    e, c = results["eager"], results["compiled"]
+    table = Table(title=f"{results['model']} on {results['device'].get('name', '?')}: eager vs compiled")
+    for col in ("", "eager", "compiled"):
+        table.add_column(col, justify="right" if col else "left")
+    table.add_row("median step (ms)", f"{e['median_step_ms']:.1f}", f"{c['median_step_ms']:.1f}")
+    table.add_row("tokens/s", f"{e['tokens_per_s']:.0f}", f"{c['tokens_per_s']:.0f}")
+    table.add_row("peak memory (GiB)", f"{e['peak_mem_gib']:.2f}", f"{c['peak_mem_gib']:.2f}")
+    table.add_row("first step (s)", f"{e['first_step_s']:.1f}", f"{c['first_step_s']:.1f}")
+    table.add_row("final loss", f"{e['losses'][-1]:.4f}", f"{c['losses'][-1]:.4f}")
+    console = Console()
+    console.print(table)
+    console.print(
+        f"speedup {results['speedup']:.2f}x | graph breaks {results['graph_breaks']} | "
+        f"fullgraph {'ok' if results['fullgraph_ok'] else 'FAILED'} | compilations {results['compilations']} "
+        f"(recompilations {results['recompilations']}) | compile {results['compile_s']:.1f} s | "
+        f"max |loss diff| {results['max_abs_loss_diff']:.2e}"
+    )
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from . import checks, diagnostics
+
+    report = checks.diagnose(
+        model=args.model, quant=args.quant, lora=not args.no_lora, grad_ckpt=args.grad_ckpt,
+        seq_lens=args.seq_lens, batch_size=args.batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
+    )
+    print(diagnostics.format_report(report))
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {args.json_path}")
+    problems = checks.problems(report, max_compilations=args.max_compilations)
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    return 1 if (args.strict and problems) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `qlora-nb`.
+
+    Returns:
+        The exit code (0 ok, 1 a `--strict` check failed, 2 bad arguments or input).
+    """
+    args = build_parser().parse_args(argv)
+    args.command_line = "qlora-nb " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    handler = {"bench": _bench, "diagnose": _diagnose}[args.command]
+    try:
+        return handler(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"qlora-nb {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
