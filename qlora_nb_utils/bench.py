@@ -30,6 +30,7 @@ from .train import TrainConfig, load_trainable_state, summarize, train, trainabl
 __all__ = [
     "DEFAULTS",
     "compare",
+    "compiled_run",
     "default_dtype",
     "make_bench_batches",
     "run_bench",
@@ -178,6 +179,46 @@ def side_by_side(model, batches, cfg: TrainConfig, *, backend: str = "inductor",
     compiled_fn = counter.compile(model, mode=mode)
     compiled = train(model, batches, cfg, forward=compiled_fn, label="compiled")
     return {"eager": eager, "compiled": compiled, "breaks": breaks, "fullgraph": full, "counter": counter}
+
+
+def compiled_run(
+    model,
+    batches,
+    cfg: TrainConfig,
+    *,
+    start: dict | None = None,
+    dynamic_dims: dict[str, int] | None = None,
+    label: str = "compiled",
+    **compile_kwargs: Any,
+):
+    """One compiled training run, counted: the building block of the recompilation studies.
+
+    Args:
+        model: the model (its trainable weights are reset to `start` first, when given).
+        batches: the micro-batches to train on.
+        cfg: training options.
+        start: a `trainable_state` snapshot to restore before the run.
+        dynamic_dims: batch key -> dimension to `torch._dynamo.mark_dynamic` on every batch
+            (e.g. `{"input_ids": 1, "attention_mask": 1, "labels": 1}` for the sequence).
+        label: the history's `run` name.
+        **compile_kwargs: `backend`, `mode`, `dynamic`, `fullgraph`, `options`.
+
+    Returns:
+        (history DataFrame, CompileCounter).
+    """
+    torch.compiler.reset()
+    if start is not None:
+        load_trainable_state(model, start)
+    counter = diagnostics.CompileCounter(backend=compile_kwargs.pop("backend", "inductor"))
+    compiled = counter.compile(model, **compile_kwargs)
+    forward = compiled
+    if dynamic_dims:
+        def forward(**batch):
+            for key, dim in dynamic_dims.items():
+                torch._dynamo.mark_dynamic(batch[key], dim)
+            return compiled(**batch)
+
+    return train(model, batches, cfg, forward=forward, label=label), counter
 
 
 def compare(runs: dict[str, Any], warmup: int = 3) -> dict[str, Any]:

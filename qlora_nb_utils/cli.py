@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--grad-ckpt", action="store_true", help="enable gradient checkpointing the way users do")
     d.add_argument("--seq-lens", type=_seq_lens, default=[64], help="comma-separated, e.g. 64,80,96")
     d.add_argument("--max-compilations", type=_positive_int, default=2)
+    d.add_argument("--backend", default="inductor", help="backend of the run over --seq-lens (breaks are backend-independent)")
     d.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     d.add_argument("--strict", action="store_true", help="exit 1 on any break, fullgraph failure or too many compilations")
     return parser
@@ -120,6 +121,7 @@ def _diagnose(args: argparse.Namespace) -> int:
     report = checks.diagnose(
         model=args.model, quant=args.quant, lora=not args.no_lora, grad_ckpt=args.grad_ckpt,
         seq_lens=args.seq_lens, batch_size=args.batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
+        compile_kwargs={"backend": args.backend},
     )
     print(diagnostics.format_report(report))
     if args.json_path:

@@ -95,3 +95,30 @@ def test_loss_falls_on_shipped_data_with_smollm2():
     # steps 0, 2, 4 see batch 0; steps 1, 3, 5 see batch 1: each batch's loss must fall
     assert hist["loss"][4] < hist["loss"][0] - 0.1 and hist["loss"][5] < hist["loss"][1] - 0.1
     assert torch.isfinite(torch.tensor(hist["loss"].values)).all()
+
+
+def test_diagnose_counts_and_strict_exit_codes(tmp_path, capsys):
+    report_path = tmp_path / "diag.json"
+    base = ["diagnose", "--model", "tiny", "--quant", "none", "--device", "cpu", "--backend", "eager", "--batch-size", "2"]
+    assert cli.main(base + ["--seq-lens", "16,24,32", "--json", str(report_path), "--strict"]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["graph_breaks"] == 0 and report["fullgraph_ok"]
+    # default torch.compile over three lengths: a static graph, then one dynamic graph
+    assert report["compilations"] == 2 and report["recompilations"] == 1
+    assert "size mismatch" in report["recompile_reasons"][0]
+    assert report["model"] == "tiny" and "torch" in report["versions"]
+    # the same run judged against a budget of one compilation fails under --strict only
+    assert cli.main(base + ["--seq-lens", "16,24,32", "--max-compilations", "1"]) == 0
+    assert cli.main(base + ["--seq-lens", "16,24,32", "--max-compilations", "1", "--strict"]) == 1
+    assert "compilations" in capsys.readouterr().err
+
+
+def test_problems_lists_each_failure():
+    from qlora_nb_utils import checks
+
+    clean = {"graph_breaks": 0, "fullgraph_ok": True, "compilations": 1, "seq_lens": [16]}
+    assert checks.problems(clean) == []
+    bad = {"graph_breaks": 2, "fullgraph_ok": False, "fullgraph_error": "Unsupported: x\nmore", "compilations": 5,
+           "seq_lens": [1, 2, 3]}
+    found = checks.problems(bad, max_compilations=2)
+    assert len(found) == 3 and "Unsupported: x" in found[1] and "5 compilations" in found[2]

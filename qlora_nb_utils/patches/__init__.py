@@ -1,0 +1,23 @@
+"""Reversible workarounds for upstream code that ``torch.compile`` cannot trace.
+
+One module per upstream target; each exposes ``VERIFIED_ON``, ``SUPPORTED``,
+``apply(model=None) -> PatchHandle`` (whose ``undo()`` restores exactly, and is safe twice)
+and a ``patched(...)`` context manager. Importing this package patches nothing.
+
+* :mod:`.input_require_grads`: transformers' ``enable_input_require_grads`` forward hook
+  (``output.requires_grad_(True)``), which breaks the graph whenever gradient checkpointing
+  is on.
+* :mod:`.use_cache_warning`: the ``logger.warning_once`` that transformers emits when a
+  checkpointing model is called with ``config.use_cache=True``.
+"""
+
+from . import input_require_grads, use_cache_warning
+from ._base import PatchHandle
+
+#: Every patch, by name (the names ``compile.prepare_for_compile(patches=...)`` accepts).
+PATCHES = {
+    "input_require_grads": input_require_grads,
+    "use_cache_warning": use_cache_warning,
+}
+
+__all__ = ["PATCHES", "PatchHandle", "input_require_grads", "use_cache_warning"]
