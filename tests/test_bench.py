@@ -20,7 +20,7 @@ def cli_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     code = cli.main([
         "bench", "--model", "tiny", "--device", "cpu", "--steps", "5", "--warmup", "1", "--batch-size", "2",
-        "--seq-len", "48", "--backend", "eager", "--out", str(out), "--no-progress",
+        "--seq-len", "160", "--backend", "eager", "--out", str(out), "--no-progress",
     ])
     assert code == 0
     return out
@@ -36,7 +36,7 @@ def test_cli_writes_json_with_every_field(cli_results):
     assert res["graph_breaks"] == 0 and res["fullgraph_ok"]
     assert res["compilations"] == 1 and res["recompilations"] == 0  # fixed-length padding: one shape
     assert res["max_abs_loss_diff"] <= 1e-5  # the eager backend runs the same kernels
-    assert res["padding"]["shapes"] == [[2, 48]]
+    assert res["padding"]["shapes"] == [[2, 160]]
 
 
 def test_cli_writes_loss_plot(cli_results):
@@ -79,7 +79,7 @@ def test_cli_rejects_bad_argument_values(capsys):
 def test_qlora_eager_and_inductor_losses_agree_fp32_tiny():
     """The tolerance the README states for tiny in fp32: 1e-4 over the run."""
     model, tok = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
-    batches, _ = bench.make_bench_batches(tok, batch_size=2, seq_len=32, steps=4)
+    batches, _ = bench.make_bench_batches(tok, batch_size=2, seq_len=160, steps=4)
     runs = bench.side_by_side(model, batches, TrainConfig(steps=4, lr=1e-3, progress=False), log=lambda *_: None)
     res = bench.compare(runs, warmup=1)
     assert res["graph_breaks"] == 0 and res["fullgraph_ok"]

