@@ -279,3 +279,27 @@ def write_results(results: dict[str, Any], out_dir: str | Path, plot: bool = Tru
 
         plt.close(fig)
     return paths
+
+
+def markdown_table(paths: list[str | Path]) -> str:
+    """A Markdown table of bench results files, one row each (what the README shows).
+
+    Args:
+        paths: `results.json` files written by `qlora-nb bench`.
+
+    Returns:
+        The table, ending with a newline.
+    """
+    head = ("| file | device | model | batch x len | eager ms/step | compiled ms/step | speedup "
+            "| peak GiB eager / compiled | breaks | compilations | compile s | max loss diff |")
+    rows = [head, "|" + "---|" * 12]
+    for path in paths:
+        r = json.loads(Path(path).read_text())
+        o, e, c = r["options"], r["eager"], r["compiled"]
+        rows.append(
+            f"| `{Path(path).name}` | {r['device']['name']} | {r['model']} ({o['quant']}, {o['dtype']}) "
+            f"| {o['batch_size']} x {o['seq_len']} | {e['median_step_ms']:.1f} | {c['median_step_ms']:.1f} "
+            f"| {r['speedup']:.2f}x | {e['peak_mem_gib']:.2f} / {c['peak_mem_gib']:.2f} | {r['graph_breaks']} "
+            f"| {r['compilations']} | {r['compile_s']:.1f} | {r['max_abs_loss_diff']:.1e} |"
+        )
+    return "\n".join(rows) + "\n"

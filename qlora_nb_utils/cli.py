@@ -72,7 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", default="inductor", help="backend of the run over --seq-lens (breaks are backend-independent)")
     d.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     d.add_argument("--strict", action="store_true", help="exit 1 on any break, fullgraph failure or too many compilations")
+    r = sub.add_parser("report", help="a Markdown table of bench results files")
+    r.add_argument("files", nargs="+", help="results.json files written by qlora-nb bench")
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    from . import bench
+
+    missing = [f for f in args.files if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"results file(s) not found: {', '.join(missing)}")
+    print(bench.markdown_table(args.files), end="")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -142,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     args.command_line = "qlora-nb " + shlex.join(sys.argv[1:] if argv is None else list(argv))
-    handler = {"bench": _bench, "diagnose": _diagnose}[args.command]
+    handler = {"bench": _bench, "diagnose": _diagnose, "report": _report}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as err:

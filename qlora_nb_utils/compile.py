@@ -1,0 +1,416 @@
+"""Prepare a (Q)LoRA model for ``torch.compile``: patches, checkpointing, scope, optimizer.
+
+Why this module exists: "call ``torch.compile(model)``" is one line, but a QLoRA training
+step only compiles into few graphs with zero breaks when four decisions are made together,
+and each of them is easy to get subtly wrong on its own:
+
+* **Patches.** With gradient checkpointing on, transformers' require-grad hook and its
+  ``use_cache`` warning break the graph (see :mod:`qlora_nb_utils.patches`). ``patches="auto"``
+  applies the ones whose targets the model actually has, reversibly.
+* **Gradient checkpointing.** Inside a region Dynamo traces, ``torch.utils.checkpoint`` is
+  captured as the ``tag_activation_checkpoint`` higher-order op (reentrant or not) and
+  AOTAutograd recomputes the tagged ops in the compiled backward. Where checkpointing runs
+  eagerly around compiled code (regional scope), the variant matters: *reentrant* runs the
+  forward under ``no_grad`` and the recompute under grad, so every layer graph compiles twice
+  (a ``grad_mode`` guard) and it needs an input that requires grad; *non-reentrant* compiles
+  once and needs nothing. ``grad_ckpt`` sets the variant reversibly, or leaves it alone.
+* **Scope.** ``"whole"`` compiles the model's forward as one graph (the loss included).
+  ``"regional"`` compiles each decoder layer with ``Module.compile`` instead: the layers share
+  one code object, so one layer's compile serves them all (compile time ~ one layer instead
+  of the whole stack), and the checkpointing around each layer stays eager, so the backward
+  recomputes exactly one layer at a time as in eager. That is the mechanism that keeps peak
+  memory with checkpointing at eager's level; whole-graph compilation leaves the order of the
+  recomputation to the compiler, which can hold several layers' recomputed activations at
+  once (pytorch/pytorch#120381, #193193).
+* **Optimizer.** PyTorch's compiled-optimizer recipe: the learning rate must be a tensor
+  (else every scheduler change recompiles), and the compiled function must call the
+  optimizer's own ``step``, because an LR scheduler wraps ``opt.step`` in a function Dynamo
+  skips. :class:`CompiledOptimizer` does both and still works with any ``LRScheduler`` and
+  with :func:`qlora_nb_utils.train.train` (``optimizer=``).
+
+Every compile goes through a :class:`~qlora_nb_utils.diagnostics.CompileCounter`, so the
+number of compilations is a fact on the returned :class:`Prepared` rather than a guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from . import patches as _patches
+from .diagnostics import CompileCounter
+from .patches import input_require_grads
+from .patches._base import PatchHandle, set_attribute
+
+__all__ = [
+    "SCOPES",
+    "GRAD_CKPT_CHOICES",
+    "Prepared",
+    "CompiledOptimizer",
+    "prepare_for_compile",
+    "compiled_optimizer",
+    "valid_modes",
+    "valid_backends",
+    "decoder_layers",
+]
+
+SCOPES = ("whole", "regional")
+#: None keeps the model's setting; True means "non_reentrant".
+GRAD_CKPT_CHOICES = (None, False, True, "non_reentrant", "reentrant")
+_FALLBACK_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+
+
+# ----------------------------------------------------------------------------- validation
+def valid_modes() -> list[str]:
+    """Inductor modes this torch accepts: ``"default"`` plus ``torch._inductor.list_mode_options()``."""
+    try:
+        from torch._inductor import list_mode_options
+
+        modes = list(list_mode_options())
+    except Exception:  # private helper moved: the modes every torch >= 2.2 has
+        modes = list(_FALLBACK_MODES)
+    return ["default"] + [m for m in modes if m != "default"]
+
+
+def valid_backends() -> list[str]:
+    """Every registered Dynamo backend name, debug ones (``eager``, ``aot_eager``) included."""
+    try:
+        return sorted(torch._dynamo.list_backends(exclude_tags=()))
+    except TypeError:  # older signature without exclude_tags
+        return sorted(set(torch._dynamo.list_backends()) | {"eager", "aot_eager", "inductor"})
+
+
+def _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compile_optimizer, patches):
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not any(grad_ckpt is c for c in GRAD_CKPT_CHOICES) and grad_ckpt not in ("non_reentrant", "reentrant"):
+        raise ValueError(f"grad_ckpt must be one of {list(GRAD_CKPT_CHOICES)}, got {grad_ckpt!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {list(SCOPES)}, got {scope!r}")
+    if isinstance(backend, str):
+        if backend not in valid_backends():
+            raise ValueError(f"backend must be a callable or one of {valid_backends()}, got {backend!r}")
+    elif not callable(backend):
+        raise ValueError(f"backend must be a name or a callable, got {type(backend).__name__}")
+    if mode is not None:
+        if backend != "inductor":
+            raise ValueError(f"mode is an inductor option; with backend={backend!r} pass mode=None")
+        if mode not in valid_modes():
+            raise ValueError(f"mode must be None or one of {valid_modes()}, got {mode!r}")
+    if not isinstance(fullgraph, bool):
+        raise ValueError(f"fullgraph must be True or False, got {fullgraph!r}")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise ValueError(f"dynamic must be None, True or False, got {dynamic!r}")
+    if not isinstance(compile_optimizer, (bool, dict)):
+        raise ValueError("compile_optimizer must be True, False or a dict of AdamW options "
+                         f"(e.g. {{'lr': 2e-4}}), got {compile_optimizer!r}")
+    return _patch_names(patches)
+
+
+def _patch_names(patches) -> Sequence[str] | str:
+    if patches == "auto":
+        return "auto"
+    if patches is None:
+        return ()
+    if isinstance(patches, str) or not isinstance(patches, Iterable):
+        raise ValueError(f"patches must be 'auto', None or a list of names from {list(_patches.PATCHES)}, "
+                         f"got {patches!r}")
+    names = list(patches)
+    unknown = [n for n in names if n not in _patches.PATCHES]
+    if unknown:
+        raise ValueError(f"unknown patches {unknown}; valid: {list(_patches.PATCHES)}")
+    return names
+
+
+# ----------------------------------------------------------------------------- model surgery
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated decoder blocks of a transformers model (PEFT-wrapped or not).
+
+    Returns:
+        Every ``transformers.modeling_layers.GradientCheckpointingLayer`` in ``model``
+        (``LlamaDecoderLayer`` and its kin), in order.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _configure_checkpointing(model: torch.nn.Module, grad_ckpt) -> PatchHandle:
+    """Set gradient checkpointing reversibly, the way ``gradient_checkpointing_enable`` does."""
+    handle = PatchHandle("gradient_checkpointing", {"grad_ckpt": grad_ckpt})
+    if grad_ckpt is None:
+        return handle
+    owners = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+    if grad_ckpt is False:
+        for m in owners:
+            if m.gradient_checkpointing:
+                set_attribute(handle, m, "gradient_checkpointing", False)
+        return handle
+    if not owners:
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing "
+                         "(no module has a 'gradient_checkpointing' attribute)")
+    reentrant = grad_ckpt == "reentrant"
+    func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=reentrant)
+    for m in owners:
+        set_attribute(handle, m, "_gradient_checkpointing_func", func)
+        set_attribute(handle, m, "gradient_checkpointing", True)
+    if reentrant and not input_require_grads.find_hooks(model) and not _has_traceable_hook(model):
+        # Eager reentrant checkpointing needs an input that requires grad (see the patch).
+        hook = model.get_input_embeddings().register_forward_hook(
+            input_require_grads.requires_grad_unless_compiling)
+        handle.add_undo(hook.remove)
+    return handle
+
+
+def _has_traceable_hook(model: torch.nn.Module) -> bool:
+    target = input_require_grads.requires_grad_unless_compiling
+    return any(h is target for m in model.modules() for h in m._forward_hooks.values())
+
+
+def _apply_patches(model: torch.nn.Module, names) -> list[PatchHandle]:
+    if names == "auto":
+        names = []
+        if input_require_grads.find_hooks(model):
+            names.append("input_require_grads")
+        if _patches.use_cache_warning.find_configs(model):
+            names.append("use_cache_warning")
+    handles = []
+    try:
+        for name in names:
+            handles.append(_patches.PATCHES[name].apply(model))
+    except BaseException:
+        for h in reversed(handles):
+            h.undo()
+        raise
+    return handles
+
+
+def _compile_regional(model, backend_fn, fullgraph, dynamic) -> PatchHandle:
+    if "_compiled_call_impl" not in vars(torch.nn.Module):
+        raise RuntimeError(f"regional compilation needs Module._compiled_call_impl (torch >= 2.2); "
+                           f"torch {torch.__version__} lacks it")
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"scope='regional' found no decoder layer in {type(model).__name__}; "
+                         "use scope='whole'")
+    handle = PatchHandle("regional_compile", {"layers": len(layers)})
+    for layer in layers:  # what Module.compile() does, recorded for undo
+        compiled = torch.compile(layer._call_impl, backend=backend_fn, fullgraph=fullgraph, dynamic=dynamic)
+        set_attribute(handle, layer, "_compiled_call_impl", compiled)
+    return handle
+
+
+# ----------------------------------------------------------------------------- optimizer
+class CompiledOptimizer(torch.optim.Optimizer):
+    """Wrap an optimizer so that ``step()`` runs a ``torch.compile``'d step.
+
+    It shares the wrapped optimizer's ``param_groups`` and ``state`` (same objects), so an
+    ``LRScheduler`` built on it drives the wrapped optimizer, and ``train(optimizer=...)``
+    uses it like any optimizer. Float learning rates are turned into 0-d tensors once, so the
+    scheduler's changes are ``fill_`` into the tensor rather than new constants Dynamo would
+    recompile for. The step is compiled with ``fullgraph=False`` on purpose: ``Optimizer.step``
+    graph-breaks around its body by design (torch/optim/optimizer.py, ``_use_grad``).
+
+    Attributes:
+        optimizer: The wrapped optimizer.
+        counter: The :class:`CompileCounter` that counts the step's compilations.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, backend: Any = "inductor",
+                 mode: str | None = None, counter: CompileCounter | None = None) -> None:
+        # Deliberately no super().__init__(): the state lives in the wrapped optimizer.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, CompiledOptimizer):
+            raise ValueError("optimizer is already a CompiledOptimizer")
+        self.optimizer = optimizer
+        self.counter = counter or CompileCounter(backend=backend)
+        for group in optimizer.param_groups:
+            if not torch.is_tensor(group["lr"]):
+                group["lr"] = torch.tensor(float(group["lr"]))
+        inner_step = type(optimizer).step  # not opt.step: a scheduler may have wrapped that
+
+        def step() -> None:
+            inner_step(optimizer)
+
+        self._compiled_step = torch.compile(step, backend=self.counter.as_backend(mode=mode), fullgraph=False)
+
+    param_groups = property(lambda self: self.optimizer.param_groups)
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+        """One compiled optimizer step (closures are not supported)."""
+        if closure is not None:
+            raise ValueError("CompiledOptimizer.step does not take a closure")
+        self._compiled_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) the gradients, eagerly."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped optimizer (learning rates stay tensors)."""
+        self.optimizer.load_state_dict(state_dict)
+        for group in self.optimizer.param_groups:
+            if not torch.is_tensor(group["lr"]):
+                group["lr"] = torch.tensor(float(group["lr"]))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group to the wrapped optimizer."""
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"CompiledOptimizer({self.optimizer!r})"
+
+
+def compiled_optimizer(params_or_optimizer: Any, *, backend: Any = "inductor", mode: str | None = None,
+                       **adamw_kwargs: Any) -> CompiledOptimizer:
+    """An optimizer whose step is compiled, ready for ``train(..., optimizer=...)``.
+
+    Args:
+        params_or_optimizer: An optimizer to wrap, or the parameters for a new ``AdamW``
+            (a module's trainable parameters are taken when given a module).
+        backend: The compile backend (name or callable).
+        mode: An inductor mode, or None.
+        **adamw_kwargs: ``AdamW`` options when building one (``lr`` defaults to 2e-4, as in
+            :class:`~qlora_nb_utils.train.TrainConfig`).
+
+    Returns:
+        A :class:`CompiledOptimizer`; its ``counter`` counts the step's compilations.
+    """
+    if isinstance(params_or_optimizer, torch.optim.Optimizer):
+        if adamw_kwargs:
+            raise ValueError("AdamW options only apply when building a new optimizer")
+        return CompiledOptimizer(params_or_optimizer, backend=backend, mode=mode)
+    params = params_or_optimizer
+    if isinstance(params, torch.nn.Module):
+        params = [p for p in params.parameters() if p.requires_grad]
+    kwargs = {"lr": 2e-4, **adamw_kwargs}
+    kwargs["lr"] = torch.tensor(float(kwargs["lr"]))
+    return CompiledOptimizer(torch.optim.AdamW(params, **kwargs), backend=backend, mode=mode)
+
+
+# ----------------------------------------------------------------------------- the entry point
+@dataclasses.dataclass
+class Prepared:
+    """A model made ready for compiled training.
+
+    Attributes:
+        model: The model, patched in place (its layers compiled in place for ``"regional"``).
+        forward: What to call instead of ``model``: ``forward(**batch)`` (the compiled module
+            for ``"whole"``, the model itself for ``"regional"``).
+        scope: ``"whole"`` or ``"regional"``.
+        handles: Every reversible change, in the order made.
+        counter: Counts the model's compilations (forward graphs, backward graphs, time).
+        optimizer: A :class:`CompiledOptimizer` when ``compile_optimizer`` was asked for.
+        options: The options it was prepared with.
+    """
+
+    model: torch.nn.Module
+    forward: Callable[..., Any]
+    scope: str
+    handles: list[PatchHandle]
+    counter: CompileCounter
+    optimizer: CompiledOptimizer | None = None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    @property
+    def patches(self) -> list[str]:
+        """Names of the upstream patches applied."""
+        return [h.name for h in self.handles if h.name in _patches.PATCHES]
+
+    def compile_stats(self) -> dict[str, Any]:
+        """The counter's numbers (model, and optimizer step when compiled)."""
+        stats = {"model": self.counter.to_dict()}
+        if self.optimizer is not None:
+            stats["optimizer"] = self.optimizer.counter.to_dict()
+        return stats
+
+    def undo(self) -> None:
+        """Revert every change (newest first): the model is as it was. Safe to call twice."""
+        first_error: BaseException | None = None
+        for handle in reversed(self.handles):
+            try:
+                handle.undo()
+            except BaseException as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+
+def prepare_for_compile(
+    model: torch.nn.Module,
+    *,
+    grad_ckpt: bool | str | None = None,
+    scope: str = "whole",
+    mode: str | None = None,
+    backend: Any = "inductor",
+    fullgraph: bool = True,
+    dynamic: bool | None = None,
+    compile_optimizer: bool | dict = False,
+    patches: str | Sequence[str] | None = "auto",
+) -> Prepared:
+    """Patch, configure and compile ``model`` for training; everything is reversible.
+
+    Args:
+        model: A transformers causal LM, PEFT-wrapped or not (QLoRA included).
+        grad_ckpt: ``None`` keeps the model's checkpointing as it is; ``False`` turns it off;
+            ``True``/``"non_reentrant"`` or ``"reentrant"`` turn it on with that variant.
+            Prefer non-reentrant with ``scope="regional"`` (one compile per layer graph
+            instead of two).
+        scope: ``"whole"`` (one graph for the forward and loss) or ``"regional"`` (each
+            decoder layer compiled, the rest eager; see the module docstring).
+        mode: An inductor mode (``valid_modes()``) or None; only with ``backend="inductor"``.
+        backend: A Dynamo backend name (``valid_backends()``) or a backend callable.
+        fullgraph: Fail at the first graph break instead of splitting the graph.
+        dynamic: ``torch.compile``'s ``dynamic`` (None: specialise first, then go dynamic
+            on the first shape change).
+        compile_optimizer: True builds a compiled ``AdamW`` over the trainable parameters
+            (lr 2e-4); a dict gives its ``AdamW`` options, e.g. ``{"lr": 1e-4}``.
+        patches: ``"auto"`` (the patches whose targets the model has), None/``[]`` (none), or
+            names from ``qlora_nb_utils.patches.PATCHES``.
+
+    Returns:
+        A :class:`Prepared`: call ``prepared.forward(**batch)``; ``prepared.undo()`` reverts.
+
+    Raises:
+        ValueError: An option is invalid (the message lists the valid values) or the model
+            cannot do what was asked (no checkpointing support, no decoder layers).
+        RuntimeError: A patch refuses (unsupported versions or a changed upstream target).
+    """
+    names = _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compile_optimizer, patches)
+    options = {"grad_ckpt": grad_ckpt, "scope": scope, "mode": mode, "backend": backend,
+               "fullgraph": fullgraph, "dynamic": dynamic, "compile_optimizer": compile_optimizer,
+               "patches": patches}
+    handles: list[PatchHandle] = []
+    try:
+        handles.append(_configure_checkpointing(model, grad_ckpt))
+        handles.extend(_apply_patches(model, names))
+        counter = CompileCounter(backend=backend)
+        backend_fn = counter.as_backend(mode=mode, dynamic=dynamic)
+        if scope == "whole":
+            forward = torch.compile(model, backend=backend_fn, fullgraph=fullgraph, dynamic=dynamic)
+        else:
+            handles.append(_compile_regional(model, backend_fn, fullgraph, dynamic))
+            forward = model
+        optimizer = None
+        if compile_optimizer is not False:
+            kwargs = compile_optimizer if isinstance(compile_optimizer, dict) else {}
+            optimizer = compiled_optimizer(model, backend=backend, mode=mode, **kwargs)
+    except BaseException:
+        for h in reversed(handles):
+            h.undo()
+        raise
+    return Prepared(model=model, forward=forward, scope=scope, handles=handles, counter=counter,
+                    optimizer=optimizer, options=options)

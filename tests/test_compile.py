@@ -1,0 +1,268 @@
+"""Tests for qlora_nb_utils.compile: option checks, zero breaks with checkpointing, counts, undo.
+
+Break and compile-count tests use the ``aot_eager`` backend (Dynamo + AOTAutograd, so the
+backward and the checkpoint recomputation are exercised, without inductor's compile time);
+one test trains with inductor and compares the losses with eager.
+"""
+
+import functools
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+from qlora_nb_utils.compile import (
+    CompiledOptimizer,
+    compiled_optimizer,
+    decoder_layers,
+    prepare_for_compile,
+    valid_backends,
+    valid_modes,
+)
+from qlora_nb_utils.patches import input_require_grads
+from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def build(folder, *, quant: bool, how: str | None, use_cache: bool = False):
+    """A tiny (3-layer) LoRA or QLoRA model with checkpointing enabled ``how`` users do it."""
+    kwargs = {}
+    if quant:
+        kwargs = {"quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
+            "device_map": {"": "cpu"}}
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    base.config.use_cache = use_cache
+    if how == "kbit":
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=True)
+    elif how == "enable":
+        base.gradient_checkpointing_enable()
+    torch.manual_seed(1)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                            task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    return model.train()
+
+
+def batch(seq: int = 16, seed: int = 3):
+    ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def lora_grads(model, forward, b):
+    model.zero_grad(set_to_none=True)
+    forward(**b).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------- option checks
+@pytest.mark.parametrize("kwargs,names", [
+    ({"scope": "layers"}, ["whole", "regional"]),
+    ({"grad_ckpt": "yes"}, ["non_reentrant", "reentrant"]),
+    ({"grad_ckpt": 1}, ["non_reentrant"]),
+    ({"mode": "fast"}, ["default", "max-autotune"]),
+    ({"mode": "default", "backend": "eager"}, ["inductor"]),
+    ({"backend": "tensorrt-ish"}, ["inductor", "aot_eager"]),
+    ({"backend": 3}, ["callable"]),
+    ({"fullgraph": "yes"}, ["True"]),
+    ({"dynamic": "auto"}, ["None"]),
+    ({"compile_optimizer": "adamw"}, ["dict"]),
+    ({"patches": ["no_such_patch"]}, ["input_require_grads", "use_cache_warning"]),
+    ({"patches": "all"}, ["auto"]),
+])
+def test_rejects_bad_values_and_lists_the_valid_ones(kwargs, names):
+    with pytest.raises(ValueError) as err:
+        prepare_for_compile(torch.nn.Linear(2, 2), **kwargs)
+    assert all(name in str(err.value) for name in names), str(err.value)
+
+
+def test_rejects_a_non_module_and_leaves_the_model_alone():
+    with pytest.raises(ValueError, match="torch.nn.Module"):
+        prepare_for_compile(lambda x: x)
+    linear = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="does not support gradient checkpointing"):
+        prepare_for_compile(linear, grad_ckpt=True)
+    with pytest.raises(ValueError, match="no decoder layer"):
+        prepare_for_compile(linear, scope="regional", backend="eager")
+    assert "_compiled_call_impl" not in vars(linear)
+
+
+def test_valid_modes_and_backends():
+    assert valid_modes()[0] == "default"
+    assert {"reduce-overhead", "max-autotune"} <= set(valid_modes())
+    assert {"inductor", "eager", "aot_eager"} <= set(valid_backends())
+
+
+# ----------------------------------------------------------------------------- zero breaks
+MODELS = [(False, "enable"), (True, "kbit")]
+MODEL_IDS = ["lora-gradient_checkpointing_enable", "qlora-prepare_model_for_kbit_training"]
+
+
+@pytest.mark.parametrize("scope", ["whole", "regional"])
+@pytest.mark.parametrize("quant,how", MODELS, ids=MODEL_IDS)
+def test_fullgraph_with_checkpointing_one_compile_same_grads(tiny_dir, quant, how, scope):
+    model = build(tiny_dir, quant=quant, how=how, use_cache=True)
+    b = batch()
+    reference = lora_grads(model, model, b)
+    prepared = prepare_for_compile(model, scope=scope, grad_ckpt=True, backend="aot_eager", fullgraph=True)
+    assert prepared.patches == ["input_require_grads", "use_cache_warning"]
+    for _ in range(2):  # fullgraph=True: any break would raise here
+        grads = lora_grads(model, prepared.forward, b)
+    counts = prepared.counter
+    # whole: one graph for the model; regional: one graph serves all three layers
+    assert (counts.compilations, counts.recompilations, counts.backward_compilations) == (1, 0, 1)
+    assert len(decoder_layers(model)) == 3
+    assert grads.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-7)
+    prepared.undo()
+
+
+def test_regional_reentrant_compiles_each_layer_graph_twice(tiny_dir):
+    """Eager reentrant checkpointing runs the layer under no_grad, then again under grad."""
+    model = build(tiny_dir, quant=True, how="kbit")
+    b = batch()
+    reference = lora_grads(model, model, b)
+    prepared = prepare_for_compile(model, scope="regional", grad_ckpt="reentrant", backend="aot_eager")
+    grads = lora_grads(model, prepared.forward, b)
+    assert prepared.counter.compilations == 2
+    assert any("grad_mode" in r for r in prepared.counter.recompile_reasons)
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-7)
+    prepared.undo()
+
+
+def test_reentrant_without_hook_gets_one_and_undo_removes_it(tiny_dir):
+    model = build(tiny_dir, quant=False, how=None)
+    assert input_require_grads.find_hooks(model) == []
+    prepared = prepare_for_compile(model, scope="regional", grad_ckpt="reentrant", backend="aot_eager")
+    grads = lora_grads(model, prepared.forward, batch())
+    assert all(g.abs().sum() > 0 for g in grads.values())  # reentrant got an input needing grad
+    prepared.undo()
+    assert not any(m._forward_hooks for m in model.modules())
+    assert not any(m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing"))
+
+
+# ----------------------------------------------------------------------------- undo
+def _state(model):
+    """Everything prepare_for_compile may touch, by identity."""
+    return {
+        "ckpt": [(m, vars(m).get("gradient_checkpointing"), vars(m).get("_gradient_checkpointing_func"))
+                 for m in model.modules() if hasattr(m, "gradient_checkpointing")],
+        "compiled": [vars(m).get("_compiled_call_impl") for m in model.modules()],
+        "hooks": [list(m._forward_hooks.items()) for m in model.modules()],
+        "use_cache": model.base_model.model.config.use_cache,
+    }
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b or (isinstance(a, (bool, int)) and a == b)
+
+
+@pytest.mark.parametrize("grad_ckpt,scope", [(True, "regional"), (False, "whole"), ("reentrant", "whole")])
+def test_undo_restores_everything_and_is_idempotent(tiny_dir, grad_ckpt, scope):
+    model = build(tiny_dir, quant=False, how="enable", use_cache=True)
+    before = _state(model)
+    prepared = prepare_for_compile(model, grad_ckpt=grad_ckpt, scope=scope, backend="eager")
+    assert not _same(_state(model), before)
+    prepared.undo()
+    assert _same(_state(model), before)
+    prepared.undo()
+    assert _same(_state(model), before)
+
+
+def test_grad_ckpt_false_turns_checkpointing_off(tiny_dir):
+    model = build(tiny_dir, quant=False, how="enable")
+    prepared = prepare_for_compile(model, grad_ckpt=False, backend="eager")
+    assert not any(m.gradient_checkpointing for m in decoder_layers(model))
+    prepared.undo()
+    assert all(m.gradient_checkpointing for m in decoder_layers(model))
+
+
+def test_patches_none_applies_no_patch(tiny_dir):
+    model = build(tiny_dir, quant=False, how="enable")
+    hooks = [h for _, _, h in input_require_grads.find_hooks(model)]
+    prepared = prepare_for_compile(model, patches=None, backend="eager")
+    assert prepared.patches == []
+    assert [h for _, _, h in input_require_grads.find_hooks(model)] == hooks
+
+
+# ----------------------------------------------------------------------------- optimizer
+def test_compiled_optimizer_matches_adamw_without_recompiling_for_the_schedule():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(3)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    eager = torch.optim.AdamW(twins, lr=1e-2, weight_decay=0.1)
+    compiled = compiled_optimizer(params, backend="eager", lr=1e-2, weight_decay=0.1)
+    assert isinstance(compiled, CompiledOptimizer) and torch.is_tensor(compiled.param_groups[0]["lr"])
+    warmup = functools.partial(lambda s: min(1.0, (s + 1) / 4))
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in (eager, compiled)]
+    for step in range(5):
+        grads = [torch.randn(8, 8) for _ in params]
+        for group, g in ((params, grads), (twins, grads)):
+            for p, gi in zip(group, g):
+                p.grad = gi.clone()
+        eager.step()
+        compiled.step()
+        for s in schedules:
+            s.step()
+        for p, t in zip(params, twins):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+    assert float(compiled.param_groups[0]["lr"]) == pytest.approx(1e-2)
+    assert (compiled.counter.compilations, compiled.counter.recompilations) == (1, 0)
+    compiled.zero_grad()
+    assert all(p.grad is None for p in params)
+
+
+def test_compiled_optimizer_wraps_an_existing_optimizer():
+    param = torch.nn.Parameter(torch.ones(2))
+    inner = torch.optim.SGD([param], lr=0.5)
+    wrapped = compiled_optimizer(inner, backend="eager")
+    assert wrapped.param_groups is inner.param_groups and wrapped.state is inner.state
+    param.grad = torch.ones(2)
+    wrapped.step()
+    torch.testing.assert_close(param.detach(), torch.full((2,), 0.5))
+    with pytest.raises(ValueError, match="closure"):
+        wrapped.step(closure=lambda: 0.0)
+    with pytest.raises(ValueError, match="already"):
+        CompiledOptimizer(wrapped)
+
+
+# ----------------------------------------------------------------------------- inductor parity
+def test_inductor_training_matches_eager_qlora_with_checkpointing(tiny_dir):
+    """4 steps of fp32 QLoRA (peft's reentrant checkpointing) eager vs inductor: same losses."""
+    model = build(tiny_dir, quant=True, how="kbit", use_cache=True)
+    batches = [batch(seed=s) for s in range(3)]
+    cfg = TrainConfig(steps=4, lr=1e-2, warmup_steps=2, max_grad_norm=1.0, progress=False)
+    start = trainable_state(model)
+    eager = train(model, batches, cfg)
+    load_trainable_state(model, start)
+    prepared = prepare_for_compile(model, grad_ckpt=True, compile_optimizer={"lr": cfg.lr})
+    compiled = train(model, batches, cfg, forward=prepared.forward, optimizer=prepared.optimizer,
+                     label="compiled")
+    assert max(abs(a - b) for a, b in zip(eager["loss"], compiled["loss"])) < 1e-4
+    assert eager["loss"].iloc[-1] < eager["loss"].iloc[0] - 0.05  # it did train
+    stats = prepared.compile_stats()
+    assert (stats["model"]["compilations"], stats["model"]["recompilations"]) == (1, 0)
+    assert stats["model"]["backward_compilations"] == 1
+    assert (stats["optimizer"]["compilations"], stats["optimizer"]["recompilations"]) == (1, 0)
+    prepared.undo()
