@@ -267,7 +267,7 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
     grad_norm = float("nan")
     if cfg.max_grad_norm is not None:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-    lr = opt.param_groups[0]["lr"]
+    lr = float(opt.param_groups[0]["lr"])  # a tensor under a compiled optimizer: copy its value now
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)

@@ -16,6 +16,7 @@ from qlora_nb_utils.compile import (
     CompiledOptimizer,
     compiled_optimizer,
     decoder_layers,
+    must_recompute_context,
     prepare_for_compile,
     valid_backends,
     valid_modes,
@@ -125,8 +126,12 @@ def test_fullgraph_with_checkpointing_one_compile_same_grads(tiny_dir, quant, ho
         grads = lora_grads(model, prepared.forward, b)
     counts = prepared.counter
     # whole: one graph for the model; regional: one graph serves all three layers
-    assert (counts.compilations, counts.recompilations, counts.backward_compilations) == (1, 0, 1)
+    assert (counts.compilations, counts.recompilations) == (1, 0)
+    assert 1 <= counts.backward_compilations <= 2  # 1 on CPU torch 2.13; 2 seen on CUDA torch 2.11
     assert len(decoder_layers(model)) == 3
+    keywords = decoder_layers(model)[0]._gradient_checkpointing_func.keywords
+    assert keywords["use_reentrant"] is False
+    assert keywords.get("context_fn") is (must_recompute_context if scope == "whole" else None)
     assert grads.keys() == reference.keys()
     for name in reference:
         torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-7)
@@ -156,6 +161,44 @@ def test_reentrant_without_hook_gets_one_and_undo_removes_it(tiny_dir):
     prepared.undo()
     assert not any(m._forward_hooks for m in model.modules())
     assert not any(m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing"))
+
+
+def _saved_activations(loss):
+    """Shapes of the non-parameter tensors the autograd graph of ``loss`` keeps."""
+    seen, stack, shapes = set(), [loss.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        shapes += [tuple(t.shape) for t in getattr(node, "saved_tensors", ())
+                   if torch.is_tensor(t) and not isinstance(t, torch.nn.Parameter)]
+        stack += [n for n, _ in node.next_functions]
+    return shapes
+
+
+def test_compiled_checkpoint_obeys_the_recompute_policy():
+    """Under compile the checkpoint's context_fn reaches the partitioner: a save-everything
+    policy keeps every intermediate, ``must_recompute_context`` only the region inputs."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    up, down = torch.nn.Linear(16, 64, bias=False), torch.nn.Linear(64, 16, bias=False)
+
+    def mlp(x):
+        return x + down(torch.nn.functional.silu(up(x)) * up(x).sigmoid())
+
+    def save_all():
+        return create_selective_checkpoint_contexts(lambda *a, **k: CheckpointPolicy.MUST_SAVE)
+
+    saved = {}
+    for name, context_fn in (("must_recompute", must_recompute_context), ("save_all", save_all)):
+        ckpt = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, context_fn=context_fn)
+        torch.compiler.reset()
+        step = torch.compile(lambda x: ckpt(mlp, ckpt(mlp, x)).pow(2).sum(), backend="aot_eager", fullgraph=True)
+        saved[name] = _saved_activations(step(torch.randn(2, 8, 16)))
+    assert saved["must_recompute"] == [(2, 8, 16)] * 2  # the two checkpoint inputs, nothing else
+    assert sum(s == (2, 8, 64) for s in saved["save_all"]) >= 4
 
 
 # ----------------------------------------------------------------------------- undo
@@ -198,10 +241,11 @@ def test_grad_ckpt_false_turns_checkpointing_off(tiny_dir):
     assert all(m.gradient_checkpointing for m in decoder_layers(model))
 
 
-def test_patches_none_applies_no_patch(tiny_dir):
+def test_patches_none_applies_no_patch_and_keeping_checkpointing_warns(tiny_dir):
     model = build(tiny_dir, quant=False, how="enable")
     hooks = [h for _, _, h in input_require_grads.find_hooks(model)]
-    prepared = prepare_for_compile(model, patches=None, backend="eager")
+    with pytest.warns(UserWarning, match="grad_ckpt=True"):
+        prepared = prepare_for_compile(model, patches=None, backend="eager")
     assert prepared.patches == []
     assert [h for _, _, h in input_require_grads.find_hooks(model)] == hooks
 

@@ -15,10 +15,9 @@ Nothing is patched at import time: a patch does something only when ``apply()`` 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -167,11 +166,3 @@ def set_attribute(handle: PatchHandle, obj: Any, name: str, value: Any) -> None:
 
     handle.add_undo(restore)
 
-
-@contextlib.contextmanager
-def scoped(handle: PatchHandle) -> Iterator[PatchHandle]:
-    """Yield ``handle`` and undo it on exit, also when the body raises."""
-    try:
-        yield handle
-    finally:
-        handle.undo()

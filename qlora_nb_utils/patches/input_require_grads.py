@@ -27,10 +27,10 @@ Dynamo traces it (``torch.compiler.is_compiling()`` is a constant there, so no b
 guard). Gradients of the LoRA weights are bit-identical to eager (see the tests).
 
 Alternatives considered: a ``torch.library.custom_op`` returning ``x.detach().requires_grad_()``
-(the 2025 write-up's fix) cuts the graph at the embedding, so a trainable embedding
-(``modules_to_save``) would silently get no gradient, and AOTAutograd drops ``requires_grad``
-set inside an op anyway; removing the hook breaks reentrant checkpointing in eager (LoRA
-gradients vanish: "element 0 of tensors does not require grad"); switching everyone to
+(the 2025 write-up's fix) detaches, so a trainable embedding (``modules_to_save``) would
+silently get no gradient, and it puts an opaque op in every compiled step for an effect only
+eager needs; removing the hook breaks reentrant checkpointing in eager (LoRA gradients
+vanish: "element 0 of tensors does not require grad"); switching everyone to
 non-reentrant checkpointing is a behaviour change that belongs to the caller
 (``compile.prepare_for_compile(grad_ckpt=...)`` offers it), not to a patch.
 
