@@ -65,6 +65,8 @@ def diagnose(
     device: str = "auto",
     dtype: str = "auto",
     seed: int = 0,
+    prepare: bool = True,
+    scope: str = "whole",
     compile_kwargs: dict | None = None,
 ) -> dict[str, Any]:
     """Load a configuration and report its graph breaks and compilations.
@@ -81,10 +83,14 @@ def diagnose(
         device: "auto", "cpu" or "cuda".
         dtype: "auto" (bf16 on SM80+, fp16 on older GPUs, fp32 on a CPU) or a dtype name.
         seed: seeds LoRA init and the examples drawn.
-        compile_kwargs: `backend`, `mode`, `dynamic`, `fullgraph`, `options` for the run.
+        prepare: apply `compile.prepare_for_compile` (the package's patches and checkpointing
+            policy) first; False reports what upstream does on its own.
+        scope: "whole" or "regional" (with `prepare`): what the run over `seq_lens` compiles.
+        compile_kwargs: `backend`, `mode`, `dynamic` for the run over `seq_lens`.
 
     Returns:
-        The `diagnostics.diagnose_model` dict plus the configuration, device, versions, date.
+        The `diagnostics.diagnose_model` keys plus the configuration, patches applied,
+        device, versions and date.
     """
     from .bench import default_dtype
 
@@ -94,18 +100,48 @@ def diagnose(
         model, quant=quant, lora=lora, dtype=torch_dtype, device=dev, seed=seed,
         gradient_checkpointing=grad_ckpt, prepare_kbit=grad_ckpt and quant == "nf4",
     )
+    net.train()
     make_batch = make_length_batcher(tok, batch_size, seed=seed)
     to_dev = lambda b: {k: v.to(dev) for k, v in b.items()}  # noqa: E731
-    report = diagnostics.diagnose_model(
-        net, to_dev(make_batch(seq_lens[0])), compile_kwargs=compile_kwargs,
-        seq_lens=list(seq_lens), make_batch=lambda n: to_dev(make_batch(n)),
-    )
+    if prepare:
+        report = _diagnose_prepared(net, lambda n: to_dev(make_batch(n)), list(seq_lens), scope, grad_ckpt,
+                                    dict(compile_kwargs or {}))
+    else:
+        report = diagnostics.diagnose_model(
+            net, to_dev(make_batch(seq_lens[0])), compile_kwargs=compile_kwargs,
+            seq_lens=list(seq_lens), make_batch=lambda n: to_dev(make_batch(n)),
+        )
+        report["patches"] = []
     report.update(
-        model=model, quant=quant, lora=lora, grad_ckpt=grad_ckpt, batch_size=batch_size,
-        dtype=str(torch_dtype).replace("torch.", ""), device=env.device_info(dev),
+        model=model, quant=quant, lora=lora, grad_ckpt=grad_ckpt, batch_size=batch_size, prepared=prepare,
+        scope=scope, dtype=str(torch_dtype).replace("torch.", ""), device=env.device_info(dev),
         versions=env.versions(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
     return report
+
+
+def _diagnose_prepared(net, make_batch, seq_lens, scope, grad_ckpt, kwargs) -> dict[str, Any]:
+    from .compile import prepare_for_compile
+
+    prepared = prepare_for_compile(
+        net, scope=scope, grad_ckpt=True if grad_ckpt else None, fullgraph=False,
+        backend=kwargs.pop("backend", "inductor"), mode=kwargs.pop("mode", None), dynamic=kwargs.pop("dynamic", None),
+    )
+    try:
+        loss_fn = lambda **b: net(**b).loss  # noqa: E731
+        first = make_batch(seq_lens[0])
+        breaks = diagnostics.graph_breaks(loss_fn, **first)
+        full = diagnostics.check_fullgraph(loss_fn, **first)
+        for n in seq_lens:
+            prepared.forward(**make_batch(n)).loss.backward()
+            net.zero_grad(set_to_none=True)
+        counts = prepared.counter.to_dict()
+    finally:
+        prepared.undo()
+        torch.compiler.reset()
+    counts.pop("backend_s", None)
+    return {"graph_breaks": breaks.graph_break_count, "break_reasons": breaks.break_reasons, "fullgraph_ok": full.ok,
+            "fullgraph_error": full.error, "seq_lens": seq_lens, "patches": prepared.patches, **counts}
 
 
 def problems(report: dict[str, Any], max_compilations: int = 2) -> list[str]:

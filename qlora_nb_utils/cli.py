@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(d, "tiny")
     d.add_argument("--no-lora", action="store_true", help="the base model without adapters")
     d.add_argument("--grad-ckpt", action="store_true", help="enable gradient checkpointing the way users do")
+    d.add_argument("--regional", action="store_true", help="compile each decoder layer instead of the whole model")
+    d.add_argument("--no-patches", action="store_true", help="report upstream as it is, without prepare_for_compile")
     d.add_argument("--seq-lens", type=_seq_lens, default=[64], help="comma-separated, e.g. 64,80,96")
     d.add_argument("--max-compilations", type=_positive_int, default=2)
     d.add_argument("--backend", default="inductor", help="backend of the run over --seq-lens (breaks are backend-independent)")
@@ -132,6 +134,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
     report = checks.diagnose(
         model=args.model, quant=args.quant, lora=not args.no_lora, grad_ckpt=args.grad_ckpt,
+        prepare=not args.no_patches, scope="regional" if args.regional else "whole",
         seq_lens=args.seq_lens, batch_size=args.batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
         compile_kwargs={"backend": args.backend},
     )

@@ -122,3 +122,15 @@ def test_problems_lists_each_failure():
            "seq_lens": [1, 2, 3]}
     found = checks.problems(bad, max_compilations=2)
     assert len(found) == 3 and "Unsupported: x" in found[1] and "5 compilations" in found[2]
+
+
+def test_diagnose_grad_ckpt_upstream_breaks_and_prepared_is_clean(tmp_path):
+    base = ["diagnose", "--model", "tiny", "--quant", "none", "--grad-ckpt", "--device", "cpu", "--backend", "eager",
+            "--seq-lens", "32", "--strict"]
+    assert cli.main(base + ["--no-patches", "--json", str(tmp_path / "raw.json")]) == 1
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert raw["graph_breaks"] >= 1 and not raw["fullgraph_ok"] and "requires_grad_" in raw["fullgraph_error"]
+    assert cli.main(base + ["--json", str(tmp_path / "fixed.json")]) == 0
+    fixed = json.loads((tmp_path / "fixed.json").read_text())
+    assert fixed["graph_breaks"] == 0 and fixed["fullgraph_ok"] and "input_require_grads" in fixed["patches"]
+    assert cli.main(base + ["--regional"]) == 0

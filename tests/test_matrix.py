@@ -1,0 +1,49 @@
+"""The compile matrix on the tiny model: every cell clean, counted and written as it goes."""
+
+import json
+
+import pytest
+
+from qlora_nb_utils import matrix
+
+
+@pytest.fixture(scope="module")
+def small_matrix(tmp_path_factory):
+    out = tmp_path_factory.mktemp("matrix") / "m.json"
+    res = matrix.run_matrix("tiny", configs=["lora", "qlora"], steps=3, batch_size=2, max_len=192, device="cpu",
+                            backend="eager", warmup=1, out=out, log=lambda *_: None)
+    return res, out
+
+
+def test_every_cell_has_zero_breaks_and_few_compilations(small_matrix):
+    res, _ = small_matrix
+    assert len(res["cells"]) == 2 * 2 * 2 * 2
+    for cell in res["cells"]:
+        where = {k: cell[k] for k in ("config", "grad_ckpt", "lengths", "scope")}
+        assert cell["graph_breaks"] == 0 and cell["fullgraph_ok"] and cell["compiled_error"] is None, where
+        assert cell["compilations"] == 1, (where, cell["recompile_reasons"])
+        assert cell["max_abs_loss_diff"] <= 1e-4, where  # fp32, the eager backend: same kernels
+    assert {c["lengths"]: c["distinct_lengths"] for c in res["cells"]}["fixed"] == 1
+
+
+def test_cells_are_written_to_json_with_the_required_fields(small_matrix):
+    res, out = small_matrix
+    on_disk = json.loads(out.read_text())
+    assert len(on_disk["cells"]) == len(res["cells"]) and {"device", "versions"} <= set(on_disk)
+    required = {"model", "quant", "lora", "grad_ckpt", "lengths", "scope", "graph_breaks", "fullgraph_ok",
+                "compilations", "max_abs_loss_diff", "peak_mem_gib", "median_step_ms"}
+    assert all(required <= set(cell) for cell in on_disk["cells"])
+    assert matrix.summary_frame(res).shape[0] == len(res["cells"])
+
+
+def test_time_budget_stops_early():
+    res = matrix.run_matrix("tiny", configs=["lora"], steps=2, batch_size=2, max_len=192, device="cpu",
+                            backend="eager", warmup=1, time_budget_s=0.0, log=lambda *_: None)
+    assert res["cells"] == []
+
+
+def test_unknown_names_are_rejected():
+    with pytest.raises(ValueError, match="qlora"):
+        matrix.run_matrix("tiny", configs=["full"])
+    with pytest.raises(ValueError, match="regional"):
+        matrix.run_matrix("tiny", scopes=["layerwise"])
