@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     d.add_argument("--strict", action="store_true", help="exit 1 on any break, fullgraph failure or too many compilations")
     r = sub.add_parser("report", help="a Markdown table of bench results files")
-    r.add_argument("files", nargs="+", help="results.json files written by qlora-nb bench")
+    r.add_argument("files", nargs="+", help="results files written by qlora-nb bench or matrix.run_matrix")
     return parser
 
 
@@ -85,7 +85,14 @@ def _report(args: argparse.Namespace) -> int:
     missing = [f for f in args.files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"results file(s) not found: {', '.join(missing)}")
-    print(bench.markdown_table(args.files), end="")
+    from . import matrix
+
+    kinds = {f: "cells" in json.loads(Path(f).read_text()) for f in args.files}
+    benches = [f for f, is_matrix in kinds.items() if not is_matrix]
+    if benches:
+        print(bench.markdown_table(benches), end="")
+    for f in (f for f, is_matrix in kinds.items() if is_matrix):
+        print("\n" + matrix.markdown_table(f), end="")
     return 0
 
 

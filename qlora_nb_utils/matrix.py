@@ -27,7 +27,7 @@ from .compile import prepare_for_compile
 from .patches import input_require_grads
 from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
 
-__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "run_matrix", "summary_frame"]
+__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "markdown_table", "run_matrix", "summary_frame"]
 
 #: name -> (quant, lora)
 CONFIGS = {"base": ("none", False), "lora": ("none", True), "qlora": ("nf4", True)}
@@ -222,3 +222,21 @@ def summary_frame(result: dict[str, Any]):
     cols = ["config", "grad_ckpt", "lengths", "scope", "graph_breaks", "fullgraph_ok", "compilations",
             "max_abs_loss_diff", "peak_mem_gib", "eager_peak_mem_gib", "median_step_ms", "eager_median_step_ms"]
     return pd.DataFrame(result["cells"])[cols]
+
+
+def markdown_table(path: str | Path) -> str:
+    """The cells of a matrix results file as a Markdown table (what the README shows)."""
+    res = json.loads(Path(path).read_text())
+    head = ("| config | grad ckpt | lengths | scope | breaks | fullgraph | compilations | max loss diff "
+            "| peak GiB compiled / eager | ms/step compiled / eager |")
+    rows = [head, "|" + "---|" * 10]
+    for c in res["cells"]:
+        mem = f"{c['peak_mem_gib']:.2f} / {c['eager_peak_mem_gib']:.2f}" if c["peak_mem_gib"] is not None else "-"
+        ms = f"{c['median_step_ms']:.1f} / {c['eager_median_step_ms']:.1f}" if c["median_step_ms"] is not None else "-"
+        diff = f"{c['max_abs_loss_diff']:.1e}" if c["max_abs_loss_diff"] is not None else "-"
+        rows.append(f"| {c['config']} | {'on' if c['grad_ckpt'] else 'off'} | {c['lengths']} | {c['scope']} "
+                    f"| {c['graph_breaks']} | {'ok' if c['fullgraph_ok'] else 'FAILS'} | {c['compilations']} "
+                    f"| {diff} | {mem} | {ms} |")
+    return f"`{Path(path).name}`: {res['device']['name']}, torch {res['versions']['torch']}, {res['date']}, " \
+           f"{res['options']['model']} {res['options']['dtype']}, batch {res['options']['batch_size']}, " \
+           f"{res['options']['steps']} steps, {len(res['cells'])} cells\n\n" + "\n".join(rows) + "\n"

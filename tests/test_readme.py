@@ -3,18 +3,20 @@
 import re
 from pathlib import Path
 
-from qlora_nb_utils import bench
+from qlora_nb_utils import cli
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 
 
-def test_results_table_is_the_report_of_the_committed_files():
+def test_results_table_is_the_report_of_the_committed_files(capsys, monkeypatch):
     block = re.search(r"<!-- report:start -->\n(.*?)<!-- report:end -->", README, re.S)
     assert block, "README lacks the report markers"
-    command = re.search(r"`qlora-nb report ([^`]+)`", README).group(1).split()
-    assert all((REPO / f).is_file() for f in command), command
-    assert block.group(1) == bench.markdown_table([REPO / f for f in command])
+    files = re.search(r"`qlora-nb report ([^`]+)`", README).group(1).split()
+    assert all((REPO / f).is_file() for f in files), files
+    monkeypatch.chdir(REPO)
+    assert cli.main(["report", *files]) == 0
+    assert block.group(1) == capsys.readouterr().out
 
 
 def test_every_results_file_names_its_device_versions_command_and_date():
