@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -126,8 +128,9 @@ def run_matrix(
     out: str | Path | None = None,
     time_budget_s: float | None = None,
     log: Callable[[str], Any] = print,
+    command: str | None = None,
 ) -> dict[str, Any]:
-    """Run the matrix and return `{"device", "versions", "date", "options", "cells": [...]}`.
+    """Run the matrix and return `{"device", "versions", "command", "date", "options", "cells": [...]}`.
 
     Args:
         model_name: the model every cell uses.
@@ -148,6 +151,7 @@ def run_matrix(
         out: a JSON path rewritten after every cell.
         time_budget_s: start no new cell after this many seconds (cells not run are omitted).
         log: status messages.
+        command: the command line to record (defaults to `sys.argv`).
 
     Raises:
         ValueError: for unknown configs, lengths or scopes.
@@ -163,6 +167,7 @@ def run_matrix(
     torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
     result = {
         "device": env.device_info(dev), "versions": env.versions(),
+        "command": command or shlex.join(sys.argv),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "options": {"model": model_name, "steps": steps, "batch_size": batch_size, "max_len": max_len,
                     "dtype": str(torch_dtype).replace("torch.", ""), "backend": backend, "mode": mode, "lr": lr,

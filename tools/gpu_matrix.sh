@@ -15,6 +15,7 @@ warnings.filterwarnings("ignore")
 from qlora_nb_utils import matrix
 out, budget, configs = sys.argv[1], float(sys.argv[2]), sys.argv[3].split(",")
 res = matrix.run_matrix("llama-3.2-1b-shape", configs=configs, steps=30, batch_size=4, max_len=256,
-                        warmup=5, out=out, time_budget_s=budget)
+                        warmup=5, out=out, time_budget_s=budget,
+                        command=f"bash tools/gpu_matrix.sh {out} {sys.argv[2]} {sys.argv[3]}")
 print(matrix.summary_frame(res).to_string())
 PY
