@@ -57,9 +57,9 @@ def _mark_dynamic(forward: Callable) -> Callable:
     return call
 
 
-def _break_check(model, batch, device) -> dict[str, Any]:
+def _break_check(model, batch, device, ckpt: bool) -> dict[str, Any]:
     """Breaks and the fullgraph verdict of the patched model's forward + loss."""
-    prepared = prepare_for_compile(model, scope="whole", backend="eager", fullgraph=False)
+    prepared = prepare_for_compile(model, scope="whole", backend="eager", fullgraph=False, grad_ckpt=True if ckpt else None)
     try:
         first = {k: v.to(device) for k, v in batch.items()}
         loss_fn = lambda **b: model(**b).loss  # noqa: E731
@@ -72,7 +72,7 @@ def _break_check(model, batch, device) -> dict[str, Any]:
             "fullgraph_ok": full.ok, "fullgraph_error": full.error, "patches": prepared.patches}
 
 
-def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode) -> tuple[Any, dict[str, Any]]:
+def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ckpt) -> tuple[Any, dict[str, Any]]:
     torch.compiler.reset()
     load_trainable_state(model, start)
     # Regional: the layers are compiled, the embedding is not. Every layer but the first gets an
@@ -83,7 +83,10 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode) ->
     if scope == "regional":
         hook = model.get_input_embeddings().register_forward_hook(input_require_grads.requires_grad_unless_compiling)
     dynamic = True if (scope == "regional" and lengths == "variable") else None
-    prepared = prepare_for_compile(model, scope=scope, backend=backend, mode=mode, fullgraph=True, dynamic=dynamic)
+    # With checkpointing on, grad_ckpt=True gives the whole graph the recompute-everything policy
+    # (compiled peak memory at eager's; see compile.py).
+    prepared = prepare_for_compile(model, scope=scope, backend=backend, mode=mode, fullgraph=True, dynamic=dynamic,
+                                   grad_ckpt=True if ckpt else None)
     forward = _mark_dynamic(prepared.forward) if lengths == "variable" and scope == "whole" else prepared.forward
     try:
         hist = train(model, batches, cfg, forward=forward, label=f"compiled-{scope}")
@@ -192,12 +195,12 @@ def run_matrix(
                 batches = _batches(tok, kind, batch_size, max_len, steps, seed)
                 load_trainable_state(model, start)
                 eager = train(model, batches, cfg, label="eager")
-                checked = _break_check(model, batches[0], dev)
+                checked = _break_check(model, batches[0], dev, ckpt)
                 for scope in scopes:
                     if _out_of_time(t0, time_budget_s, result, log):
                         return result
                     log(f"==> {name} grad_ckpt={ckpt} {kind} {scope}")
-                    hist, counts = _compiled_cell(model, batches, cfg, start, scope, kind, backend, mode)
+                    hist, counts = _compiled_cell(model, batches, cfg, start, scope, kind, backend, mode, ckpt)
                     cell = {"model": model_name, "quant": quant, "lora": lora, "config": name, "grad_ckpt": ckpt,
                             "lengths": kind, "scope": scope, **checked, **counts,
                             "distinct_lengths": len({b["input_ids"].shape[1] for b in batches}),
