@@ -9,8 +9,7 @@ import functools
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+from tiny_lora import batch, build, save_tiny_llama
 
 from qlora_nb_utils.compile import (
     CompiledOptimizer,
@@ -24,45 +23,9 @@ from qlora_nb_utils.compile import (
 from qlora_nb_utils.patches import input_require_grads
 from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
 
-VOCAB = 256
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
-def build(folder, *, quant: bool, how: str | None, use_cache: bool = False):
-    """A tiny (3-layer) LoRA or QLoRA model with checkpointing enabled ``how`` users do it."""
-    kwargs = {}
-    if quant:
-        kwargs = {"quantization_config": BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
-            "device_map": {"": "cpu"}}
-    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
-    base.config.use_cache = use_cache
-    if how == "kbit":
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=True)
-    elif how == "enable":
-        base.gradient_checkpointing_enable()
-    torch.manual_seed(1)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                            task_type="CAUSAL_LM"))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02)
-    return model.train()
-
-
-def batch(seq: int = 16, seed: int = 3):
-    ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), layers=3)
 
 
 def lora_grads(model, forward, b):

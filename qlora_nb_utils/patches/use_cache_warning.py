@@ -28,7 +28,6 @@ Smallest reproduction (``tests/test_patches.py::test_upstream_use_cache_warning_
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterator
 
 import torch
@@ -104,11 +103,9 @@ def apply(model: torch.nn.Module | None = None) -> PatchHandle:
     return handle
 
 
-@contextlib.contextmanager
-def patched(model: torch.nn.Module | None = None) -> Iterator[PatchHandle]:
-    """``with patched(model): ...`` applies the patch and undoes it on exit (even on error)."""
-    handle = apply(model)
-    try:
-        yield handle
-    finally:
-        handle.undo()
+def patched(model: torch.nn.Module | None = None) -> PatchHandle:
+    """``with patched(model): ...`` applies the patch and undoes it on exit (even on error).
+
+    The handle is itself the context manager: ``PatchHandle.__exit__`` calls ``undo()``.
+    """
+    return apply(model)
