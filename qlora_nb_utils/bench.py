@@ -19,7 +19,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULTS",
     "compare",
     "compiled_run",
+    "mark_dynamic",
     "default_dtype",
     "make_bench_batches",
     "run_bench",
@@ -181,6 +182,21 @@ def side_by_side(model, batches, cfg: TrainConfig, *, backend: str = "inductor",
     return {"eager": eager, "compiled": compiled, "breaks": breaks, "fullgraph": full, "counter": counter}
 
 
+def mark_dynamic(forward: Callable[..., Any], dims: dict[str, int]) -> Callable[..., Any]:
+    """Wrap `forward` so that every batch has `dims` (key -> dimension) marked dynamic first.
+
+    `torch._dynamo.mark_dynamic` marks a tensor, not a position, so it has to be applied to
+    each new batch before the compiled call; keys a batch lacks are skipped.
+    """
+    def call(**batch):
+        for key, dim in dims.items():
+            if key in batch:
+                torch._dynamo.mark_dynamic(batch[key], dim)
+        return forward(**batch)
+
+    return call
+
+
 def compiled_run(
     model,
     batches,
@@ -211,13 +227,7 @@ def compiled_run(
         load_trainable_state(model, start)
     counter = diagnostics.CompileCounter(backend=compile_kwargs.pop("backend", "inductor"))
     compiled = counter.compile(model, **compile_kwargs)
-    forward = compiled
-    if dynamic_dims:
-        def forward(**batch):
-            for key, dim in dynamic_dims.items():
-                torch._dynamo.mark_dynamic(batch[key], dim)
-            return compiled(**batch)
-
+    forward = mark_dynamic(compiled, dynamic_dims) if dynamic_dims else compiled
     return train(model, batches, cfg, forward=forward, label=label), counter
 
 

@@ -25,6 +25,7 @@ import torch
 
 from . import data as qdata
 from . import diagnostics, env, models
+from .bench import default_dtype, mark_dynamic
 from .compile import prepare_for_compile
 from .patches import input_require_grads
 from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
@@ -45,16 +46,6 @@ def _batches(tokenizer, lengths: str, batch_size: int, max_len: int, steps: int,
     collator = qdata.PaddingCollator(pad_token_id=tokenizer.pad_token_id, **policy)
     loader = qdata.make_batches(tokenized, batch_size, collator, seed=seed)
     return [b for _, b in zip(range(steps), loader)]
-
-
-def _mark_dynamic(forward: Callable) -> Callable:
-    def call(**batch):
-        for key, dim in SEQ_DIMS.items():
-            if key in batch:
-                torch._dynamo.mark_dynamic(batch[key], dim)
-        return forward(**batch)
-
-    return call
 
 
 def _break_check(model, batch, device, ckpt: bool) -> dict[str, Any]:
@@ -87,7 +78,7 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ck
     # (compiled peak memory at eager's; see compile.py).
     prepared = prepare_for_compile(model, scope=scope, backend=backend, mode=mode, fullgraph=True, dynamic=dynamic,
                                    grad_ckpt=True if ckpt else None)
-    forward = _mark_dynamic(prepared.forward) if lengths == "variable" and scope == "whole" else prepared.forward
+    forward = mark_dynamic(prepared.forward, SEQ_DIMS) if lengths == "variable" and scope == "whole" else prepared.forward
     try:
         hist = train(model, batches, cfg, forward=forward, label=f"compiled-{scope}")
         error = None
@@ -164,8 +155,6 @@ def run_matrix(
         bad = [g for g in given if g not in valid]
         if bad:
             raise ValueError(f"unknown {what} {bad}; valid: {list(valid)}")
-    from .bench import default_dtype
-
     dev = env.resolve_device(device)
     torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
     result = {
