@@ -20,15 +20,14 @@ saving, when a few decisions are made together, each easy to get subtly wrong on
   of the whole stack), and the checkpointing around each layer stays eager, so the backward
   recomputes exactly one layer at a time, as in eager.
 * **What the compiled backward keeps.** Plain checkpointing tags its region
-  ``PREFER_RECOMPUTE``, which the compiler may override, and does: on an H100 (torch 2.11,
-  1B-shape NF4 QLoRA, batch 2x1024) the whole-model graph saved two MLP and two attention
-  activations per layer, 2.54 GiB after the forward against eager's 1.21 GiB, peak 6.13 GiB
-  against 4.84 GiB. With ``grad_ckpt=True`` in ``"whole"`` scope the checkpoint carries a
-  selective-checkpointing policy of ``MUST_RECOMPUTE`` for every op
-  (:func:`must_recompute_context`), which the compiler must obey: 1.23 GiB after the forward,
-  peak 4.82 GiB, and still 162 ms a step against eager's 231 ms ("regional": 4.84 GiB,
-  179 ms; plain whole graph: 146 ms). One run each, peak over steps 3-4 of 4; the CPU
-  partitioner makes the lean choice either way, so only a GPU shows the difference.
+  ``PREFER_RECOMPUTE``, which the compiler may override. In exploratory H100 runs (torch 2.11,
+  1B-shape NF4 QLoRA) it did: the whole-model graph kept several MLP- and attention-width
+  activations per layer and peaked above eager with checkpointing. With ``grad_ckpt=True`` in
+  ``"whole"`` scope the checkpoint carries a selective-checkpointing policy of
+  ``MUST_RECOMPUTE`` for every op (:func:`must_recompute_context`), which the compiler must
+  obey, and the compiled peak came down to eager's. Those runs kept no results file, so no
+  figure is quoted here; the compile matrix (``qlora_nb_utils.matrix``) records peak memory
+  per cell. The CPU partitioner makes the lean choice either way, so only a GPU shows it.
 * **Optimizer.** PyTorch's compiled-optimizer recipe: the learning rate must be a tensor
   (else every scheduler change recompiles), and the compiled function must call the
   optimizer's own ``step``, because an LR scheduler wraps ``opt.step`` in a function Dynamo
@@ -157,10 +156,9 @@ def must_recompute_context() -> Any:
     """A ``context_fn`` for ``torch.utils.checkpoint``: recompute every op, compiled or not.
 
     Plain checkpointing tags the region ``PREFER_RECOMPUTE``, which AOTAutograd's
-    partitioner may override with its own save-or-recompute heuristics. On an H100 (torch
-    2.11, 1B-shape NF4 QLoRA) it did: besides each layer's input it kept two MLP-width, two
-    hidden-width and about two KV-width bf16 activations per layer, 2.1x eager's saved
-    activations. ``MUST_RECOMPUTE`` (selective activation checkpointing with one policy for
+    partitioner may override with its own save-or-recompute heuristics; in exploratory H100
+    runs (torch 2.11, 1B-shape NF4 QLoRA; no results file kept) it did, keeping MLP- and
+    attention-width activations besides each layer's input. ``MUST_RECOMPUTE`` (selective activation checkpointing with one policy for
     every op) is documented as not overridable by ``torch.compile``, and with it the compiled
     step kept what eager keeps. Reentrant checkpointing takes no ``context_fn``.
     """
