@@ -27,10 +27,11 @@ from . import data as qdata
 from . import diagnostics, env, models
 from .bench import default_dtype, mark_dynamic
 from .compile import prepare_for_compile
+from .gpulock import lock_path
 from .patches import input_require_grads
 from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
 
-__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "markdown_table", "run_matrix", "summary_frame"]
+__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "markdown_table", "merge_results", "run_matrix", "summary_frame"]
 
 #: name -> (quant, lora)
 CONFIGS = {"base": ("none", False), "lora": ("none", True), "qlora": ("nf4", True)}
@@ -163,7 +164,7 @@ def run_matrix(
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "options": {"model": model_name, "steps": steps, "batch_size": batch_size, "max_len": max_len,
                     "dtype": str(torch_dtype).replace("torch.", ""), "backend": backend, "mode": mode, "lr": lr,
-                    "warmup": warmup, "seed": seed,
+                    "warmup": warmup, "seed": seed, "gpu_lock": lock_path() is not None,
                     "recommended": "prepare_for_compile(fullgraph=True); variable lengths: mark_dynamic on the "
                                    "sequence dimension (whole), dynamic=True (regional); regional: the "
                                    "embedding output requires grad (eager hook)"},
@@ -212,6 +213,54 @@ def run_matrix(
     return result
 
 
+_ORDER = {"config": list(CONFIGS), "grad_ckpt": [False, True], "lengths": list(LENGTHS), "scope": list(SCOPES)}
+_SAME = ("model", "steps", "batch_size", "max_len", "dtype", "backend", "mode", "lr", "warmup", "seed")
+
+
+def merge_results(results: Iterable[dict[str, Any]], command: str | None = None) -> dict[str, Any]:
+    """One matrix result from several runs over parts of the matrix (e.g. one process per config).
+
+    The parts must come from the same device, library versions and options; the cells are put
+    in the matrix's order (config, checkpointing, lengths, scope). A cell present twice is an
+    error, not silently dropped.
+
+    Args:
+        results: `run_matrix` results (dicts, as loaded from their JSON files).
+        command: the command that produced all parts (defaults to the first part's).
+
+    Raises:
+        ValueError: when there is nothing to merge, the parts disagree on device, versions or
+            options, or two parts hold the same cell.
+    """
+    parts = list(results)
+    if not parts:
+        raise ValueError("no matrix results to merge")
+    first = parts[0]
+    for other in parts[1:]:
+        if other["device"].get("name") != first["device"].get("name"):
+            raise ValueError(f"parts ran on different devices: {first['device'].get('name')} vs {other['device'].get('name')}")
+        if other["versions"] != first["versions"]:
+            raise ValueError("parts ran with different library versions")
+        diff = [k for k in _SAME if other["options"].get(k) != first["options"].get(k)]
+        if diff:
+            raise ValueError(f"parts ran with different options: {diff}")
+    cells, seen = [], set()
+    for part in parts:
+        for cell in part["cells"]:
+            key = tuple(cell[k] for k in _ORDER)
+            if key in seen:
+                raise ValueError(f"cell {dict(zip(_ORDER, key))} appears in more than one part")
+            seen.add(key)
+            cells.append(cell)
+    cells.sort(key=lambda c: tuple(_ORDER[k].index(c[k]) for k in _ORDER))
+    merged = {k: v for k, v in first.items() if k != "cells"}
+    merged["date"] = min(p["date"] for p in parts)
+    merged["command"] = command or first["command"]
+    merged["parts"] = len(parts)
+    merged["cells"] = cells
+    return merged
+
+
 def summary_frame(result: dict[str, Any]):
     """The cells as a pandas DataFrame with the columns the notebooks show."""
     import pandas as pd
@@ -237,3 +286,50 @@ def markdown_table(path: str | Path) -> str:
     return f"`{Path(path).name}`: {res['device']['name']}, torch {res['versions']['torch']}, {res['date']}, " \
            f"{res['options']['model']} {res['options']['dtype']}, batch {res['options']['batch_size']}, " \
            f"{res['options']['steps']} steps, {len(res['cells'])} cells\n\n" + "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m qlora_nb_utils.matrix`: run part of the matrix (or all of it) into a JSON file,
+    or merge part files into one (`--merge PART.json ... --out ALL.json`)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m qlora_nb_utils.matrix", description=main.__doc__)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--grad-ckpt", default="off,on", help="comma-separated: off, on")
+    p.add_argument("--lengths", default=",".join(LENGTHS), help=f"comma-separated, from {list(LENGTHS)}")
+    p.add_argument("--scopes", default=",".join(SCOPES), help=f"comma-separated, from {list(SCOPES)}")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--time-budget-s", type=float, default=None)
+    p.add_argument("--command", default=None, help="the command line to record (defaults to this one)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="PART", help="merge these part files instead of running")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    if a.merge:
+        merged = merge_results([json.loads(Path(f).read_text()) for f in a.merge], command=a.command)
+        Path(a.out).write_text(json.dumps(merged, indent=1, default=str) + "\n")
+        print(summary_frame(merged).to_string())
+        return 0
+    ckpts = {"off": False, "on": True}
+    bad = [c for c in split(a.grad_ckpt) if c not in ckpts]
+    if bad:
+        p.error(f"--grad-ckpt takes off/on, not {bad}")
+    try:
+        res = run_matrix(a.model, configs=split(a.configs), grad_ckpts=[ckpts[c] for c in split(a.grad_ckpt)],
+                         lengths=split(a.lengths), scopes=split(a.scopes), steps=a.steps, batch_size=a.batch_size,
+                         max_len=a.max_len, warmup=a.warmup, device=a.device, backend=a.backend, out=a.out,
+                         time_budget_s=a.time_budget_s, command=a.command)
+    except ValueError as err:
+        p.error(str(err))
+    print(summary_frame(res).to_string() if res["cells"] else "no cells finished")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterable, Sequence
 import pandas as pd
 import torch
 
+from .gpulock import step_lock
+
 __all__ = [
     "TrainConfig",
     "TrainingInterrupted",
@@ -239,7 +241,8 @@ def train(
     bar = _progress(cfg.steps, label, cfg.progress)
     try:
         for step in range(cfg.steps):
-            rows.append(_one_step(forward, opt, sched, params, next_batch, cfg, device, label, step))
+            with step_lock():  # a no-op unless $QLORA_NB_GPU_LOCK shares the GPU (gpulock.py)
+                rows.append(_one_step(forward, opt, sched, params, next_batch, cfg, device, label, step))
             bar.update(1)
             bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", ms=f"{rows[-1]['step_ms']:.0f}")
     except KeyboardInterrupt:

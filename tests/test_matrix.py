@@ -47,3 +47,29 @@ def test_unknown_names_are_rejected():
         matrix.run_matrix("tiny", configs=["full"])
     with pytest.raises(ValueError, match="regional"):
         matrix.run_matrix("tiny", scopes=["layerwise"])
+
+
+def _split(res, key):
+    """The run split into one part per value of `key`, each shaped like a run_matrix result."""
+    parts = {}
+    for cell in res["cells"]:
+        parts.setdefault(cell[key], {**res, "cells": []})["cells"].append(cell)
+    return list(parts.values())
+
+
+def test_merging_parts_gives_back_the_matrix_in_order(small_matrix):
+    res, _ = small_matrix
+    parts = _split(res, "scope")[::-1]  # regional part first: the merge must reorder
+    merged = matrix.merge_results(parts, command="cmd")
+    assert merged["cells"] == res["cells"] and merged["command"] == "cmd" and merged["parts"] == 2
+
+
+def test_merging_refuses_duplicates_and_mismatches(small_matrix):
+    res, _ = small_matrix
+    with pytest.raises(ValueError, match="more than one part"):
+        matrix.merge_results([res, res])
+    other = {**res, "options": {**res["options"], "steps": 99}}
+    with pytest.raises(ValueError, match="steps"):
+        matrix.merge_results([res, other])
+    with pytest.raises(ValueError, match="nothing|no matrix"):
+        matrix.merge_results([])
