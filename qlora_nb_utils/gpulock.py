@@ -76,10 +76,14 @@ class StepLock:
                 self._acquire()
 
     def _register(self) -> None:
+        # Checked before every step: `torch.compiler.reset()` clears all compile callbacks, and a
+        # benchmark resets between runs. Unregistered, a compile would hold the lock throughout.
         from torch._dynamo.callback import callback_handler
 
-        callback_handler.register_start_callback(self._on_start)
-        callback_handler.register_end_callback(self._on_end)
+        if self._on_start not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(self._on_start)
+        if self._on_end not in callback_handler.end_callbacks:
+            callback_handler.register_end_callback(self._on_end)
         self._callbacks = callback_handler
 
     def close(self) -> None:
@@ -91,8 +95,10 @@ class StepLock:
                 os.close(self._fd)
                 self._fd = None
         if self._callbacks is not None:
-            self._callbacks.remove_start_callback(self._on_start)
-            self._callbacks.remove_end_callback(self._on_end)
+            if self._on_start in self._callbacks.start_callbacks:
+                self._callbacks.remove_start_callback(self._on_start)
+            if self._on_end in self._callbacks.end_callbacks:
+                self._callbacks.remove_end_callback(self._on_end)
             self._callbacks = None
 
     @contextlib.contextmanager
@@ -100,7 +106,7 @@ class StepLock:
         """Hold the lock for one training step (minus the time spent compiling in it)."""
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-            self._register()
+        self._register()
         with self._mutex:
             self._acquire()
             self._in_step = True

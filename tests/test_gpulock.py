@@ -100,3 +100,23 @@ def test_train_takes_the_lock_per_step(tmp_path, monkeypatch):
 def test_empty_path_is_rejected():
     with pytest.raises(ValueError, match="lock file"):
         gpulock.StepLock("")
+
+
+def test_still_released_while_compiling_after_a_compiler_reset(tmp_path):
+    # torch.compiler.reset() clears every compile callback; the lock must register again.
+    path = str(tmp_path / "gpu.lock")
+    lock = gpulock.StepLock(path)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(_free(path))
+        return gm.forward
+
+    try:
+        for _ in range(2):
+            with lock.step():
+                torch.compile(lambda x: x - 1, backend=backend)(torch.ones(2))
+            torch.compiler.reset()
+    finally:
+        lock.close()
+    assert seen == [True, True]

@@ -4,7 +4,7 @@
 #   bash tools/gpu_matrix.sh OUT_JSON BUDGET_S [configs] [group]
 # group "quick": fixed lengths (whole, regional) and variable lengths (regional);
 # group "dynamic": variable lengths, whole model (a dynamic graph of the whole model: the
-# slowest compile); group "all": both. Parts of two calls merge with
+# slowest compile); group "variable": variable lengths, whole then regional; group "all": all. Parts of two calls merge with
 # `python -m qlora_nb_utils.matrix --merge PART.json ... --out ALL.json`.
 #
 # One process per (config, checkpointing): six processes compile at once on the host's cores
@@ -16,7 +16,7 @@ out=${1:?usage: tools/gpu_matrix.sh OUT_JSON BUDGET_S [configs]}
 budget=${2:?time budget in seconds}
 configs=${3:-qlora,lora,base}
 group=${4:-all}
-case $group in quick|dynamic|all) ;; *) echo "group must be quick, dynamic or all, not $group" >&2; exit 2;; esac
+case $group in quick|dynamic|variable|all) ;; *) echo "group must be quick, dynamic, variable or all, not $group" >&2; exit 2;; esac
 model=${QLORA_NB_MATRIX_MODEL:-llama-3.2-1b-shape}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
@@ -44,6 +44,7 @@ for c in ${configs//,/ }; do
     case $group in
       quick) (part fixed fixed regional,whole; part varregional variable regional) & ;;
       dynamic) part varwhole variable whole & ;;
+      variable) (part varwhole variable whole; part varregional variable regional) & ;;
       all) (part fixed fixed regional,whole; part varregional variable regional; part varwhole variable whole) & ;;
     esac
   done
