@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", default="inductor", help="backend of the run over --seq-lens (breaks are backend-independent)")
     d.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     d.add_argument("--strict", action="store_true", help="exit 1 on any break, fullgraph failure or too many compilations")
-    r = sub.add_parser("report", help="a Markdown table of bench results files")
-    r.add_argument("files", nargs="+", help="results files written by qlora-nb bench or matrix.run_matrix")
+    r = sub.add_parser("report", help="Markdown tables of bench, matrix and peers results files (peers: plots too)")
+    r.add_argument("files", nargs="+", help="results files written by qlora-nb bench, matrix.run_matrix or peers.run_peers "
+                   "(for a peers file the PNG plots are written next to it)")
     return parser
 
 
@@ -87,12 +88,20 @@ def _report(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"results file(s) not found: {', '.join(missing)}")
     from . import matrix
 
-    kinds = {f: "cells" in json.loads(Path(f).read_text()) for f in args.files}
-    benches = [f for f, is_matrix in kinds.items() if not is_matrix]
+    from . import peers_report
+
+    loaded = {f: json.loads(Path(f).read_text()) for f in args.files}
+    kinds = {f: "peers" if peers_report.is_peers_file(r) else "matrix" if "cells" in r else "bench"
+             for f, r in loaded.items()}
+    benches = [f for f, kind in kinds.items() if kind == "bench"]
     if benches:
         print(bench.markdown_table(benches), end="")
-    for f in (f for f, is_matrix in kinds.items() if is_matrix):
+    for f in (f for f, kind in kinds.items() if kind == "matrix"):
         print("\n" + matrix.markdown_table(f), end="")
+    for f in (f for f, kind in kinds.items() if kind == "peers"):
+        print("\n" + peers_report.markdown_table(loaded[f], Path(f).name), end="")
+        for png in peers_report.write_plots(loaded[f], f):
+            print(f"wrote {png}", file=sys.stderr)
     return 0
 
 

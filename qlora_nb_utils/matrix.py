@@ -31,7 +31,8 @@ from .gpulock import lock_path
 from .patches import input_require_grads
 from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
 
-__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "markdown_table", "merge_results", "run_matrix", "summary_frame"]
+__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "committed_results", "markdown_table", "merge_results", "run_matrix",
+           "summary_frame"]
 
 #: name -> (quant, lora)
 CONFIGS = {"base": ("none", False), "lora": ("none", True), "qlora": ("nf4", True)}
@@ -259,6 +260,20 @@ def merge_results(results: Iterable[dict[str, Any]], command: str | None = None)
     merged["parts"] = len(parts)
     merged["cells"] = cells
     return merged
+
+
+def committed_results(start: str | Path | None = None) -> Path | None:
+    """The committed GPU matrix (`results/compile_matrix_<device>.json`) with the most cells.
+
+    Searched in `start` (default: the working directory) and its parents, so a notebook finds
+    the repository's file; None when there is none (a notebook opened on its own, in Colab).
+    """
+    here = Path.cwd() if start is None else Path(start)
+    for folder in (here, *here.parents):
+        found = sorted((folder / "results").glob("compile_matrix_*.json"))
+        if found:
+            return max(found, key=lambda f: len(json.loads(f.read_text())["cells"]))
+    return None
 
 
 def summary_frame(result: dict[str, Any]):

@@ -1,0 +1,146 @@
+"""Cold-start cost of compiled QLoRA training, and the ways to cut it, each in a fresh process.
+
+Why it exists: the first compiled step pays for tracing, AOTAutograd and Inductor's codegen
+and autotuning; a Colab user pays it again after every reconnect. Three levers, measured here:
+
+* **Regional compilation**: compile one decoder layer's code (``scope="regional"`` in
+  :func:`qlora_nb_utils.compile.prepare_for_compile`); the layers share it, so the cost is
+  about one layer's instead of the whole stack's.
+* **Inductor's on-disk caches** (``TORCHINDUCTOR_CACHE_DIR``: FX graph cache, AOTAutograd
+  cache, compiled kernels): a second process on the same machine reuses them.
+* **Cache artifacts** (``torch.compiler.save_cache_artifacts()`` ->
+  ``load_cache_artifacts(bytes)``): the same caches as one portable blob, so a new machine (a
+  reconnected Colab runtime, with an empty cache directory) starts warm.
+
+An honest cold start needs a new process (Dynamo and Inductor keep in-memory caches), so
+:func:`measure` runs ``python -m qlora_nb_utils.compile_time`` with its own cache folder and
+reads back the JSON it writes. What is timed: ``first_step_s`` (the first training step,
+compile included), the steady ``median_step_ms``, ``compile_s`` (first step minus the steady
+step), and the process's whole wall time (imports and model load included) for context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["measure", "child_main"]
+
+
+def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path, device: str = "cpu",
+            dtype: str = "float32", batch_size: int = 2, seq_len: int = 128, steps: int = 3,
+            save_artifacts: str | Path | None = None, load_artifacts: str | Path | None = None,
+            timeout_s: float = 900) -> dict[str, Any]:
+    """Train ``steps`` compiled QLoRA steps in a new process and report the compile cost.
+
+    Args:
+        model: a named model or checkpoint folder.
+        scope: ``"whole"`` or ``"regional"`` (see :func:`qlora_nb_utils.compile.prepare_for_compile`).
+        cache_dir: the process's ``TORCHINDUCTOR_CACHE_DIR`` (a fresh folder = a cold cache).
+        device: device of the run.
+        dtype: compute dtype.
+        batch_size: rows per batch.
+        seq_len: fixed padded length.
+        steps: steps to train (>= 2: one compiling, the rest steady).
+        save_artifacts: write ``torch.compiler.save_cache_artifacts()`` here after the run.
+        load_artifacts: ``torch.compiler.load_cache_artifacts`` this file before compiling.
+        timeout_s: limit for the process.
+
+    Returns:
+        The child's JSON plus ``process_s`` (the whole process, imports included).
+
+    Raises:
+        ValueError: a bad ``scope`` or ``steps`` < 2.
+        RuntimeError: the process failed (its output's tail is in the message).
+    """
+    if scope not in ("whole", "regional"):
+        raise ValueError(f"scope must be one of ['whole', 'regional'], got {scope!r}")
+    if steps < 2:
+        raise ValueError(f"steps must be >= 2 (one compiling step, then steady ones), got {steps}")
+    out = Path(cache_dir) / "result.json"
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "qlora_nb_utils.compile_time", "--model", model, "--scope", scope,
+           "--device", device, "--dtype", dtype, "--batch-size", str(batch_size), "--seq-len", str(seq_len),
+           "--steps", str(steps), "--out", str(out)]
+    if save_artifacts:
+        cmd += ["--save-artifacts", str(save_artifacts)]
+    if load_artifacts:
+        cmd += ["--load-artifacts", str(load_artifacts)]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor"),
+           "TRITON_CACHE_DIR": str(Path(cache_dir) / "triton")}
+    repo = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not out.is_file():
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+        raise RuntimeError(f"compile-time process failed (exit {proc.returncode}): {' | '.join(tail)}")
+    return {**json.loads(out.read_text()), "process_s": wall}
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    import statistics
+
+    import torch
+
+    from . import bench, models
+    from .compile import prepare_for_compile
+    from .train import TrainConfig, train
+
+    loaded = 0
+    if args.load_artifacts:
+        t0 = time.perf_counter()
+        info = torch.compiler.load_cache_artifacts(Path(args.load_artifacts).read_bytes())
+        loaded = time.perf_counter() - t0
+    model, tok = models.load_model(args.model, quant="nf4", dtype=args.dtype, device=args.device)
+    batches, _ = bench.make_bench_batches(tok, batch_size=args.batch_size, seq_len=args.seq_len,
+                                          steps=args.steps)
+    prepared = prepare_for_compile(model, scope=args.scope)
+    hist = train(model, batches, TrainConfig(steps=args.steps, progress=False), forward=prepared.forward)
+    ms = list(hist["step_ms"])
+    steady = statistics.median(ms[1:])
+    result = {"scope": args.scope, "model": args.model, "device": args.device, "dtype": args.dtype,
+              "first_step_s": ms[0] / 1e3, "median_step_ms": steady, "compile_s": (ms[0] - steady) / 1e3,
+              "compilations": prepared.counter.compilations, "dynamo_compile_s": prepared.counter.compile_s,
+              "losses": [float(x) for x in hist["loss"]], "load_artifacts_s": loaded,
+              "loaded_artifacts": bool(args.load_artifacts)}
+    if args.load_artifacts:
+        result["artifacts_loaded"] = info is not None
+    if args.save_artifacts:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            raise RuntimeError("torch.compiler.save_cache_artifacts() returned nothing to save")
+        blob, _info = saved
+        Path(args.save_artifacts).write_bytes(blob)
+        result["artifacts_bytes"] = len(blob)
+    return result
+
+
+def child_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m qlora_nb_utils.compile_time ...``: one measured cold (or warm) start."""
+    p = argparse.ArgumentParser(description=child_main.__doc__)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--scope", choices=("whole", "regional"), default="whole")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--save-artifacts", default=None)
+    p.add_argument("--load-artifacts", default=None)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    result = _run(args)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

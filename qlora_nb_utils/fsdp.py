@@ -1,0 +1,605 @@
+"""QLoRA sharded over several processes with FSDP2 (``fully_shard``), compiled per layer.
+
+Why this module exists: one GPU stops being enough for an 8B QLoRA fine-tune long before the
+4-bit base stops fitting, because activations, the LoRA optimizer state and the bf16
+embedding/LM head grow with batch and sequence. FSDP2 shards parameters, gradients and
+optimizer state over ranks; this module makes it work with the two things a QLoRA model
+adds, bitsandbytes' 4-bit weights and per-layer ``torch.compile``, and keeps the result
+comparable with one process: same loss at the same global batch, an adapter that loads in a
+plain single-process ``PeftModel``, and checkpoints that resume bit for bit.
+
+**The frozen NF4 weights (what was tried, on torch 2.13 CPU/gloo and bitsandbytes 0.50.2).**
+A ``Linear4bit`` keeps its packed weight as a ``Params4bit`` (uint8, shape ``(n*k/2, 1)``)
+whose ``quant_state`` (absmax, code, shape) lives on the parameter object.
+
+* ``fully_shard`` on the decoder layers as they are *works numerically*: the packed weight is
+  a plain uint8 tensor to FSDP2, it is sharded ``Shard(0)`` and all-gathered byte for byte
+  (fp32 logits equal to the unsharded model's, bit for bit, measured on the tiny model). The
+  all-gathered parameter FSDP2 builds is a plain ``nn.Parameter`` without ``quant_state``,
+  and bitsandbytes notices: ``fix_4bit_weight_quant_state_from_module`` rebuilds a
+  ``Params4bit`` from the module's own copy of the quant state and *assigns a new parameter*
+  to ``module.weight`` on every forward. Eagerly that is harmless; inside a compiled layer it
+  is 37 graph breaks per step on the 2-layer tiny model (``Failed to mutate tensor data
+  attribute ... Dynamo only supports mutating `.data` of tensor created outside
+  torch.compile region`` and ``Dynamo does not know how to trace method `__set__` of class
+  `getset_descriptor``` on ``Params4bit.data``) and a recompilation per layer.
+* What works, ``nf4="shard"`` (the default): FSDP2 creates the all-gathered parameter once,
+  at the first all-gather, and reuses the same object for every later all-gather. So
+  :func:`apply_fsdp2` unshards each FSDP module once, attaches the module's ``quant_state``
+  to that unsharded parameter, and reshards. bitsandbytes then finds the quant state where it
+  looks first and never re-creates the parameter: zero graph breaks inside the compiled
+  layers, the NF4 bytes sharded ``Shard(0)`` like every other weight. This uses only public
+  FSDP2 calls (``FSDPModule.unshard``/``reshard``) and sets an attribute on a tensor; it
+  patches no library code.
+* ``nf4="replicate"``: ``fully_shard(..., ignored_params=<the Params4bit>)`` leaves the 4-bit
+  weights untouched and replicated on every rank (what accelerate 1.15 does for uint8
+  ``Params4bit``); only LoRA, norms, embeddings and the LM head are sharded. Zero breaks too,
+  no all-gather traffic for the base, but every rank holds the whole 4-bit base.
+* Mixed precision: ``MixedPrecisionPolicy(param_dtype=bf16)`` casts every sharded parameter
+  to bf16 before the all-gather. torch 2.13 skips non-floating parameters (so a uint8 packed
+  weight survives), but a floating quant storage of another dtype would be cast and
+  destroyed. ``quant_storage="auto"`` therefore stores the packed weight in the policy's
+  ``param_dtype`` (``bnb_4bit_quant_storage``, the accelerate/HF recipe), so no version of
+  FSDP2 casts it, and :func:`apply_fsdp2` checks the all-gathered dtype and refuses loudly if
+  a cast happened anyway.
+* torchao's ``NF4Tensor`` (which torchtune shards with FSDP2 through its
+  ``fsdp_pre_all_gather`` extension) is the other lead; torchao is not in this project's pins
+  (nor on the GPU machine), so it was not pursued.
+* bitsandbytes' CPU *inference* path (``eval()`` + no grad, on CPUs with AVX512-BF16) repacks
+  ``weight.data`` and the shared quant state in place; on a sharded model that corrupts the
+  all-gathered buffer. Probe a sharded model in ``train()`` mode under ``no_grad`` (LoRA
+  dropout is 0, so the numbers are the same).
+
+**Compile.** Each decoder layer is compiled with ``Module.compile`` semantics through
+:func:`qlora_nb_utils.compile.prepare_for_compile` (``scope="regional"``, ``fullgraph=True``,
+so a break inside a layer is an error, not a silent split). FSDP2's pre/post-forward hooks are
+``torch._dynamo.disable``d and run *outside* the compiled frame (Dynamo compiles the layer's
+``forward``; ``_call_impl`` and its hooks stay eager), so the FSDP boundary costs no graph
+break either. Two compilations serve all layers: the first layer sees a hidden state that
+does not require grad (the frozen embedding's output), the others one that does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "NF4_MODES",
+    "QUANT_STORAGE_CHOICES",
+    "DistInfo",
+    "Sharded",
+    "init_distributed",
+    "mixed_precision",
+    "resolve_quant_storage",
+    "load_qlora",
+    "nf4_params",
+    "apply_fsdp2",
+    "sharding_report",
+    "clip_grad_norm",
+    "gather_trainable_state",
+    "save_adapter",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "pack_rows",
+]
+
+NF4_MODES = ("shard", "replicate")
+QUANT_STORAGE_CHOICES = ("auto", "uint8", "bfloat16", "float16", "float32")
+_CKPT_PREFIX = "step_"
+_PARTIAL = ".partial"
+
+
+# ----------------------------------------------------------------------------- process group
+@dataclasses.dataclass
+class DistInfo:
+    """Where this process sits: rank, world size, its device and the process-group backend."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0 (the one that writes logs, adapters and summaries)."""
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Join the process group ``torchrun`` set up: gloo on CPU, nccl on CUDA.
+
+    Args:
+        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        A :class:`DistInfo`; the group is initialised (once) and, on CUDA, the rank's GPU is
+        made current.
+
+    Raises:
+        ValueError: an unknown device, or ``"cuda"`` without a GPU for this local rank.
+        RuntimeError: not launched by ``torchrun`` (no ``RANK``/``WORLD_SIZE`` in the env).
+    """
+    import torch.distributed as dist
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("not launched by torchrun: run `torchrun --nproc-per-node N -m "
+                           "qlora_nb_utils.fsdp_train ...` (RANK/WORLD_SIZE are unset)")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=_dt.timedelta(minutes=10))
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+
+
+# ----------------------------------------------------------------------------- precision, loading
+def mixed_precision(dtype: torch.dtype | str | None):
+    """The FSDP2 mixed-precision policy of a QLoRA run.
+
+    Args:
+        dtype: the compute dtype. ``None`` or ``float32``: no casting (exact parity runs).
+            bf16/fp16: LoRA weights all-gathered and computed in ``dtype``, gradients
+            reduced in fp32 into fp32 LoRA master weights (what torchtune does).
+
+    Returns:
+        A ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if dtype is None or dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"mixed precision dtype must be float32, bfloat16 or float16; got {dtype}")
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def resolve_quant_storage(storage: str, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The ``bnb_4bit_quant_storage`` dtype: ``"auto"`` is the policy's ``param_dtype`` when it
+    casts (so FSDP2 never converts the packed bytes), else uint8 (bitsandbytes' default).
+
+    Raises:
+        ValueError: an unknown storage name.
+    """
+    if storage not in QUANT_STORAGE_CHOICES:
+        raise ValueError(f"quant_storage must be one of {list(QUANT_STORAGE_CHOICES)}; got {storage!r}")
+    if storage == "auto":
+        return param_dtype if param_dtype is not None else torch.uint8
+    return getattr(torch, storage)
+
+
+def load_qlora(name: str, *, quant: str = "nf4", dtype: str | torch.dtype = "bfloat16",
+               device: torch.device | str = "cpu", quant_storage: torch.dtype = torch.uint8,
+               lora_r: int = 16, lora_alpha: float = 32, lora_targets: str = "all-linear",
+               attn_implementation: str = "sdpa", seed: int = 0):
+    """Load a model like :func:`qlora_nb_utils.models.load_model`, with a chosen quant storage.
+
+    ``models.load_model`` fixes ``bnb_4bit_quant_storage`` to bitsandbytes' default (uint8);
+    FSDP2 with a casting mixed-precision policy needs it to be the policy's dtype (see the
+    module docstring). Everything else (named models built once into the cache, the SmolLM2
+    tokenizer, seeded LoRA on all linear layers, fp32 adapters) is the same path.
+
+    Returns:
+        ``(model, tokenizer)``; ``config.use_cache`` is False.
+
+    Raises:
+        ValueError: for bad options (see ``models.load_model``).
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from . import env, models
+
+    if quant == "none" or quant_storage == torch.uint8:
+        return models.load_model(name, quant=quant, dtype=dtype, device=device, lora_r=lora_r,
+                                 lora_alpha=lora_alpha, lora_targets=lora_targets,
+                                 attn_implementation=attn_implementation, seed=seed)
+    if quant != "nf4":
+        raise ValueError(f"quant must be one of {list(models.QUANT_CHOICES)}; got {quant!r}")
+    dev = env.resolve_device(device)
+    torch_dtype = env.resolve_dtype(dtype, dev)
+    env.require_bnb(dev)
+    source = str(models.materialize(name)) if name in models.MODEL_NAMES else str(name)
+    tok = models.load_tokenizer(name)
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch_dtype,
+                             bnb_4bit_quant_storage=quant_storage)
+    base = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, quantization_config=bnb,
+                                                attn_implementation=attn_implementation,
+                                                device_map={"": dev})
+    base.config.use_cache = False
+    config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0,
+                        target_modules=lora_targets, task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return get_peft_model(base, config), tok
+
+
+def nf4_params(model: nn.Module) -> list[nn.Parameter]:
+    """The bitsandbytes 4-bit weights of ``model`` (``Params4bit``), in module order."""
+    return [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
+
+
+def _linear4bit_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules()
+            if type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")]
+
+
+# ----------------------------------------------------------------------------- sharding
+@dataclasses.dataclass
+class Sharded:
+    """What :func:`apply_fsdp2` did.
+
+    Attributes:
+        model: the model, sharded in place (the root is an ``FSDPModule``).
+        layers: the decoder layers, each its own ``fully_shard`` unit.
+        nf4: ``"shard"`` or ``"replicate"``.
+        nf4_count: how many 4-bit weights the model holds.
+        prepared: the ``compile.Prepared`` of the per-layer compile, or None (eager).
+    """
+
+    model: nn.Module
+    layers: list[nn.Module]
+    nf4: str
+    nf4_count: int
+    prepared: Any = None
+
+    def compile_stats(self) -> dict[str, Any] | None:
+        """Compilations, recompilations (with reasons) and compile time, or None (eager)."""
+        return None if self.prepared is None else self.prepared.counter.to_dict()
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _attach_quant_states(model: nn.Module) -> None:
+    """Give FSDP2's persistent all-gathered 4-bit weights their quant state (module docstring)."""
+    modules = _fsdp_modules(model)
+    expected = {id(m): m.weight.dtype for m in _linear4bit_modules(model)}
+    for fsdp_module in modules:
+        fsdp_module.unshard()
+    try:
+        for m in _linear4bit_modules(model):
+            weight = m.weight
+            if weight.dtype != expected[id(m)]:
+                raise RuntimeError(
+                    f"FSDP2 all-gathered a 4-bit weight as {weight.dtype}, stored as "
+                    f"{expected[id(m)]}: the mixed-precision policy cast the packed bytes. Use "
+                    "quant_storage='auto' (the policy's param_dtype) or nf4='replicate'")
+            if getattr(weight, "quant_state", None) is None:
+                weight.quant_state = m.quant_state
+    finally:
+        for fsdp_module in modules:
+            fsdp_module.reshard()
+
+
+def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shard",
+                cpu_offload: bool = False, reshard_after_forward: bool = True,
+                grad_ckpt: bool = False, compile_layers: bool = False,
+                backend: str = "inductor", fullgraph: bool = True) -> Sharded:
+    """Shard a (Q)LoRA model with FSDP2: one ``fully_shard`` per decoder layer, one for the root.
+
+    Args:
+        model: a PEFT model from :func:`load_qlora` / ``models.load_model``, on its rank's device.
+        mesh: a 1-D ``DeviceMesh``; default: all ranks.
+        mp_policy: a ``MixedPrecisionPolicy`` (see :func:`mixed_precision`); default: none.
+        nf4: ``"shard"`` (4-bit weights sharded like the rest) or ``"replicate"`` (kept whole
+            on every rank through ``ignored_params``).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory
+            (``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
+        reshard_after_forward: free each layer's all-gathered weights after its forward
+            (re-gathered in backward); False trades memory for one all-gather per layer.
+        grad_ckpt: non-reentrant activation checkpointing around each decoder layer.
+        compile_layers: compile each decoder layer (``fullgraph`` by default).
+        backend: the compile backend (``"inductor"``; ``"eager"`` to trace only).
+        fullgraph: make any graph break inside a layer an error.
+
+    Returns:
+        A :class:`Sharded`.
+
+    Raises:
+        ValueError: an unknown ``nf4`` mode, or no decoder layer found.
+        RuntimeError: mixed precision cast the packed 4-bit bytes (see the module docstring).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from .compile import decoder_layers, prepare_for_compile
+
+    if nf4 not in NF4_MODES:
+        raise ValueError(f"nf4 must be one of {list(NF4_MODES)}; got {nf4!r}")
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"no decoder layer found in {type(model).__name__}")
+    quantized = nf4_params(model)
+    if grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    device_is_cuda = next(model.parameters()).device.type == "cuda"
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "reshard_after_forward": reshard_after_forward,
+        "offload_policy": CPUOffloadPolicy(pin_memory=device_is_cuda) if cpu_offload else OffloadPolicy(),
+    }
+    if nf4 == "replicate" and quantized:
+        kwargs["ignored_params"] = set(quantized)
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    if nf4 == "shard" and quantized:
+        _attach_quant_states(model)
+    prepared = None
+    if compile_layers:
+        prepared = prepare_for_compile(model, grad_ckpt=None, scope="regional", backend=backend,
+                                       fullgraph=fullgraph)
+    return Sharded(model=model, layers=layers, nf4=nf4, nf4_count=len(quantized), prepared=prepared)
+
+
+def sharding_report(model: nn.Module) -> list[dict[str, Any]]:
+    """How each parameter is held after :func:`apply_fsdp2`.
+
+    Returns:
+        One dict per parameter: ``name``, ``kind`` (``"lora"``, ``"nf4"`` or ``"other"``),
+        ``dtensor`` (bool), ``placements`` (e.g. ``["Shard(dim=0)"]``, empty for a plain
+        tensor), ``global_shape``, ``local_shape``, ``dtype``, ``requires_grad``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    quantized = {f"{name}.weight" for name, m in model.named_modules()
+                 if type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")}
+    rows = []
+    for name, p in model.named_parameters():
+        is_dt = isinstance(p, DTensor)
+        local = p.to_local() if is_dt else p
+        kind = "nf4" if name in quantized else "lora" if "lora_" in name else "other"
+        rows.append({
+            "name": name, "kind": kind, "dtensor": is_dt,
+            "placements": [repr(pl) for pl in p.placements] if is_dt else [],
+            "global_shape": list(p.shape), "local_shape": list(local.shape),
+            "dtype": str(p.dtype).replace("torch.", ""), "requires_grad": bool(p.requires_grad),
+        })
+    return rows
+
+
+# ----------------------------------------------------------------------------- training helpers
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> float:
+    """Global gradient norm over all ranks (and clip to ``max_norm`` unless None).
+
+    Each rank adds the squares of its own shards (a ``Shard`` DTensor's local part; a
+    replicated or plain gradient counts on rank 0 only), one all-reduce sums them, so the
+    norm is the one a single process would compute.
+
+    Returns:
+        The norm before clipping.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    device = grads[0].to_local().device if isinstance(grads[0], DTensor) else grads[0].device
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    for g in grads:
+        if isinstance(g, DTensor):
+            if any(isinstance(pl, Shard) for pl in g.placements) or rank0:
+                total += g.to_local().float().pow(2).sum().to(device)
+        elif rank0:
+            total += g.float().pow(2).sum().to(device)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    norm = float(total.sqrt())
+    if max_norm is not None and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(scale)
+    return norm
+
+
+def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) trainable parameters, on the CPU of rank 0 (empty on other ranks).
+
+    A collective: every rank must call it. Uses
+    ``get_model_state_dict(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)``.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    return get_model_state_dict(model, options=options)
+
+
+def save_adapter(model: nn.Module, folder: str | Path, *, is_main: bool) -> Path | None:
+    """Save the LoRA adapter of a sharded PEFT model as a normal PEFT adapter folder.
+
+    The folder loads with ``PeftModel.from_pretrained(base, folder)`` into a single-process
+    model. A collective (every rank calls it); only rank 0 writes.
+
+    Returns:
+        The folder on rank 0, None elsewhere.
+
+    Raises:
+        ValueError: the model carries no PEFT adapter.
+    """
+    if not hasattr(model, "peft_config"):
+        raise ValueError("the model has no PEFT adapter to save")
+    state = gather_trainable_state(model)
+    if not is_main:
+        return None
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, state_dict=state)
+    return folder
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"{_CKPT_PREFIX}{step:06d}"
+
+
+def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint under ``root`` (``step_NNNNNN`` with a ``meta.json``).
+
+    A save killed half-way leaves only a ``*.partial`` folder, which is never chosen.
+
+    Returns:
+        ``(step, folder)`` or None when there is none.
+    """
+    root = Path(root)
+    found = []
+    for path in root.glob(f"{_CKPT_PREFIX}*"):
+        if path.name.endswith(_PARTIAL) or not (path / "meta.json").is_file():
+            continue
+        try:
+            found.append((int(path.name[len(_CKPT_PREFIX):]), path))
+        except ValueError:
+            continue
+    return max(found) if found else None
+
+
+def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    *, scheduler=None, info: DistInfo, extra: dict | None = None, keep: int = 2) -> Path:
+    """Save a resumable checkpoint: sharded LoRA weights + optimizer state (DCP), step, RNG.
+
+    Every rank writes its own shards with ``torch.distributed.checkpoint`` into
+    ``step_NNNNNN.partial``; rank 0 adds ``meta.json`` and renames the folder when all ranks
+    are done, so a kill during the save never leaves a checkpoint that looks complete. Frozen
+    (4-bit) weights are not saved: they come back from the base checkpoint.
+
+    Args:
+        root: the checkpoints folder.
+        step: optimizer steps done so far (the step to resume at).
+        model, optimizer, scheduler: what to save (the scheduler's state goes into meta.json).
+        info: this rank's :class:`DistInfo`.
+        extra: more JSON-ready facts for meta.json (e.g. the run's options).
+        keep: how many complete checkpoints to keep (older ones are deleted).
+
+    Returns:
+        The checkpoint folder.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    root = Path(root)
+    final = _step_dir(root, step)
+    partial = final.with_name(final.name + _PARTIAL)
+    if info.is_main:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(partial))
+    rng = {"cpu": torch.get_rng_state()}
+    if info.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(info.device)
+    torch.save(rng, partial / f"rng_rank{info.rank}.pt")
+    dist.barrier()
+    if info.is_main:
+        meta = {"step": step, "world_size": info.world_size, "trainable_tensors": len(msd),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(), **(extra or {})}
+        (partial / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        complete = sorted(p for p in root.glob(f"{_CKPT_PREFIX}*")
+                          if not p.name.endswith(_PARTIAL) and p != final)
+        for old in complete[:max(0, len(complete) - (keep - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    *, scheduler=None, info: DistInfo) -> dict:
+    """Restore what :func:`save_checkpoint` wrote into the sharded model and its optimizer.
+
+    Returns:
+        The checkpoint's meta.json (``step`` is the step to resume at).
+
+    Raises:
+        FileNotFoundError: no meta.json in ``folder``.
+        RuntimeError: the checkpoint's trainable tensors do not match the model's.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"not a complete checkpoint (no meta.json): {folder}")
+    meta = json.loads(meta_path.read_text())
+    options = StateDictOptions(ignore_frozen_params=True)
+    msd, osd = get_state_dict(model, optimizer, options=options)
+    if len(msd) != meta["trainable_tensors"]:
+        raise RuntimeError(f"{folder} holds {meta['trainable_tensors']} trainable tensors; the "
+                           f"model has {len(msd)} (another model or LoRA configuration?)")
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(folder))
+    # strict=False: the frozen weights are deliberately absent (they come from the base);
+    # the trainable ones were counted above and dcp.load fails on any key the files lack.
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    rng_file = folder / f"rng_rank{info.rank}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and info.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], info.device)
+    return meta
+
+
+# ----------------------------------------------------------------------------- data
+def pack_rows(rows: Sequence[dict], seq_len: int, pad_id: int, ignore_index: int = -100) -> list[dict]:
+    """Concatenate tokenized rows into full ``seq_len`` windows (greedy, in order).
+
+    Short chat examples padded to 2048 would be >90% padding, so throughput at a long
+    sequence length is measured on packed windows: rows are appended (their labels kept,
+    prompts still masked) until the next would not fit; the rest of a window is padding.
+    Attention is not masked between packed rows (plain packing), which does not matter for
+    speed and memory; the loss comparisons use the same windows on every world size.
+
+    Returns:
+        A list of ``{"input_ids", "labels", "length"}`` rows, each of length <= ``seq_len``.
+
+    Raises:
+        ValueError: ``seq_len`` < 2 or no rows.
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2; got {seq_len}")
+    if not rows:
+        raise ValueError("no rows to pack")
+    out, ids, labels = [], [], []
+    for row in rows:
+        r_ids, r_labels = list(row["input_ids"])[:seq_len], list(row["labels"])[:seq_len]
+        if ids and len(ids) + len(r_ids) > seq_len:
+            out.append({"input_ids": ids, "labels": labels, "length": len(ids)})
+            ids, labels = [], []
+        ids, labels = ids + r_ids, labels + r_labels
+    if ids:
+        out.append({"input_ids": ids, "labels": labels, "length": len(ids)})
+    return out
