@@ -182,11 +182,6 @@ def train_step_flops(
     return StepFlops(forward=fwd, backward=bwd, parts={k: tuple(v) for k, v in parts.items()}, tokens=t)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_matmul_tflops(device: Any = "cuda", dtype: Any = torch.bfloat16, n: int | None = None,
                           iters: int = 20, warmup: int = 5) -> float:
     """The measured dense matmul rate of ``device`` in ``dtype``, in TFLOP/s.

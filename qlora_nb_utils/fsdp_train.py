@@ -172,19 +172,6 @@ def _loss_sum(model, micro: dict) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- measuring
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _peak_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**30
-
-
 def _max_over_ranks(value: float, device: torch.device) -> float:
     import torch.distributed as dist
 
@@ -252,6 +239,7 @@ def _train_step(model, params, opt, sched, batch, info, args) -> dict:
     import torch.distributed as dist
 
     from .fsdp import clip_grad_norm
+    from .train import _sync
 
     _sync(info.device)
     t0 = time.perf_counter()
@@ -343,6 +331,7 @@ def run(args: argparse.Namespace) -> dict | None:
     import torch.distributed as dist
 
     from .fsdp import init_distributed, latest_checkpoint, load_checkpoint, save_adapter, save_checkpoint
+    from .train import _peak_mem_gib
 
     info = init_distributed(args.device)
     out = Path(args.out)
@@ -384,7 +373,7 @@ def run(args: argparse.Namespace) -> dict | None:
     peak = 0.0
     for step in range(start, args.steps):
         rec = _train_step(model, params, opt, sched, batches[step % len(batches)], info, args)
-        peak = max(peak, _max_over_ranks(_peak_gib(info.device), info.device))
+        peak = max(peak, _max_over_ranks(_peak_mem_gib(info.device), info.device))
         rec.update(step=step, peak_mem_gib=peak, world_size=info.world_size, run_start=start)
         if info.is_main:
             with log_path.open("a") as f:

@@ -207,11 +207,6 @@ def _device_dtype(device: Any, dtype: Any) -> tuple[torch.device, torch.dtype]:
     return dev, env.resolve_dtype(default_dtype(dev) if dtype in (None, "auto") else dtype, dev)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def summarize_run(name: str, *, losses: Sequence[float], step_ms: Sequence[float], tokens: Sequence[int],
                   peak_mem_gib: float, batch_size: int, seq_len: int, warmup: int,
                   flops_per_step: float | None = None, peak_tflops: float | None = None,
@@ -339,7 +334,7 @@ def _peer_trl(ctx: dict, batches: list) -> dict[str, Any]:
     from trl import SFTConfig, SFTTrainer
 
     from .hf_trainer import trainer_patches
-    from .train import _peak_mem_gib, _reset_peak
+    from .train import _peak_mem_gib, _reset_peak, _sync
 
     device, dtype = _device_dtype(ctx["device"], ctx["dtype"])
     model, tok = _hf_model(ctx)
