@@ -24,6 +24,7 @@ missing=$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('nb
 python3 -m ipykernel install --user --name python3 > /dev/null
 nvidia-smi -L
 status=0
+export QLORA_NB_COMMAND="bash tools/gpu_notebooks.sh $*"
 for nb in "$@"; do
   echo "==> $nb"
   # nbclient executes in the notebook's folder and keeps every output; a failing cell stops the
@@ -38,6 +39,12 @@ t0 = time.perf_counter()
 try:
     client.execute()
 finally:
+    import datetime, os, torch
+    nb.metadata["qlora_nb_run"] = {  # where the outputs came from (the executed copy only)
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "command": os.environ.get("QLORA_NB_COMMAND", "bash tools/gpu_notebooks.sh " + str(path)),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "profile": os.environ.get("QLORA_NB_PROFILE")}
     nbformat.write(nb, path)
     print(f"{path}: {time.perf_counter() - t0:.0f} s")
 PY
