@@ -174,9 +174,15 @@ def mixed_precision(dtype: torch.dtype | str | None):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def resolve_quant_storage(storage: str, param_dtype: torch.dtype | None) -> torch.dtype:
+def resolve_quant_storage(storage: str, param_dtype: torch.dtype | None,
+                          compute_dtype: torch.dtype | None = None) -> torch.dtype:
     """The ``bnb_4bit_quant_storage`` dtype: ``"auto"`` is the policy's ``param_dtype`` when it
-    casts (so FSDP2 never converts the packed bytes), else uint8 (bitsandbytes' default).
+    casts (so FSDP2 never converts the packed bytes), else the floating ``compute_dtype`` when
+    given, else uint8 (bitsandbytes' default).
+
+    Why a floating storage even without casting: FSDP2 in torch 2.11 wraps each shard in
+    ``nn.Parameter(dtensor)``, which raises "only Tensors of floating point dtype can require
+    gradients" for uint8 (seen on the GPU machine in a float32 run; torch 2.13 on CPU accepts it).
 
     Raises:
         ValueError: an unknown storage name.
@@ -184,7 +190,11 @@ def resolve_quant_storage(storage: str, param_dtype: torch.dtype | None) -> torc
     if storage not in QUANT_STORAGE_CHOICES:
         raise ValueError(f"quant_storage must be one of {list(QUANT_STORAGE_CHOICES)}; got {storage!r}")
     if storage == "auto":
-        return param_dtype if param_dtype is not None else torch.uint8
+        if param_dtype is not None:
+            return param_dtype
+        if compute_dtype is not None and compute_dtype.is_floating_point:
+            return compute_dtype
+        return torch.uint8
     return getattr(torch, storage)
 
 

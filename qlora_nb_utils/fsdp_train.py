@@ -15,7 +15,7 @@ written for it:
   loss; the backward uses the same loss times N because FSDP2 averages gradients over ranks.
 * **One log, one summary.** Rank 0 appends one JSON line per step to ``OUT/log.jsonl`` (step,
   loss, step_ms, tokens, peak_mem_gib: the maximum over ranks) and writes ``OUT/summary.json``
-  with world size, tokens/s (median after ``--timing-warmup`` steps), peak memory per GPU,
+  with world size, tokens/s (median of the per-step rates after ``--timing-warmup`` steps), peak memory per GPU,
   graph breaks, compilations, versions, device, command and date.
 * **Nothing lost.** ``--save-every K`` writes a resumable checkpoint (sharded LoRA weights +
   optimizer state with ``torch.distributed.checkpoint``, step, scheduler, RNG) atomically;
@@ -217,7 +217,7 @@ def _setup(args, info):
     dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
         else getattr(torch, args.dtype)
     mp = mixed_precision(dtype)
-    storage = resolve_quant_storage(args.quant_storage, mp.param_dtype)
+    storage = resolve_quant_storage(args.quant_storage, mp.param_dtype, dtype)
     model, tok = load_qlora(args.model, quant=args.quant, dtype=dtype, device=info.device,
                             quant_storage=storage, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                             seed=args.seed)
@@ -277,8 +277,10 @@ def _summary(args, info, records, sharded, storage, dtype, start_step, breaks_be
     timed = [r for r in records if r["step"] >= start_step + args.timing_warmup and r.get("run_start") == start_step]
     med = lambda xs: float(sorted(xs)[len(xs) // 2]) if xs else None  # noqa: E731
     step_ms = med([r["step_ms"] for r in timed])
-    tokens = sum(r["tokens"] for r in timed)
-    seconds = sum(r["step_ms"] for r in timed) / 1e3
+    # Medians of per-step rates, not total tokens / total time: one late recompilation (an
+    # 8.9 s step among 0.3 s ones on the GPU) must not set the throughput.
+    rate = med([r["tokens"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0])
+    rate_padded = med([r["tokens_padded"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0])
     report = sharding_report(sharded.model)
     kinds: dict[str, dict[str, int]] = {}
     for row in report:
@@ -297,8 +299,9 @@ def _summary(args, info, records, sharded, storage, dtype, start_step, breaks_be
         "steps": len(records),
         "resumed_from": start_step or None,
         "losses": [r["loss"] for r in records],
-        "tokens_per_s": (tokens / seconds) if seconds else None,
-        "tokens_per_s_padded": (sum(r["tokens_padded"] for r in timed) / seconds) if seconds else None,
+        "tokens_per_s": rate,
+        "tokens_per_s_padded": rate_padded,
+        "step_ms": [r["step_ms"] for r in records],
         "median_step_ms": step_ms,
         "timed_steps": len(timed),
         "first_step_s": next((r["step_ms"] / 1e3 for r in records if r["step"] == start_step), None),
@@ -453,7 +456,7 @@ def run_trainer(args: argparse.Namespace) -> dict | None:
     out = Path(args.out)
     dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
         else getattr(torch, args.dtype)
-    storage = resolve_quant_storage(args.quant_storage, mixed_precision(dtype).param_dtype)
+    storage = resolve_quant_storage(args.quant_storage, mixed_precision(dtype).param_dtype, dtype)
     model, tok = load_qlora(args.model, quant=args.quant, dtype=dtype, device=info.device,
                             quant_storage=storage, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                             seed=args.seed)

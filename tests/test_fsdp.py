@@ -247,6 +247,9 @@ def test_unknown_nf4_mode_and_storage_are_value_errors():
         resolve_quant_storage("int4", None)
     assert resolve_quant_storage("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_quant_storage("auto", None) == torch.uint8
+    assert resolve_quant_storage("auto", None, torch.float32) == torch.float32
+    assert resolve_quant_storage("auto", torch.bfloat16, torch.float32) == torch.bfloat16
+    assert resolve_quant_storage("uint8", None, torch.float32) == torch.uint8
 
 
 def test_pack_rows_fills_windows_in_order():
