@@ -35,7 +35,30 @@ def row_losses(model, batch, rows, device):
     return out
 
 
+def check(folder) -> int:
+    """Exit status 0 when the replicate run is equal to the unsharded model (per row, 1e-3)."""
+    status = 1
+    for mode in ("shard", "replicate"):
+        try:
+            two = json.load(open(f"{folder}/diag_2_{mode}.json"))
+        except OSError:
+            print(mode, "did not finish")
+            continue
+        good = all(r["integrity"]["bad_words"] == 0 for r in two)
+        for r in two:
+            for row, v in r["fsdp_eager"].items():
+                d = abs(v - r["plain"][row])
+                print(f"{mode}: rank {r['rank']} row {row}: FSDP eager {v:.6f} vs plain {r['plain'][row]:.6f} ({d:.2e})")
+                good = good and d < 1e-3
+        print(mode, "bit-exact and equal" if good else "DIFFERS", two[0]["integrity"])
+        if mode == "replicate" and good:
+            status = 0
+    return status
+
+
 def main():
+    if sys.argv[1] == "--check":
+        sys.exit(check(sys.argv[2]))
     name, path = sys.argv[1], sys.argv[2]
     info = fsdp.init_distributed(os.environ.get("DIAG_DEVICE", "cuda"))
     args = fsdp_train.build_parser().parse_args(
@@ -48,11 +71,13 @@ def main():
     res = {"rank": info.rank, "world_size": info.world_size, "load_s": time.perf_counter() - t0}
     res["plain"] = row_losses(model, batch, [0, 1], info.device)
     ref = {n: p.detach().clone() for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
-    sharded = fsdp.apply_fsdp2(model, mp_policy=fsdp.mixed_precision(torch.bfloat16 if info.device.type == "cuda" else None), nf4="shard")
+    nf4 = os.environ.get("DIAG_NF4", "shard")
+    sharded = fsdp.apply_fsdp2(model, mp_policy=fsdp.mixed_precision(torch.bfloat16 if info.device.type == "cuda" else None),
+                               nf4=nf4, verify=False)
     mods = fsdp._fsdp_modules(model)
     for m in mods:
         m.unshard()
-    bad_words, bad_params, missing_qs, checked = 0, [], 0, 0
+    bad_words, bad_params, missing_qs, checked, samples = 0, [], 0, 0, []
     for m in fsdp._linear4bit_modules(model):
         w = m.weight
         full = getattr(w, "_local_tensor", w)
@@ -61,7 +86,13 @@ def main():
             bad_params.append(f"{key}: not comparable")
             continue
         checked += 1
-        diff = int((full.view(torch.int16) != ref[key].view(torch.int16)).sum())
+        neq = full.view(torch.int16) != ref[key].view(torch.int16)
+        diff = int(neq.sum())
+        if diff and len(samples) < 12:
+            idx = neq.flatten().nonzero()[:4].flatten()
+            a = ref[key].view(torch.int16).flatten()[idx].tolist()
+            b = full.view(torch.int16).flatten()[idx].tolist()
+            samples += [f"{x & 0xFFFF:04x}->{y & 0xFFFF:04x}" for x, y in zip(a, b)]
         if diff:
             bad_words += diff
             bad_params.append(key)
@@ -70,7 +101,7 @@ def main():
     for m in mods:
         m.reshard()
     res["integrity"] = {"checked": checked, "total_nf4": len(ref), "bad_words": bad_words,
-                        "bad_params": bad_params[:10], "missing_quant_state": missing_qs}
+                        "bad_params": bad_params[:10], "missing_quant_state": missing_qs, "samples": samples, "nf4": nf4}
     del ref
     mine = [0, 1] if info.world_size == 1 else [info.rank]
     res["fsdp_eager"] = row_losses(model, batch, mine, info.device)
