@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["build_parser", "validate", "main", "run", "run_trainer", "read_log", "launch", "compare_runs"]
+__all__ = ["resolve_nf4_mode", "build_parser", "validate", "main", "run", "run_trainer", "read_log", "launch", "compare_runs"]
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 TRAINERS = ("none", "hf", "trl")
@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per layer")
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPUOffloadPolicy")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--nf4", default="shard", choices=NF4_MODES, help="shard or replicate the 4-bit weights")
+    p.add_argument("--nf4", default="auto", choices=("auto",) + tuple(NF4_MODES),
+                   help="shard or replicate the 4-bit weights; auto: shard on CPU (gloo), replicate on "
+                        "CUDA (NCCL's all-gather rewrote NaN-patterned packed words on 2 H200s)")
     p.add_argument("--quant-storage", default="auto", choices=QUANT_STORAGE_CHOICES)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32)
@@ -221,10 +223,25 @@ def _setup(args, info):
     model, tok = load_qlora(args.model, quant=args.quant, dtype=dtype, device=info.device,
                             quant_storage=storage, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                             seed=args.seed)
-    sharded = apply_fsdp2(model, mp_policy=mp, nf4=args.nf4, cpu_offload=args.cpu_offload,
+    sharded = apply_fsdp2(model, mp_policy=mp, nf4=resolve_nf4_mode(args.nf4, info.backend),
+                          cpu_offload=args.cpu_offload,
                           reshard_after_forward=args.reshard_after_forward, grad_ckpt=args.grad_ckpt,
                           compile_layers=args.compile, backend=args.backend, fullgraph=args.fullgraph)
     return sharded, tok, dtype, mp, storage
+
+
+def resolve_nf4_mode(mode: str, backend: str) -> str:
+    """``--nf4 auto``: ``"shard"`` on gloo, ``"replicate"`` on NCCL.
+
+    Why: on 2 H200s (torch 2.11, NCCL) sharding the packed NF4 bytes in bf16 storage changed
+    0.07% of the 16-bit words: every word that reads as a bf16 NaN came back as the canonical
+    NaN 0x7fff (tools/fsdp_diag.py, results/fsdp2_h200_diag.json), so the 2-GPU model computed
+    with different weights. Replicated 4-bit weights were bit-exact. On CPU/gloo sharding is exact
+    (tests/test_fsdp.py), and :func:`qlora_nb_utils.fsdp.apply_fsdp2` checks it on every run.
+    """
+    if mode == "auto":
+        return "replicate" if backend == "nccl" else "shard"
+    return mode
 
 
 def _local_micro_batches(batch: dict, info, args) -> list[dict]:

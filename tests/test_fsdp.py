@@ -285,3 +285,33 @@ def test_trainer_mode_trains_and_saves_an_adapter(trainer_run):
 def test_trainer_mode_shards_with_fsdp2_on_cpu(trainer_run):
     summary = _summary(trainer_run)
     assert summary["distributed_type"] == "FSDP" and summary["fsdp_wrapped"]
+
+
+def test_nf4_auto_mode_shards_on_gloo_and_replicates_on_nccl():
+    from qlora_nb_utils.fsdp_train import build_parser, resolve_nf4_mode
+
+    assert build_parser().parse_args(["--out", "x"]).nf4 == "auto"
+    assert resolve_nf4_mode("auto", "gloo") == "shard"
+    assert resolve_nf4_mode("auto", "nccl") == "replicate"
+    assert resolve_nf4_mode("shard", "nccl") == "shard"  # explicit wins (apply_fsdp2 verifies the bytes)
+
+
+def test_apply_fsdp2_refuses_packed_bytes_changed_by_the_round_trip(one_rank_group, monkeypatch):
+    """The verify checksum fires when the all-gathered bytes differ (simulated: one word changed)."""
+    import qlora_nb_utils.fsdp as F
+
+    real = F.packed_checksums
+    calls = []
+
+    def fake(model):
+        sums = real(model)
+        calls.append(1)
+        if len(calls) == 2:  # the check after the all-gather
+            k = next(iter(sums))
+            sums[k] = (sums[k][0], sums[k][1] + 1)
+        return sums
+
+    monkeypatch.setattr(F, "packed_checksums", fake)
+    model, _ = F.load_qlora("tiny", dtype="float32", device="cpu", quant_storage=torch.float32)
+    with pytest.raises(RuntimeError, match="changed the packed 4-bit bytes.*replicate"):
+        F.apply_fsdp2(model, nf4="shard")

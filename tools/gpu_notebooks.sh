@@ -34,7 +34,8 @@ import sys, time, pathlib, nbformat
 from nbclient import NotebookClient
 path = pathlib.Path(sys.argv[1])
 nb = nbformat.read(path, as_version=4)
-client = NotebookClient(nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+import os
+client = NotebookClient(nb, timeout=int(os.environ.get("QLORA_NB_CELL_TIMEOUT", "1800")), kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
 t0 = time.perf_counter()
 try:
     client.execute()
