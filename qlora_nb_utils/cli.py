@@ -74,25 +74,52 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", default="inductor", help="backend of the run over --seq-lens (breaks are backend-independent)")
     d.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     d.add_argument("--strict", action="store_true", help="exit 1 on any break, fullgraph failure or too many compilations")
-    r = sub.add_parser("report", help="Markdown tables of bench, matrix and peers results files (peers: plots too)")
-    r.add_argument("files", nargs="+", help="results files written by qlora-nb bench, matrix.run_matrix or peers.run_peers "
-                   "(for a peers file the PNG plots are written next to it)")
+    r = sub.add_parser("report", help="Markdown tables of bench, matrix, peers and FSDP2 results files (peers, FSDP2: "
+                       "plots too)")
+    r.add_argument("files", nargs="+", help="results files written by qlora-nb bench, matrix.run_matrix, peers.run_peers "
+                   "or tools/gpu_fsdp.sh (for a peers or FSDP2 file the PNG plots are written next to it; an FSDP2 "
+                   "diagnostic file is skipped with a note)")
     return parser
 
 
+def _kind(path: str, results: dict) -> str | None:
+    """Which results file this is ("bench", "matrix", "peers", "fsdp2"); None for an FSDP2 diagnostic.
+
+    Raises:
+        ValueError: for a JSON that is none of these, naming the file (rather than a KeyError later).
+    """
+    from . import fsdp_report, peers_report
+
+    if not isinstance(results, dict):
+        raise ValueError(f"{path}: not a results file (a JSON {type(results).__name__}, expected an object)")
+    if peers_report.is_peers_file(results):
+        return "peers"
+    if "cells" in results:
+        return "matrix"
+    if fsdp_report.is_fsdp2_file(results):
+        return "fsdp2"
+    if isinstance(results.get("eager"), dict) and isinstance(results.get("compiled"), dict):
+        return "bench"
+    if fsdp_report.is_fsdp2_diag_file(results):
+        return None
+    if results.get("partial"):
+        raise ValueError(f"{path}: a partial FSDP2 results file (finished runs: {results.get('finished_runs')}, "
+                         f"missing: {results.get('missing_runs')}); nothing to compare")
+    raise ValueError(f"{path}: not a results file of qlora-nb bench, matrix.run_matrix, peers.run_peers or "
+                     f"tools/gpu_fsdp.sh (FSDP2); its keys are {sorted(results)[:8]}")
+
+
 def _report(args: argparse.Namespace) -> int:
-    from . import bench
+    from . import bench, fsdp_report, matrix, peers_report
+    from .plots import load_results
 
     missing = [f for f in args.files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"results file(s) not found: {', '.join(missing)}")
-    from . import matrix
-
-    from . import peers_report
-
-    loaded = {f: json.loads(Path(f).read_text()) for f in args.files}
-    kinds = {f: "peers" if peers_report.is_peers_file(r) else "matrix" if "cells" in r else "bench"
-             for f, r in loaded.items()}
+    loaded = {f: load_results(f) for f in args.files}
+    kinds = {f: _kind(f, r) for f, r in loaded.items()}
+    for f in (f for f, kind in kinds.items() if kind is None):
+        print(f"skipped {f}: an FSDP2 diagnostic record, not a results file", file=sys.stderr)
     benches = [f for f, kind in kinds.items() if kind == "bench"]
     if benches:
         print(bench.markdown_table(benches), end="")
@@ -101,6 +128,10 @@ def _report(args: argparse.Namespace) -> int:
     for f in (f for f, kind in kinds.items() if kind == "peers"):
         print("\n" + peers_report.markdown_table(loaded[f], Path(f).name), end="")
         for png in peers_report.write_plots(loaded[f], f):
+            print(f"wrote {png}", file=sys.stderr)
+    for f in (f for f, kind in kinds.items() if kind == "fsdp2"):
+        print("\n" + fsdp_report.markdown_table(loaded[f], Path(f).name), end="")
+        for png in fsdp_report.write_plot(loaded[f], f):
             print(f"wrote {png}", file=sys.stderr)
     return 0
 

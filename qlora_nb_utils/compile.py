@@ -245,8 +245,57 @@ def _compile_regional(model, backend_fn, fullgraph, dynamic) -> PatchHandle:
     handle = PatchHandle("regional_compile", {"layers": len(layers)})
     for layer in layers:  # what Module.compile() does, recorded for undo
         compiled = torch.compile(layer._call_impl, backend=backend_fn, fullgraph=fullgraph, dynamic=dynamic)
+        if dynamic is True:
+            compiled = _with_static_floats(compiled)
         set_attribute(handle, layer, "_compiled_call_impl", compiled)
     return handle
+
+
+def _with_static_floats(compiled: Callable) -> Callable:
+    """Run ``compiled`` with Dynamo's ``specialize_float`` on: Python floats are constants.
+
+    Why (regional scope, ``dynamic=True``, i.e. variable lengths): ``dynamic=True`` makes Dynamo
+    assume *everything* dynamic, Python floats included, so a decoder layer's float attributes
+    (the attention's ``scaling`` and ``attention_dropout``, RMSNorm's ``variance_epsilon``, the
+    LoRA ``scaling``) become graph inputs (``SymFloat``s, turned into 0-d tensors by AOTAutograd's
+    tensorify pass). ``scaled_dot_product_attention`` takes ``scale`` and ``dropout_p`` as plain
+    floats, so the pass cannot turn those two into tensors: it raises
+    ``TensorifyScalarRestartAnalysis`` and Dynamo traces the layer a second time with them
+    specialized. The restart is one more full Dynamo + AOTAutograd trace and one more graph
+    handed to the backend under the same compile id (``0/0`` twice): the third "compilation"
+    of the regional variable-length cells of ``results/compile_matrix_h200.json`` (3
+    compilations, 1 recompilation with the inductor ``% 8`` alignment guard; the restarted
+    ``0/0`` is the other), and the second on a CPU, which has no alignment guard.
+
+    Specializing floats up front (what ``dynamic=None`` does on a first compile, where
+    ``assume_static_by_default`` keeps floats constant) avoids the restart; shapes stay dynamic,
+    so the sequence dimension is still symbolic from the first compile. The values are the
+    same constants either way, so results do not change. The cost: a float that differs
+    between calls (e.g. a per-layer LoRA ``scaling`` with ``rank_pattern``/``alpha_pattern``)
+    now recompiles once per distinct value (a ``CONSTANT_MATCH`` guard) instead of being a
+    graph input. The switch is set per call (Dynamo reads its config while it compiles, inside
+    the call) with the low-overhead patcher ``torch.compile`` itself uses for ``dynamic``.
+    """
+    config = torch._dynamo.config
+    if not hasattr(config, "specialize_float"):  # older torch: floats were always specialized
+        return compiled
+    make_patcher = getattr(config, "_make_closure_patcher", None)
+    if make_patcher is None:  # private helper gone: the public (slower) context manager
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with config.patch(specialize_float=True):
+                return compiled(*args, **kwargs)
+    else:
+        patch = make_patcher(specialize_float=True)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            revert = patch()
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                revert()
+
+    call.__wrapped__ = compiled  # type: ignore[attr-defined]
+    return call
 
 
 # ----------------------------------------------------------------------------- optimizer

@@ -273,15 +273,29 @@ class _CountingBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
         start = time.perf_counter()
+        compile_id = _current_compile_id()
         try:
             return self._inner(gm, example_inputs, **kwargs)
+        except Exception as exc:
+            if _is_restart(exc):
+                self._counter._record_restart(compile_id, type(exc).__name__)
+            raise
         finally:
-            self._counter._record_graph(_current_compile_id(), time.perf_counter() - start)
+            self._counter._record_graph(compile_id, time.perf_counter() - start)
 
     def __getattr__(self, name: str) -> Any:  # reset(), get_compiler_config(), compiler_name
         if name.startswith("__") or name in ("_inner", "_counter"):
             raise AttributeError(name)
         return getattr(self._inner, name)
+
+
+def _is_restart(exc: BaseException) -> bool:
+    """True for Dynamo's ``RestartAnalysis`` family: the frame is traced again, same compile id."""
+    try:
+        from torch._dynamo.exc import RestartAnalysis
+    except ImportError:  # private module moved
+        return type(exc).__name__.endswith("RestartAnalysis")
+    return isinstance(exc, RestartAnalysis)
 
 
 def _current_compile_id() -> tuple[str | None, int | None]:
@@ -383,6 +397,11 @@ class CompileCounter:
       before (``CompileId.frame_compile_id > 0``): a guard failed, e.g. a new shape.
     * ``recompile_reasons``: the first failed guard of each recompilation, as Dynamo
       words it (``"tensor 'x' size mismatch at index 1. expected 64, actual 80"``).
+    * ``restarts``: graphs among ``compilations`` whose backend call raised one of Dynamo's
+      ``RestartAnalysis`` exceptions (e.g. ``TensorifyScalarRestartAnalysis``: a float input
+      had to be specialized): Dynamo traces the frame again and hands the backend a new
+      graph under the *same* compile id, so such a compilation has no recompile reason.
+      ``restart_reasons`` names the exceptions, in order.
     * ``backward_compilations``: backward graphs AOTAutograd compiled lazily at the first
       ``.backward()`` (static shapes). With dynamic shapes AOTAutograd compiles the backward
       together with the forward; that time is in the forward's and is not counted here.
@@ -429,6 +448,7 @@ class CompileCounter:
 
     def _start(self) -> None:
         self._graphs: list[tuple[str | None, int | None, float]] = []
+        self._restarts: list[tuple[str | None, str]] = []
         self._metrics_before = _compilation_metrics()  # keeps the old records alive
 
     def __enter__(self) -> CompileCounter:
@@ -482,6 +502,9 @@ class CompileCounter:
     def _record_graph(self, compile_id: tuple[str | None, int | None], seconds: float) -> None:
         self._graphs.append((compile_id[0], compile_id[1], seconds))
 
+    def _record_restart(self, compile_id: tuple[str | None, int | None], name: str) -> None:
+        self._restarts.append((compile_id[0], name))
+
     def _metrics(self) -> list[Any]:
         """Compilation metrics recorded since the start for compiles this counter saw."""
         ids = {cid for cid, _, _ in self._graphs if cid is not None}
@@ -506,6 +529,16 @@ class CompileCounter:
             return self._capture.reasons(ids) if self._capture else []
         return [_strip_compile_id(m.recompile_reason) for m in self._metrics()
                 if m.is_forward is not False and getattr(m, "recompile_reason", None)]
+
+    @property
+    def restarts(self) -> int:
+        """Backend calls Dynamo abandoned to restart its analysis (counted in ``compilations``)."""
+        return len(self._restarts)
+
+    @property
+    def restart_reasons(self) -> list[str]:
+        """``"<compile id>: <exception name>"`` of each restart, in order."""
+        return [f"{cid}: {name}" for cid, name in self._restarts]
 
     @property
     def backward_compilations(self) -> int | None:
@@ -535,6 +568,8 @@ class CompileCounter:
             "compilations": self.compilations,
             "recompilations": self.recompilations,
             "recompile_reasons": self.recompile_reasons,
+            "restarts": self.restarts,
+            "restart_reasons": self.restart_reasons,
             "backward_compilations": self.backward_compilations,
             "compile_s": round(self.compile_s, 4),
             "backend_s": round(self.backend_s, 4),
@@ -571,8 +606,9 @@ def diagnose_model(model: Any, batch: dict[str, Any], *, compile_kwargs: dict | 
     Returns:
         A JSON-ready dict with keys ``graph_breaks``, ``break_reasons``, ``fullgraph_ok``,
         ``fullgraph_error``, ``compilations``, ``recompilations``, ``recompile_reasons``,
-        ``compile_s``, ``seq_lens`` (and ``backward_compilations``, ``reasons_source``);
-        the compile counts are None when no seq-len run was asked for.
+        ``compile_s``, ``seq_lens`` (and ``restarts``, ``restart_reasons``,
+        ``backward_compilations``, ``reasons_source``); the compile counts are None when no
+        seq-len run was asked for.
 
     Raises:
         ValueError: When ``seq_lens`` is given without ``make_batch`` or on bad compile_kwargs.
@@ -591,7 +627,8 @@ def diagnose_model(model: Any, batch: dict[str, Any], *, compile_kwargs: dict | 
         "fullgraph_ok": full.ok,
         "fullgraph_error": full.error,
         "compilations": None, "recompilations": None, "recompile_reasons": None,
-        "backward_compilations": None, "compile_s": None, "reasons_source": None,
+        "restarts": None, "restart_reasons": None, "backward_compilations": None, "compile_s": None,
+        "reasons_source": None,
         "seq_lens": list(seq_lens or []),
     }
     if seq_lens:

@@ -52,7 +52,7 @@ TRAINERS = ("none", "hf", "trl")
 # ----------------------------------------------------------------------------- arguments
 def build_parser() -> argparse.ArgumentParser:
     """The command-line options (see ``--help``)."""
-    from .fsdp import NF4_MODES, QUANT_STORAGE_CHOICES
+    from .fsdp import FROZEN_MODES, NF4_MODES, QUANT_STORAGE_CHOICES
 
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m qlora_nb_utils.fsdp_train",
                                 description="QLoRA + FSDP2 + per-layer torch.compile.")
@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per layer")
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPUOffloadPolicy")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--frozen", default="shard", choices=FROZEN_MODES,
+                   help="shard or replicate the other frozen weights (embeddings, LM head, norms): "
+                        "replicate trades memory for no all-gather traffic")
     p.add_argument("--nf4", default="auto", choices=("auto",) + tuple(NF4_MODES),
                    help="shard or replicate the 4-bit weights; auto: shard on CPU (gloo), replicate on "
                         "CUDA (NCCL's all-gather rewrote NaN-patterned packed words on 2 H200s)")
@@ -224,7 +227,7 @@ def _setup(args, info):
                             quant_storage=storage, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                             seed=args.seed)
     sharded = apply_fsdp2(model, mp_policy=mp, nf4=resolve_nf4_mode(args.nf4, info.backend),
-                          cpu_offload=args.cpu_offload,
+                          frozen=args.frozen, cpu_offload=args.cpu_offload,
                           reshard_after_forward=args.reshard_after_forward, grad_ckpt=args.grad_ckpt,
                           compile_layers=args.compile, backend=args.backend, fullgraph=args.fullgraph)
     return sharded, tok, dtype, mp, storage

@@ -71,7 +71,8 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ck
     # Regional: the layers are compiled, the embedding is not. Every layer but the first gets an
     # input that requires grad (the previous layer's LoRA output), so without the eager hook the
     # first layer compiles a second graph (a requires_grad guard). Variable lengths cannot be
-    # marked on the layers' inputs from outside, so the layers are compiled dynamic.
+    # marked on the layers' inputs from outside, so the layers are compiled dynamic (floats kept
+    # constant: see compile._with_static_floats, which removed a restarted trace per cell).
     hook = None
     if scope == "regional":
         hook = model.get_input_embeddings().register_forward_hook(input_require_grads.requires_grad_unless_compiling)
@@ -93,7 +94,8 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ck
             hook.remove()
         torch.compiler.reset()
     return hist, {"compilations": stats["compilations"], "recompilations": stats["recompilations"],
-                  "recompile_reasons": stats["recompile_reasons"], "compile_s": stats["compile_s"],
+                  "recompile_reasons": stats["recompile_reasons"], "restarts": stats["restarts"],
+                  "restart_reasons": stats["restart_reasons"], "compile_s": stats["compile_s"],
                   "compiled_error": error}
 
 

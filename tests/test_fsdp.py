@@ -229,6 +229,25 @@ def test_replicate_mode_leaves_the_4bit_weights_whole_and_usable(one_rank_group)
         torch.testing.assert_close(sharded.model(input_ids=ids).logits, expected)
 
 
+def test_frozen_replicate_shards_only_the_trainable_weights(one_rank_group):
+    from qlora_nb_utils import models
+    from qlora_nb_utils.fsdp import apply_fsdp2, sharding_report
+
+    model, _ = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
+    ids = torch.randint(0, 1000, (2, 16))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    sharded = apply_fsdp2(model, nf4="replicate", frozen="replicate")
+    report = sharding_report(sharded.model)
+    assert {r["kind"] for r in report if r["dtensor"]} == {"lora"}
+    assert all(r["requires_grad"] for r in report if r["dtensor"])
+    assert any(r["kind"] == "other" and not r["dtensor"] for r in report)  # embeddings, norms whole
+    with torch.no_grad():
+        torch.testing.assert_close(sharded.model(input_ids=ids).logits, expected)
+    with pytest.raises(ValueError, match="frozen must be one of"):
+        apply_fsdp2(model, frozen="offload")
+
+
 def test_a_mixed_precision_cast_of_the_packed_weights_is_refused(one_rank_group):
     from qlora_nb_utils.fsdp import apply_fsdp2, load_qlora, mixed_precision
 
