@@ -22,7 +22,7 @@ export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLI
 export TOKENIZERS_PARALLELISM=false
 nvidia-smi -L | tee "$OUT/gpus.txt"
 MODEL=${MODEL:-llama-3.1-8b-shape}
-NF4=${NF4:-shard}  # replicate: the 4-bit weights whole on every GPU (see tools/fsdp_diag.py)
+NF4=${NF4:-auto}  # auto = replicate on NCCL: sharded NF4 bytes did not survive NCCL (tools/fsdp_diag.py)
 FROZEN=${FROZEN:-shard}  # replicate: embeddings/LM head/norms whole on every GPU (no all-gather)
 COMMON=(--model "$MODEL" --quant nf4 --nf4 "$NF4" --frozen "$FROZEN" --seq-len 2048 --pack --dtype bfloat16 --device cuda
         --compile --backend inductor --no-fullgraph --lr 2e-4 --seed 0 --timing-warmup 3)
