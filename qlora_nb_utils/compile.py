@@ -262,10 +262,12 @@ def _with_static_floats(compiled: Callable) -> Callable:
     floats, so the pass cannot turn those two into tensors: it raises
     ``TensorifyScalarRestartAnalysis`` and Dynamo traces the layer a second time with them
     specialized. The restart is one more full Dynamo + AOTAutograd trace and one more graph
-    handed to the backend under the same compile id (``0/0`` twice): the third "compilation"
-    of the regional variable-length cells of ``results/compile_matrix_h200.json`` (3
-    compilations, 1 recompilation with the inductor ``% 8`` alignment guard; the restarted
-    ``0/0`` is the other), and the second on a CPU, which has no alignment guard.
+    handed to the backend under the same compile id (``0/0`` twice). On a CPU (torch 2.13,
+    tiny model, aot_eager or inductor) that is the second of 2 counted compilations; it
+    accounts for the third in the regional variable-length cells of
+    ``results/compile_matrix_h200.json`` (3 compilations but 1 recompilation, whose guard is
+    inductor's CUDA-only SDPA ``% 8`` alignment: two graphs had frame compile id 0; inferred
+    from those counts, not rerun on a GPU).
 
     Specializing floats up front (what ``dynamic=None`` does on a first compile, where
     ``assume_static_by_default`` keeps floats constant) avoids the restart; shapes stay dynamic,
@@ -473,7 +475,9 @@ def prepare_for_compile(
         backend: A Dynamo backend name (``valid_backends()``) or a backend callable.
         fullgraph: Fail at the first graph break instead of splitting the graph.
         dynamic: ``torch.compile``'s ``dynamic`` (None: specialise first, then go dynamic
-            on the first shape change).
+            on the first shape change). In ``"regional"`` scope ``True`` (variable lengths:
+            the layers' inputs cannot be marked dynamic from outside) keeps Python floats
+            constant, which saves a restarted trace of the layer (see ``_with_static_floats``).
         compile_optimizer: True builds a compiled ``AdamW`` over the trainable parameters
             (lr 2e-4); a dict gives its ``AdamW`` options, e.g. ``{"lr": 1e-4}``.
         patches: ``"auto"`` (the patches whose targets the model has), None/``[]`` (none), or

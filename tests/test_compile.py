@@ -254,6 +254,43 @@ def test_compiled_optimizer_wraps_an_existing_optimizer():
         CompiledOptimizer(wrapped)
 
 
+# ----------------------------------------------------------------------------- variable lengths
+def padded_batch(seq: int, seed: int):
+    """A batch of ``seq`` tokens whose second row ends in 3 padding tokens (a 4-D mask reaches the layers)."""
+    b = batch(seq, seed)
+    b["attention_mask"][1, -3:] = 0
+    b["labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)
+    return b
+
+
+@pytest.mark.parametrize("grad_ckpt", [False, True])
+def test_regional_variable_lengths_compile_once_without_a_restart(tiny_dir, grad_ckpt):
+    """Regional + ``dynamic=True`` over 5 lengths: one graph serves every layer and length.
+
+    Without ``compile._with_static_floats`` the layer's float attributes become graph inputs and
+    SDPA's ``scale``/``dropout_p`` make AOTAutograd raise ``TensorifyScalarRestartAnalysis``:
+    the frame is traced twice (2 compilations, both compile id 0/0; on an H200 with inductor a
+    third one, the ``% 8`` SDPA alignment guard). The embedding-output hook is the matrix's
+    (else layer 0 compiles a second graph for an input that does not require grad).
+    """
+    model = build(tiny_dir, quant=False, how="enable" if grad_ckpt else None)
+    hook = model.get_input_embeddings().register_forward_hook(input_require_grads.requires_grad_unless_compiling)
+    batches = [padded_batch(n, seed=n) for n in (24, 17, 32, 21, 40)]
+    cfg = TrainConfig(steps=len(batches), lr=1e-2, progress=False)
+    start = trainable_state(model)
+    eager = train(model, batches, cfg)
+    load_trainable_state(model, start)
+    prepared = prepare_for_compile(model, scope="regional", grad_ckpt=grad_ckpt, dynamic=True, fullgraph=True,
+                                   backend="aot_eager")
+    compiled = train(model, batches, cfg, forward=prepared.forward, label="compiled")
+    c = prepared.counter
+    assert (c.compilations, c.recompilations, c.restarts) == (1, 0, 0), (c.recompile_reasons, c.restart_reasons)
+    assert max(abs(a - b) for a, b in zip(eager["loss"], compiled["loss"])) < 1e-4
+    prepared.undo()
+    hook.remove()
+    assert not any("_compiled_call_impl" in vars(m) for m in decoder_layers(model))
+
+
 # ----------------------------------------------------------------------------- inductor parity
 def test_inductor_training_matches_eager_qlora_with_checkpointing(tiny_dir):
     """4 steps of fp32 QLoRA (peft's reentrant checkpointing) eager vs inductor: same losses."""

@@ -161,6 +161,36 @@ def test_aot_backend_counts_the_lazy_backward_compile():
     assert set(json.loads(json.dumps(counter.to_dict()))) >= {"compilations", "recompile_reasons"}
 
 
+class _ScaledAttention(torch.nn.Module):
+    """SDPA with a float attribute as ``scale``, like a transformers attention module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scaling = 0.25
+
+    def forward(self, q):
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=self.scaling)
+
+
+def test_a_restarted_trace_is_counted_as_a_restart_under_the_same_compile_id():
+    """dynamic=True makes ``self.scaling`` a SymFloat; SDPA needs a Python float, so AOTAutograd's
+    tensorify pass restarts Dynamo: two graphs reach the backend, both compile id 0/0."""
+    counter = CompileCounter(backend="aot_eager")
+    fn = counter.compile(_ScaledAttention(), dynamic=True, fullgraph=True)
+    fn(torch.randn(1, 2, 8, 4))
+    fn(torch.randn(1, 2, 12, 4))
+    assert (counter.compilations, counter.recompilations, counter.recompile_reasons) == (2, 0, [])
+    assert counter.restarts == 1 and counter.restart_reasons == ["0/0: TensorifyScalarRestartAnalysis"]
+    assert counter.to_dict()["restarts"] == 1
+    with torch._dynamo.config.patch(specialize_float=True):  # what compile._with_static_floats sets
+        torch.compiler.reset()
+        counter = CompileCounter(backend="aot_eager")
+        fn = counter.compile(_ScaledAttention(), dynamic=True, fullgraph=True)
+        fn(torch.randn(1, 2, 8, 4))
+        fn(torch.randn(1, 2, 12, 4))
+    assert (counter.compilations, counter.recompilations, counter.restarts) == (1, 0, 0)
+
+
 def test_mode_and_options_reach_the_backend():
     seen = []
 
