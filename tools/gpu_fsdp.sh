@@ -14,12 +14,7 @@ set -euo pipefail
 OUT=${OUT:-$PWD/out/fsdp2}
 mkdir -p "$OUT"
 T0=$(date +%s)
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
-export TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_fsdp_env.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 MODEL=${MODEL:-llama-3.1-8b-shape}
 NF4=${NF4:-auto}  # auto = replicate on NCCL: sharded NF4 bytes did not survive NCCL (tools/fsdp_diag.py)

@@ -12,12 +12,7 @@ set -euo pipefail
 OUT=${OUT:-$PWD/out/fsdp2_check}
 mkdir -p "$OUT"
 T0=$(date +%s)
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
-export TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_fsdp_env.sh"
 RUNS=/tmp/fsdp_check_runs
 mkdir -p "$RUNS"
 { nvidia-smi -L; nvidia-smi topo -m; env | grep -E '^(NCCL|TORCH_SYMM|NVSHMEM)' || true; } > "$RUNS/topo.txt" 2>&1

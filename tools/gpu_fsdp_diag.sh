@@ -5,11 +5,7 @@
 set -euo pipefail
 OUT=${OUT:-$PWD/out/fsdp2_diag}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_fsdp_env.sh"
 MODEL=${MODEL:-llama-3.1-8b-shape}
 timeout 240 python3 -c "from qlora_nb_utils import models; print(models.materialize('$MODEL'))" 2>&1 | tail -1
 for mode in shard replicate; do

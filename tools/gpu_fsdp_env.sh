@@ -1,0 +1,8 @@
+# Sourced by tools/gpu_fsdp*.sh on the GPU machine: install the carried wheels (.whl/) and set the
+# offline environment the FSDP2 runs share (package path, model cache, hub off, unbuffered logs).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+export TOKENIZERS_PARALLELISM=false
