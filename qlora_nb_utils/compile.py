@@ -33,6 +33,10 @@ saving, when a few decisions are made together, each easy to get subtly wrong on
   optimizer's own ``step``, because an LR scheduler wraps ``opt.step`` in a function Dynamo
   skips. :class:`CompiledOptimizer` does both and still works with any ``LRScheduler`` and
   with :func:`qlora_nb_utils.train.train` (``optimizer=``).
+* **Low-precision numerics.** Inductor fuses bf16/fp16 pointwise ops into one kernel and
+  keeps the intermediates in fp32, where eager rounds every op's output to bf16, so compiled
+  losses drift from eager's by rounding. ``eager_numerics=True`` turns on Inductor's
+  ``emulate_precision_casts`` (those roundings kept) for the life of the :class:`Prepared`.
 
 Every compile goes through a :class:`~qlora_nb_utils.diagnostics.CompileCounter`, so the
 number of compilations is a fact on the returned :class:`Prepared` rather than a guess.
@@ -91,7 +95,8 @@ def valid_backends() -> list[str]:
         return sorted(set(torch._dynamo.list_backends()) | {"eager", "aot_eager", "inductor"})
 
 
-def _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compile_optimizer, patches):
+def _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compile_optimizer, patches,
+              eager_numerics=False):
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not any(grad_ckpt is c for c in GRAD_CKPT_CHOICES) and grad_ckpt not in ("non_reentrant", "reentrant"):
@@ -115,6 +120,8 @@ def _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compil
     if not isinstance(compile_optimizer, (bool, dict)):
         raise ValueError("compile_optimizer must be True, False or a dict of AdamW options "
                          f"(e.g. {{'lr': 2e-4}}), got {compile_optimizer!r}")
+    if not isinstance(eager_numerics, bool):
+        raise ValueError(f"eager_numerics must be True or False, got {eager_numerics!r}")
     return _patch_names(patches)
 
 
@@ -214,6 +221,29 @@ def _configure_checkpointing(model: torch.nn.Module, grad_ckpt, scope: str = "wh
 def _has_traceable_hook(model: torch.nn.Module) -> bool:
     target = input_require_grads.requires_grad_unless_compiling
     return any(h is target for m in model.modules() for h in m._forward_hooks.values())
+
+
+def _emulate_precision_casts() -> PatchHandle:
+    """Turn on ``torch._inductor.config.emulate_precision_casts``; undo puts back the value before.
+
+    The flag is read while compiling (AOTAutograd's tracer marks the ops whose results eager
+    rounds, Inductor's code generation keeps those roundings), which happens at the first call
+    of the compiled forward (and the first backward), after ``prepare_for_compile`` has
+    returned: so it is set for the life of the :class:`Prepared`, not around one call. Undo leaves the flag
+    alone if someone else changed it meanwhile (as :func:`set_attribute` does).
+    """
+    from torch._inductor import config
+
+    handle = PatchHandle("eager_numerics", {"emulate_precision_casts": True})
+    old = config.emulate_precision_casts
+    config.emulate_precision_casts = True
+
+    def restore() -> None:
+        if config.emulate_precision_casts is True:  # else changed since: not ours to revert
+            config.emulate_precision_casts = old
+
+    handle.add_undo(restore)
+    return handle
 
 
 def _apply_patches(model: torch.nn.Module, names) -> list[PatchHandle]:
@@ -457,6 +487,7 @@ def prepare_for_compile(
     dynamic: bool | None = None,
     compile_optimizer: bool | dict = False,
     patches: str | Sequence[str] | None = "auto",
+    eager_numerics: bool = False,
 ) -> Prepared:
     """Patch, configure and compile ``model`` for training; everything is reversible.
 
@@ -482,6 +513,12 @@ def prepare_for_compile(
             (lr 2e-4); a dict gives its ``AdamW`` options, e.g. ``{"lr": 1e-4}``.
         patches: ``"auto"`` (the patches whose targets the model has), None/``[]`` (none), or
             names from ``qlora_nb_utils.patches.PATCHES``.
+        eager_numerics: True sets Inductor's ``emulate_precision_casts`` until ``undo()``.
+            Inductor fuses bf16/fp16 pointwise ops and keeps the intermediates in fp32, while
+            eager rounds each op's result to bf16; with this, the fused kernels round where
+            eager does, so the compiled losses follow eager's. The cost: a little speed (extra
+            casts; Triton's floating-point fusion is turned off). Only Inductor reads it; it is
+            meant for bf16/fp16 training.
 
     Returns:
         A :class:`Prepared`: call ``prepared.forward(**batch)``; ``prepared.undo()`` reverts.
@@ -491,12 +528,15 @@ def prepare_for_compile(
             cannot do what was asked (no checkpointing support, no decoder layers).
         RuntimeError: A patch refuses (unsupported versions or a changed upstream target).
     """
-    names = _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compile_optimizer, patches)
+    names = _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compile_optimizer, patches,
+                      eager_numerics)
     options = {"grad_ckpt": grad_ckpt, "scope": scope, "mode": mode, "backend": backend,
                "fullgraph": fullgraph, "dynamic": dynamic, "compile_optimizer": compile_optimizer,
-               "patches": patches}
+               "patches": patches, "eager_numerics": eager_numerics}
     handles: list[PatchHandle] = []
     try:
+        if eager_numerics:
+            handles.append(_emulate_precision_casts())
         handles.append(_configure_checkpointing(model, grad_ckpt, scope))
         handles.extend(_apply_patches(model, names))
         counter = CompileCounter(backend=backend)

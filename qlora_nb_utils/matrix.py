@@ -7,8 +7,9 @@ one configuration a demo happens to use. `run_matrix` builds each cell the way a
 `compile.prepare_for_compile` (the recommended setting: patches as needed, `fullgraph=True`,
 the sequence dimension marked dynamic for variable lengths), and measures, on the same
 batches and from the same starting weights as an eager run of that cell: graph breaks,
-whether `fullgraph=True` held, compilations, max |loss difference|, peak memory and median
-step time. Each finished cell is written out at once, so a run cut short keeps its cells.
+whether `fullgraph=True` held, compilations, max |loss difference| (and both runs' per-step
+losses), peak memory and median step time. Each finished cell is written out at once, so a run
+cut short keeps its cells.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _break_check(model, batch, device, ckpt: bool) -> dict[str, Any]:
             "fullgraph_ok": full.ok, "fullgraph_error": full.error, "patches": prepared.patches}
 
 
-def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ckpt) -> tuple[Any, dict[str, Any]]:
+def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ckpt,
+                   eager_numerics: bool = False) -> tuple[Any, dict[str, Any]]:
     torch.compiler.reset()
     load_trainable_state(model, start)
     # Regional: the layers are compiled, the embedding is not. Every layer but the first gets an
@@ -80,7 +82,7 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ck
     # With checkpointing on, grad_ckpt=True gives the whole graph the recompute-everything policy
     # (compiled peak memory at eager's; see compile.py).
     prepared = prepare_for_compile(model, scope=scope, backend=backend, mode=mode, fullgraph=True, dynamic=dynamic,
-                                   grad_ckpt=True if ckpt else None)
+                                   grad_ckpt=True if ckpt else None, eager_numerics=eager_numerics)
     forward = mark_dynamic(prepared.forward, SEQ_DIMS) if lengths == "variable" and scope == "whole" else prepared.forward
     try:
         hist = train(model, batches, cfg, forward=forward, label=f"compiled-{scope}")
@@ -127,6 +129,7 @@ def run_matrix(
     time_budget_s: float | None = None,
     log: Callable[[str], Any] = print,
     command: str | None = None,
+    eager_numerics: bool = False,
 ) -> dict[str, Any]:
     """Run the matrix and return `{"device", "versions", "command", "date", "options", "cells": [...]}`.
 
@@ -150,15 +153,23 @@ def run_matrix(
         time_budget_s: start no new cell after this many seconds (cells not run are omitted).
         log: status messages.
         command: the command line to record (defaults to `sys.argv`).
+        eager_numerics: compile with Inductor's `emulate_precision_casts` (bf16/fp16 rounded
+            after every op, as eager does; see `prepare_for_compile`).
+
+    Each cell also keeps both runs' per-step losses (`eager_losses`, `losses`; `losses` is None
+    when the compiled run failed) and `first_step_loss_diff`, |compiled - eager| at step 0, where
+    both start from the same weights (None when the compiled run failed).
 
     Raises:
-        ValueError: for unknown configs, lengths or scopes.
+        ValueError: for unknown configs, lengths or scopes, or a non-bool `eager_numerics`.
     """
     configs, lengths, scopes, grad_ckpts = list(configs), list(lengths), list(scopes), list(grad_ckpts)
     for what, given, valid in (("configs", configs, CONFIGS), ("lengths", lengths, LENGTHS), ("scopes", scopes, SCOPES)):
         bad = [g for g in given if g not in valid]
         if bad:
             raise ValueError(f"unknown {what} {bad}; valid: {list(valid)}")
+    if not isinstance(eager_numerics, bool):
+        raise ValueError(f"eager_numerics must be True or False, got {eager_numerics!r}")
     dev = env.resolve_device(device)
     torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
     result = {
@@ -167,7 +178,8 @@ def run_matrix(
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "options": {"model": model_name, "steps": steps, "batch_size": batch_size, "max_len": max_len,
                     "dtype": str(torch_dtype).replace("torch.", ""), "backend": backend, "mode": mode, "lr": lr,
-                    "warmup": warmup, "seed": seed, "gpu_lock": lock_path() is not None,
+                    "warmup": warmup, "seed": seed, "eager_numerics": eager_numerics,
+                    "gpu_lock": lock_path() is not None,
                     "recommended": "prepare_for_compile(fullgraph=True); variable lengths: mark_dynamic on the "
                                    "sequence dimension (whole), dynamic=True (regional); regional: the "
                                    "embedding output requires grad (eager hook)"},
@@ -193,19 +205,23 @@ def run_matrix(
                     if _out_of_time(t0, time_budget_s, result, log):
                         return result
                     log(f"==> {name} grad_ckpt={ckpt} {kind} {scope}")
-                    hist, counts = _compiled_cell(model, batches, cfg, start, scope, kind, backend, mode, ckpt)
+                    hist, counts = _compiled_cell(model, batches, cfg, start, scope, kind, backend, mode, ckpt,
+                                                  eager_numerics)
                     cell = {"model": model_name, "quant": quant, "lora": lora, "config": name, "grad_ckpt": ckpt,
                             "lengths": kind, "scope": scope, **checked, **counts,
                             "distinct_lengths": len({b["input_ids"].shape[1] for b in batches}),
                             "eager_median_step_ms": summarize(eager, warmup)["median_step_ms"],
-                            "eager_peak_mem_gib": float(eager["peak_mem_gib"].max())}
+                            "eager_peak_mem_gib": float(eager["peak_mem_gib"].max()),
+                            "eager_losses": [float(x) for x in eager["loss"]]}
                     if hist is not None:
                         s = summarize(hist, warmup)
+                        diff = (hist["loss"] - eager["loss"]).abs()
                         cell.update(median_step_ms=s["median_step_ms"], peak_mem_gib=s["peak_mem_gib"],
-                                    max_abs_loss_diff=float((hist["loss"] - eager["loss"]).abs().max()))
+                                    max_abs_loss_diff=float(diff.max()), first_step_loss_diff=float(diff.iloc[0]),
+                                    losses=[float(x) for x in hist["loss"]])
                     else:
                         cell.update(median_step_ms=None, peak_mem_gib=None, max_abs_loss_diff=None,
-                                    fullgraph_ok=False)
+                                    first_step_loss_diff=None, losses=None, fullgraph_ok=False)
                     result["cells"].append(cell)
                     if out is not None:
                         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -217,7 +233,10 @@ def run_matrix(
 
 
 _ORDER = {"config": list(CONFIGS), "grad_ckpt": [False, True], "lengths": list(LENGTHS), "scope": list(SCOPES)}
-_SAME = ("model", "steps", "batch_size", "max_len", "dtype", "backend", "mode", "lr", "warmup", "seed")
+_SAME = ("model", "steps", "batch_size", "max_len", "dtype", "backend", "mode", "lr", "warmup", "seed",
+         "eager_numerics")
+#: What an option missing from a part meant (parts written before the option existed).
+_OPTION_DEFAULTS = {"eager_numerics": False}
 
 
 def merge_results(results: Iterable[dict[str, Any]], command: str | None = None) -> dict[str, Any]:
@@ -244,7 +263,8 @@ def merge_results(results: Iterable[dict[str, Any]], command: str | None = None)
             raise ValueError(f"parts ran on different devices: {first['device'].get('name')} vs {other['device'].get('name')}")
         if other["versions"] != first["versions"]:
             raise ValueError("parts ran with different library versions")
-        diff = [k for k in _SAME if other["options"].get(k) != first["options"].get(k)]
+        diff = [k for k in _SAME if other["options"].get(k, _OPTION_DEFAULTS.get(k))
+                != first["options"].get(k, _OPTION_DEFAULTS.get(k))]
         if diff:
             raise ValueError(f"parts ran with different options: {diff}")
     cells, seen = [], set()
@@ -323,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--time-budget-s", type=float, default=None)
+    p.add_argument("--eager-numerics", action="store_true",
+                   help="compile with inductor's emulate_precision_casts (bf16 rounded after every op, as in eager)")
     p.add_argument("--command", default=None, help="the command line to record (defaults to this one)")
     p.add_argument("--merge", nargs="+", default=None, metavar="PART", help="merge these part files instead of running")
     p.add_argument("--out", required=True)
@@ -341,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run_matrix(a.model, configs=split(a.configs), grad_ckpts=[ckpts[c] for c in split(a.grad_ckpt)],
                          lengths=split(a.lengths), scopes=split(a.scopes), steps=a.steps, batch_size=a.batch_size,
                          max_len=a.max_len, warmup=a.warmup, device=a.device, backend=a.backend, out=a.out,
-                         time_budget_s=a.time_budget_s, command=a.command)
+                         time_budget_s=a.time_budget_s, command=a.command, eager_numerics=a.eager_numerics)
     except ValueError as err:
         p.error(str(err))
     print(summary_frame(res).to_string() if res["cells"] else "no cells finished")

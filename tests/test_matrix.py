@@ -31,9 +31,53 @@ def test_cells_are_written_to_json_with_the_required_fields(small_matrix):
     on_disk = json.loads(out.read_text())
     assert len(on_disk["cells"]) == len(res["cells"]) and {"device", "versions"} <= set(on_disk)
     required = {"model", "quant", "lora", "grad_ckpt", "lengths", "scope", "graph_breaks", "fullgraph_ok",
-                "compilations", "max_abs_loss_diff", "peak_mem_gib", "median_step_ms"}
+                "compilations", "max_abs_loss_diff", "peak_mem_gib", "median_step_ms", "eager_losses", "losses",
+                "first_step_loss_diff"}
     assert all(required <= set(cell) for cell in on_disk["cells"])
     assert matrix.summary_frame(res).shape[0] == len(res["cells"])
+    assert on_disk["options"]["eager_numerics"] is False
+
+
+def test_cells_keep_the_per_step_losses_of_both_runs(small_matrix):
+    res, _ = small_matrix
+    steps = res["options"]["steps"]
+    for cell in res["cells"]:
+        eager, compiled = cell["eager_losses"], cell["losses"]
+        assert len(eager) == len(compiled) == steps
+        assert all(type(x) is float for x in eager + compiled)
+        diffs = [abs(a - b) for a, b in zip(eager, compiled)]
+        assert cell["first_step_loss_diff"] == pytest.approx(diffs[0], abs=1e-12)
+        assert cell["max_abs_loss_diff"] == pytest.approx(max(diffs), abs=1e-12)
+
+
+def test_eager_numerics_reaches_prepare_for_compile_and_the_options(monkeypatch):
+    """One cell with eager_numerics=True (the eager backend ignores it; the break check, which
+    the module's matrix covers, is stubbed out to keep this test at a few seconds)."""
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("eager_numerics"))
+        return prepare_for_compile(*args, **kwargs)
+
+    prepare_for_compile = matrix.prepare_for_compile
+    monkeypatch.setattr(matrix, "prepare_for_compile", spy)
+    monkeypatch.setattr(matrix, "_break_check", lambda *a: {"graph_breaks": 0, "fullgraph_ok": True})
+    res = matrix.run_matrix("tiny", configs=["lora"], grad_ckpts=[False], lengths=["fixed"], scopes=["whole"],
+                            steps=2, batch_size=2, max_len=192, device="cpu", backend="eager", warmup=1,
+                            eager_numerics=True, log=lambda *_: None)
+    assert res["options"]["eager_numerics"] is True and seen == [True]
+    (cell,) = res["cells"]
+    assert len(cell["eager_losses"]) == len(cell["losses"]) == 2 and cell["first_step_loss_diff"] <= 1e-4
+    with pytest.raises(ValueError, match="eager_numerics"):
+        matrix.run_matrix("tiny", configs=["lora"], eager_numerics="yes")
+
+
+def test_cli_passes_eager_numerics(monkeypatch, tmp_path, capsys):
+    calls = []
+    monkeypatch.setattr(matrix, "run_matrix", lambda *a, **k: calls.append(k) or {"cells": []})
+    for flags in ([], ["--eager-numerics"]):
+        assert matrix.main([*flags, "--out", str(tmp_path / "m.json")]) == 0
+    assert [c["eager_numerics"] for c in calls] == [False, True]
 
 
 def test_time_budget_stops_early():
@@ -73,3 +117,12 @@ def test_merging_refuses_duplicates_and_mismatches(small_matrix):
         matrix.merge_results([res, other])
     with pytest.raises(ValueError, match="nothing|no matrix"):
         matrix.merge_results([])
+
+
+def test_merging_refuses_mixed_eager_numerics_and_reads_a_missing_one_as_off(small_matrix):
+    res, _ = small_matrix
+    regional, whole = _split(res, "scope")
+    with pytest.raises(ValueError, match="eager_numerics"):
+        matrix.merge_results([regional, {**whole, "options": {**whole["options"], "eager_numerics": True}}])
+    older = {k: v for k, v in whole["options"].items() if k != "eager_numerics"}  # written before the option
+    assert len(matrix.merge_results([regional, {**whole, "options": older}])["cells"]) == len(res["cells"])

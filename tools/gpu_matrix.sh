@@ -6,6 +6,8 @@
 # group "dynamic": variable lengths, whole model (a dynamic graph of the whole model: the
 # slowest compile); group "variable": variable lengths, whole then regional; group "all": all. Parts of two calls merge with
 # `python -m qlora_nb_utils.matrix --merge PART.json ... --out ALL.json`.
+# EAGER_NUMERICS=1 compiles with inductor's emulate_precision_casts (--eager-numerics: bf16
+# rounded after every op, as eager does); parts with and without it do not merge.
 #
 # One process per (config, checkpointing): six processes compile at once on the host's cores
 # (two threads each). Their training steps never overlap on the GPU: each step holds an
@@ -18,13 +20,18 @@ configs=${3:-qlora,lora,base}
 group=${4:-all}
 case $group in quick|dynamic|variable|all) ;; *) echo "group must be quick, dynamic, variable or all, not $group" >&2; exit 2;; esac
 model=${QLORA_NB_MATRIX_MODEL:-llama-3.2-1b-shape}
+case ${EAGER_NUMERICS:-0} in
+  1) numerics=--eager-numerics; numerics_env="EAGER_NUMERICS=1 " ;;
+  0|"") numerics=; numerics_env= ;;
+  *) echo "EAGER_NUMERICS must be 0 or 1, not $EAGER_NUMERICS" >&2; exit 2;;
+esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 export QLORA_NB_GPU_LOCK=/tmp/qlora_nb_gpu.lock TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 nvidia-smi -L
-cmd="bash tools/gpu_matrix.sh $out $budget $configs $group"
+cmd="${numerics_env}bash tools/gpu_matrix.sh $out $budget $configs $group"
 # Build each model once before the parts start, so that the parts do not all build it.
 python3 -c "from qlora_nb_utils import models; models.materialize('$model')"
 parts=$(dirname "$out")/matrix_parts
@@ -37,7 +44,7 @@ part() {  # part TAG LENGTHS SCOPES: runs until the common deadline at most
   [ "$rem" -gt 10 ] || return 0
   timeout --kill-after=10 "$rem" python3 -W ignore -m qlora_nb_utils.matrix --model "$model" --configs "$c" \
     --grad-ckpt "$ck" --lengths "$2" --scopes "$3" --steps 30 --batch-size 4 --max-len 256 \
-    --warmup 5 --command "$cmd" --out "$parts/$c-$ck-$1.json" >> "$parts/$c-$ck.log" 2>&1
+    --warmup 5 $numerics --command "$cmd" --out "$parts/$c-$ck-$1.json" >> "$parts/$c-$ck.log" 2>&1
 }
 for c in ${configs//,/ }; do
   for ck in off on; do
