@@ -25,6 +25,7 @@ import torch
 
 from . import data as qdata
 from . import diagnostics, env, models
+from .markdown import table_header
 from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
 
 __all__ = [
@@ -300,9 +301,8 @@ def markdown_table(paths: list[str | Path]) -> str:
     Returns:
         The table, ending with a newline.
     """
-    head = ("| file | device | model | batch x len | eager ms/step | compiled ms/step | speedup "
-            "| peak GiB eager / compiled | breaks | compilations | compile s | max loss diff |")
-    rows = [head, "|" + "---|" * 12]
+    rows = table_header(["file", "device", "model", "batch x len", "eager ms/step", "compiled ms/step", "speedup",
+                         "peak GiB eager / compiled", "breaks", "compilations", "compile s", "max loss diff"])
     for path in paths:
         r = json.loads(Path(path).read_text())
         o, e, c = r["options"], r["eager"], r["compiled"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .markdown import table_header
+
 __all__ = ["is_fsdp2_file", "is_fsdp2_diag_file", "markdown_table", "write_plot"]
 
 
@@ -50,10 +52,8 @@ def markdown_table(results: dict, name: str = "") -> str:
     head = (f"`{name}`: {dev.get('name', results.get('device_name', '?'))}, {versions}, {results.get('date')}, "
             f"{results.get('model')} {results.get('dtype', '')}, seq len {results.get('seq_len')}, "
             f"NF4 {results.get('nf4')} (quant storage {results.get('quant_storage')})")
-    rows = [head, "",
-            "| GPUs | per-GPU batch | tokens/s | scaling vs 1 GPU | peak GiB per GPU | graph breaks | compilations "
-            "| first step s |",
-            "|" + "---|" * 8]
+    rows = [head, "", *table_header(["GPUs", "per-GPU batch", "tokens/s", "scaling vs 1 GPU", "peak GiB per GPU",
+                                     "graph breaks", "compilations", "first step s"])]
     tps = results["tokens_per_s"]
     for n in _sizes(results):
         scaling = tps[n] / tps["1"] if tps.get("1") and tps[n] else None

@@ -30,6 +30,7 @@ from .bench import default_dtype, mark_dynamic
 from .compile import prepare_for_compile
 from .gpulock import lock_path
 from .patches import input_require_grads
+from .markdown import table_header
 from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
 
 __all__ = ["CONFIGS", "LENGTHS", "SCOPES", "committed_results", "markdown_table", "merge_results", "run_matrix",
@@ -310,9 +311,8 @@ def summary_frame(result: dict[str, Any]):
 def markdown_table(path: str | Path) -> str:
     """The cells of a matrix results file as a Markdown table (what the README shows)."""
     res = json.loads(Path(path).read_text())
-    head = ("| config | grad ckpt | lengths | scope | breaks | fullgraph | compilations | max loss diff "
-            "| peak GiB compiled / eager | ms/step compiled / eager |")
-    rows = [head, "|" + "---|" * 10]
+    rows = table_header(["config", "grad ckpt", "lengths", "scope", "breaks", "fullgraph", "compilations",
+                         "max loss diff", "peak GiB compiled / eager", "ms/step compiled / eager"])
     for c in res["cells"]:
         mem = f"{c['peak_mem_gib']:.2f} / {c['eager_peak_mem_gib']:.2f}" if c["peak_mem_gib"] is not None else "-"
         ms = f"{c['median_step_ms']:.1f} / {c['eager_median_step_ms']:.1f}" if c["median_step_ms"] is not None else "-"

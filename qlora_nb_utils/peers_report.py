@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .markdown import table_header
+
 __all__ = ["is_peers_file", "markdown_table", "write_plots", "loss_diff"]
 
 
@@ -66,10 +68,8 @@ def markdown_table(results: dict, name: str = "") -> str:
     dev, ver = results["device"], results["versions"]
     head = (f"`{name}`: {dev.get('name', '?')}, torch {ver.get('torch')}, {results['date']}, "
             f"{results['model']} {results.get('dtype', '')}, matmul peak {results['peak_tflops']:.1f} TFLOP/s (measured)")
-    rows = [head, "",
-            "| name | batch x seq | ms/step | speedup vs hf-eager | real tokens/s | MFU | peak GiB | compile s "
-            "| max loss diff vs hf-eager |",
-            "|" + "---|" * 9]
+    rows = [head, "", *table_header(["name", "batch x seq", "ms/step", "speedup vs hf-eager", "real tokens/s", "MFU",
+                                     "peak GiB", "compile s", "max loss diff vs hf-eager"])]
     runs = results["runs"]
     for shape in sorted({_shape(r) for r in runs}, key=lambda s: (s[0] * s[1], s)):
         base = _baseline(runs, shape)
