@@ -85,6 +85,9 @@ OURS_OPTIONS: dict[str, Any] = {
     "memory_budget": None,  # torch._functorch.config.activation_memory_budget (0..1), None = default
     "mode": None,           # inductor mode
     "backend": "inductor",
+    "autocast": False,      # run the step under torch.autocast(compute dtype): LoRA matmuls in bf16, fp32 master weights
+    "causal_attn": False,   # causal-only SDPA (qlora_nb_utils.attention): flash kernel + GQA; right padding only
+    "ckpt_layers": None,    # with grad_ckpt: checkpoint only the first N decoder layers (None = all)
 }
 #: Named variants of ``ours`` (changes from :data:`OURS_OPTIONS`); ``ours`` alone is "chunked".
 OURS_VARIANTS: dict[str, dict[str, Any]] = {
@@ -94,6 +97,19 @@ OURS_VARIANTS: dict[str, dict[str, Any]] = {
     "ckpt": {"grad_ckpt": True},
     "max-autotune": {"mode": "max-autotune-no-cudagraphs"},
     "reduce-overhead": {"mode": "reduce-overhead"},
+    # bf16 LoRA compute (autocast) + the flash/GQA attention path the compiled HF model never takes
+    "fast": {"autocast": True, "causal_attn": True},
+    "fast-ckpt4": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 4},
+    "fast-ckpt8": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 8},
+    "fast-ckpt12": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 12},
+    "fast-ckpt": {"autocast": True, "causal_attn": True, "grad_ckpt": True},
+    # the same under CUDA graphs (the small LoRA kernels make the compiled step launch-bound)
+    "fast-ro": {"autocast": True, "causal_attn": True, "mode": "reduce-overhead"},
+    "fast-ckpt8-ro": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 8,
+                      "mode": "reduce-overhead"},
+    "fast-ckpt12-ro": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 12,
+                       "mode": "reduce-overhead"},
+    "fast-ckpt-ro": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "mode": "reduce-overhead"},
 }
 DEFAULT_VARIANT = "chunked"
 
@@ -132,7 +148,7 @@ def validate_ours_options(options: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown option(s) of ours {sorted(unknown)}; valid: {sorted(OURS_OPTIONS)}")
     opts = {**OURS_OPTIONS, **options}
-    for key in ("cast_bf16", "grad_ckpt"):
+    for key in ("cast_bf16", "grad_ckpt", "autocast", "causal_attn"):
         if not isinstance(opts[key], bool):
             raise ValueError(f"{key} must be True or False, got {opts[key]!r}")
     chunks = opts["ce_chunks"]
@@ -142,6 +158,11 @@ def validate_ours_options(options: dict[str, Any]) -> dict[str, Any]:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not 0.0 <= budget <= 1.0):
         raise ValueError(f"memory_budget must be None or a number in [0, 1], got {budget!r}")
+    layers = opts["ckpt_layers"]
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
+        raise ValueError(f"ckpt_layers must be None (all layers) or an integer >= 0, got {layers!r}")
+    if layers is not None and not opts["grad_ckpt"]:
+        raise ValueError("ckpt_layers picks which layers gradient checkpointing covers; it needs grad_ckpt=True")
     if opts["backend"] not in valid_backends():
         raise ValueError(f"backend must be one of {valid_backends()}, got {opts['backend']!r}")
     if opts["mode"] is not None and opts["mode"] not in valid_modes():
@@ -278,7 +299,8 @@ def _peer_hf(ctx: dict, batches: list, compiled: bool) -> dict[str, Any]:
 
 
 def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, Any]:
-    from .compile import prepare_for_compile
+    from .attention import check_right_padded, use_causal_sdpa
+    from .compile import decoder_layers, prepare_for_compile
     from .train import train
 
     grad_ckpt = opts["grad_ckpt"] or ctx["grad_ckpt"]
@@ -286,21 +308,42 @@ def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, 
         ctx["model"], quant="nf4", lora=True, lora_r=ctx["lora_r"], lora_alpha=ctx["lora_alpha"],
         dtype=ctx["dtype"], device=ctx["device"], prepare_kbit=True, gradient_checkpointing=grad_ckpt,
         seed=ctx["seed"])
-    dtype = env.resolve_dtype(ctx["dtype"], env.resolve_device(ctx["device"]))
+    device = env.resolve_device(ctx["device"])
+    dtype = env.resolve_dtype(ctx["dtype"], device)
     cast = cast_non_lora(model, dtype) if opts["cast_bf16"] else 0
+    attn = None
+    if opts["causal_attn"]:
+        check_right_padded(batches)
+        attn = use_causal_sdpa(model)
     target = ChunkedLossLM(model, opts["ce_chunks"]) if opts["ce_chunks"] else model
     prepared = prepare_for_compile(target, grad_ckpt=True if grad_ckpt else False, mode=opts["mode"],
                                    backend=opts["backend"])
+    layers = decoder_layers(model)
+    n_ckpt = len(layers) if grad_ckpt else 0
+    if grad_ckpt and opts["ckpt_layers"] is not None:
+        n_ckpt = min(opts["ckpt_layers"], len(layers))
+        for layer in layers[n_ckpt:]:  # prepared.undo() restores every layer's original flag
+            layer.gradient_checkpointing = False
+    forward = prepared.forward
+    use_autocast = opts["autocast"] and dtype in (torch.bfloat16, torch.float16)  # fp32 runs: nothing to do
+    if use_autocast:
+        def forward(**batch):
+            with torch.autocast(device.type, dtype=dtype):
+                return prepared.forward(**batch)
     budget = {} if opts["memory_budget"] is None else {"activation_memory_budget": float(opts["memory_budget"])}
     try:
         with torch._functorch.config.patch(**budget):
-            hist = train(model, batches, _train_cfg(ctx), forward=prepared.forward, label=ctx["name"])
+            hist = train(model, batches, _train_cfg(ctx), forward=forward, label=ctx["name"])
     finally:
         prepared.undo()
+        if attn is not None:
+            attn.undo()
     stats = prepared.counter.to_dict()
     notes = (f"variant {variant}: {cast} non-LoRA weights cast to {str(dtype).replace('torch.', '')}; "
              f"{'chunked CE x' + str(opts['ce_chunks']) if opts['ce_chunks'] else 'model loss'}; "
-             f"grad ckpt {'on' if grad_ckpt else 'off'}; memory budget {opts['memory_budget']}; "
+             f"grad ckpt on {n_ckpt}/{len(layers)} layers; memory budget {opts['memory_budget']}; "
+             f"{'autocast ' + str(dtype).replace('torch.', '') + ' (LoRA matmuls in it, fp32 LoRA weights)' if use_autocast else 'no autocast'}; "
+             f"attention {'causal-only sdpa (right-padded batches checked)' if opts['causal_attn'] else 'sdpa with mask'}; "
              f"mode {opts['mode'] or 'default'}; {stats.get('compilations')} compilation(s)")
     run = _from_history(ctx["name"], hist, ctx, notes, {**opts, "variant": variant})
     run["variant"] = variant
@@ -682,6 +725,9 @@ def run_peers(model_name: str, peers: Sequence[str], batch_size: int, seq_len: i
         "options": {"lr": lr, "seed": seed, "lora_r": lora_r, "lora_alpha": lora_alpha, "grad_ckpt": grad_ckpt,
                     "padding": "fixed", "variants": {**OURS_VARIANTS, **(variants or {})}},
     })
+    # a file may gather several invocations (shapes, peers a budget left out): keep each one
+    results.setdefault("calls", []).append({k: results[k] for k in ("command", "date")} | {
+        "device": results["device"].get("name"), "shape": f"{batch_size}x{seq_len}", "peers": list(peers)})
     results.setdefault("shapes", {})[f"{batch_size}x{seq_len}"] = {
         "flops_per_step": flops.to_dict(), "padding": pad, "steps": steps, "warmup": warmup}
     runs = [r for r in results.get("runs", []) if (r["batch_size"], r["seq_len"]) != (batch_size, seq_len)
@@ -705,6 +751,7 @@ def run_peers(model_name: str, peers: Sequence[str], batch_size: int, seq_len: i
         t0 = time.monotonic()
         run = _run_peer_process(peer, ctx, batches, batches_path, limit, work)
         run["wall_s"] = time.monotonic() - t0
+        run["invocation_date"] = results["date"]  # which of results["calls"] this row comes from
         runs.append(run)
         log(f"    {peer}: " + _one_line(run))
         pick_ours(runs)

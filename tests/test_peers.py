@@ -69,8 +69,33 @@ def test_unknown_peer_and_bad_ours_options_are_clear_errors():
         peers.validate_ours_options({"memory_budget": 2})
     with pytest.raises(ValueError, match="unknown option"):
         peers.validate_ours_options({"chunks": 4})
+    with pytest.raises(ValueError, match="ckpt_layers picks which layers.*grad_ckpt=True"):
+        peers.validate_ours_options({"ckpt_layers": 4})
+    with pytest.raises(ValueError, match="ckpt_layers must be None"):
+        peers.validate_ours_options({"grad_ckpt": True, "ckpt_layers": -1})
+    with pytest.raises(ValueError, match="autocast must be True or False"):
+        peers.validate_ours_options({"autocast": "bf16"})
     with pytest.raises(ValueError, match="unknown peer"):
         peers.run_peers("tiny", ["ours-nope"], 2, 64, 3, 1, "/nonexistent/x.json")
+
+
+def test_ours_fast_variant_checkpoints_the_asked_layers_and_keeps_the_loss():
+    """causal-only attention + partial checkpointing in fp32: hf-eager's losses, one compilation;
+    a left-padded batch is refused before anything trains."""
+    tok = models.load_tokenizer("tiny")
+    batches, _ = bench.make_bench_batches(tok, batch_size=2, seq_len=64, steps=3)
+    variants = {"t": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 1}}
+    ref = peers.run_peer("hf-eager", batches, model="tiny", warmup=1, device="cpu", lr=1e-3)
+    run = peers.run_peer("ours-t", batches, model="tiny", warmup=1, device="cpu", lr=1e-3, variants=variants)
+    assert "error" not in run, run.get("error")
+    assert run["compilations"] == 1
+    assert "grad ckpt on 1/2 layers" in run["notes"] and "causal-only sdpa" in run["notes"]
+    assert "no autocast" in run["notes"]  # fp32 on a CPU: autocast has nothing to do
+    assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) < 1e-4
+    left = [{**b, "attention_mask": b["attention_mask"].clone()} for b in batches]
+    left[1]["attention_mask"][0, :3] = 0  # padding in front of real tokens
+    bad = peers.run_peer("ours-t", left, model="tiny", warmup=1, device="cpu", variants=variants)
+    assert "is not right-padded" in bad["error"]
 
 
 def test_a_peer_that_raises_is_an_error_run(monkeypatch):

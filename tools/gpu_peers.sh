@@ -11,7 +11,8 @@
 # Usage (on that machine, from the repository root):
 #   bash tools/gpu_peers.sh OUT_DIR [BUDGET_S=500] [SHAPE=4x512] [PEERS=...] [STEPS=20]
 # An existing results/peers_<gpu>.json (carried with the tree) is copied to OUT_DIR first, so a
-# second call (another shape, the peers a budget left out) appends to the same file.
+# second call (another shape, the peers a budget left out) appends to the same file; FRESH=1
+# starts a new file instead (every row of it then comes from this session's calls).
 set -euo pipefail
 out=${1:?usage: tools/gpu_peers.sh OUT_DIR [BUDGET_S] [SHAPE] [PEERS] [STEPS]}
 budget=${2:-500}
@@ -29,9 +30,10 @@ export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLI
 nvidia-smi -L
 gpu=$(python3 -c "import torch; n=torch.cuda.get_device_name(); print(next((t.lower() for t in ('H100','H200','A100','L4','T4') if t in n), 'gpu'))")
 file="$out/peers_${gpu}.json"
-if [ ! -f "$file" ] && [ -f "results/peers_${gpu}.json" ]; then cp "results/peers_${gpu}.json" "$file"; fi
+if [ "${FRESH:-0}" != 1 ] && [ ! -f "$file" ] && [ -f "results/peers_${gpu}.json" ]; then cp "results/peers_${gpu}.json" "$file"; fi
+export QLORA_NB_PEERS_CMD="FRESH=${FRESH:-0} bash tools/gpu_peers.sh $*"
 python3 - "$file" "$budget" "$shape" "$peers" "$steps" <<'PY'
-import sys, time, warnings
+import os, sys, time, warnings
 warnings.filterwarnings("ignore")
 from qlora_nb_utils import models, peers
 path, budget, shape, names, steps = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
@@ -42,6 +44,6 @@ left = budget - (time.monotonic() - t0)
 # whole-model compile of this shape: ~60-85 s on an H100; a peer gets at most 170 s (eager 90 s)
 limits = {"default": 170, "hf-eager": 90, "unsloth": 200}
 peers.run_peers("llama-3.2-1b-shape", names, b, s, steps=steps, warmup=5, out=path, timeout_s=limits,
-                budget_s=left, command="bash tools/gpu_peers.sh " + " ".join(sys.argv[1:]))
+                budget_s=left, command=os.environ["QLORA_NB_PEERS_CMD"])
 PY
 python3 -m qlora_nb_utils.cli report "$file"
