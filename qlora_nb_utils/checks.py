@@ -68,6 +68,7 @@ def diagnose(
     prepare: bool = True,
     scope: str = "whole",
     compile_kwargs: dict | None = None,
+    attn: str = "sdpa",
 ) -> dict[str, Any]:
     """Load a configuration and report its graph breaks and compilations.
 
@@ -87,6 +88,8 @@ def diagnose(
             policy) first; False reports what upstream does on its own.
         scope: "whole" or "regional" (with `prepare`): what the run over `seq_lens` compiles.
         compile_kwargs: `backend`, `mode`, `dynamic` for the run over `seq_lens`.
+        attn: the attention implementation (`models.ATTN_CHOICES`; `flex_attention` trains
+            only on CUDA: torch has no CPU backward for it).
 
     Returns:
         The `diagnostics.diagnose_model` keys plus the configuration, patches applied,
@@ -98,7 +101,7 @@ def diagnose(
     torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
     net, tok = models.load_model(
         model, quant=quant, lora=lora, dtype=torch_dtype, device=dev, seed=seed,
-        gradient_checkpointing=grad_ckpt, prepare_kbit=grad_ckpt and quant == "nf4",
+        gradient_checkpointing=grad_ckpt, prepare_kbit=grad_ckpt and quant == "nf4", attn_implementation=attn,
     )
     net.train()
     make_batch = make_length_batcher(tok, batch_size, seed=seed)
@@ -113,7 +116,7 @@ def diagnose(
         )
         report["patches"] = []
     report.update(
-        model=model, quant=quant, lora=lora, grad_ckpt=grad_ckpt, batch_size=batch_size, prepared=prepare,
+        model=model, quant=quant, lora=lora, grad_ckpt=grad_ckpt, batch_size=batch_size, prepared=prepare, attn=attn,
         scope=scope, dtype=str(torch_dtype).replace("torch.", ""), device=env.device_info(dev),
         versions=env.versions(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )

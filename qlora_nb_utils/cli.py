@@ -16,6 +16,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+#: models.ATTN_CHOICES, repeated so that `--help` imports no torch (tests/test_cli... checks they agree)
+ATTN_CHOICES = ("sdpa", "eager", "flex_attention")
+
 __all__ = ["main", "build_parser"]
 
 
@@ -69,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--grad-ckpt", action="store_true", help="enable gradient checkpointing the way users do")
     d.add_argument("--regional", action="store_true", help="compile each decoder layer instead of the whole model")
     d.add_argument("--no-patches", action="store_true", help="report upstream as it is, without prepare_for_compile")
+    d.add_argument("--attn", default="sdpa", choices=ATTN_CHOICES,
+                   help="attention implementation (flex_attention trains on CUDA only)")
     d.add_argument("--seq-lens", type=_seq_lens, default=[64], help="comma-separated, e.g. 64,80,96")
     d.add_argument("--max-compilations", type=_positive_int, default=2)
     d.add_argument("--backend", default="inductor", help="backend of the run over --seq-lens (breaks are backend-independent)")
@@ -183,7 +188,7 @@ def _diagnose(args: argparse.Namespace) -> int:
         model=args.model, quant=args.quant, lora=not args.no_lora, grad_ckpt=args.grad_ckpt,
         prepare=not args.no_patches, scope="regional" if args.regional else "whole",
         seq_lens=args.seq_lens, batch_size=args.batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
-        compile_kwargs={"backend": args.backend},
+        compile_kwargs={"backend": args.backend}, attn=args.attn,
     )
     print(diagnostics.format_report(report))
     if args.json_path:

@@ -74,6 +74,9 @@ def test_cli_rejects_bad_argument_values(capsys):
     assert info.value.code == 2
     with pytest.raises(SystemExit):
         cli.main(["diagnose", "--seq-lens", "64,abc"])
+    with pytest.raises(SystemExit):
+        cli.main(["diagnose", "--attn", "flash"])
+    assert cli.ATTN_CHOICES == models.ATTN_CHOICES  # the CLI's copy (no torch import for --help)
 
 
 def test_qlora_eager_and_inductor_losses_agree_fp32_tiny():
@@ -106,7 +109,7 @@ def test_diagnose_counts_and_strict_exit_codes(tmp_path, capsys):
     # default torch.compile over three lengths: a static graph, then one dynamic graph
     assert report["compilations"] == 2 and report["recompilations"] == 1
     assert "size mismatch" in report["recompile_reasons"][0]
-    assert report["model"] == "tiny" and "torch" in report["versions"]
+    assert report["model"] == "tiny" and "torch" in report["versions"] and report["attn"] == "sdpa"
     # the same run judged against a budget of one compilation fails under --strict only
     assert cli.main(base + ["--seq-lens", "16,24,32", "--max-compilations", "1"]) == 0
     assert cli.main(base + ["--seq-lens", "16,24,32", "--max-compilations", "1", "--strict"]) == 1

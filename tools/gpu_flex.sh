@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# flex_attention on the GPU (issue 3): graph breaks, the fullgraph verdict and compilations of
+# the 1B-shape QLoRA over 20 distinct sequence lengths, regional and whole-model, through
+# `qlora-nb diagnose --attn flex_attention` (torch has no CPU backward for flex attention, so
+# CI cannot train it). Writes $OUT_DIR/flex_<scope>_<tag>.json and prints each report.
+# Carried: .whl (bitsandbytes, peft, ...), .gpucache (tokenizer), as tools/gpu_peers.sh.
+# Usage (on that machine, repository root): bash tools/gpu_flex.sh OUT_DIR [SCOPES="regional whole"] [LENS]
+# LENS: comma-separated lengths (default: 20 lengths 64, 80, ..., 368; each run's JSON and log
+# name carry a tag, TAG=..., default "odd").
+set -uo pipefail
+out=${1:?usage: tools/gpu_flex.sh OUT_DIR [SCOPES]}
+scopes=${2:-regional whole}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi -L
+lens=${3:-$(python3 -c "print(','.join(str(64 + 16 * i) for i in range(20)))")}
+tag=${TAG:-odd}
+for scope in $scopes; do
+  flag=""; [ "$scope" = regional ] && flag="--regional"
+  echo "==> flex_attention, $scope, lengths $lens"
+  start=$(date +%s)
+  python3 -m qlora_nb_utils.cli diagnose --model llama-3.2-1b-shape --quant nf4 --attn flex_attention $flag \
+    --batch-size 4 --seq-lens "$lens" --json "$out/flex_${scope}_${tag}.json" 2>&1 | grep -v "Warning\|warnings.warn"
+  echo "    rc=${PIPESTATUS[0]} wall $(( $(date +%s) - start )) s"
+done
