@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-#: models.ATTN_CHOICES, repeated so that `--help` imports no torch (tests/test_cli... checks they agree)
+#: models.ATTN_CHOICES, repeated so that `--help` imports no torch (tests/test_bench.py checks they agree)
 ATTN_CHOICES = ("sdpa", "eager", "flex_attention")
 
 __all__ = ["main", "build_parser"]

@@ -89,6 +89,7 @@ OURS_OPTIONS: dict[str, Any] = {
     "causal_attn": False,   # causal-only SDPA (qlora_nb_utils.attention): flash kernel + GQA; right padding only
     "ckpt_layers": None,    # with grad_ckpt: checkpoint only the first N decoder layers (None = all)
 }
+_FAST = {"autocast": True, "causal_attn": True}
 #: Named variants of ``ours`` (changes from :data:`OURS_OPTIONS`); ``ours`` alone is "chunked".
 OURS_VARIANTS: dict[str, dict[str, Any]] = {
     "chunked": {},
@@ -97,19 +98,15 @@ OURS_VARIANTS: dict[str, dict[str, Any]] = {
     "ckpt": {"grad_ckpt": True},
     "max-autotune": {"mode": "max-autotune-no-cudagraphs"},
     "reduce-overhead": {"mode": "reduce-overhead"},
-    # bf16 LoRA compute (autocast) + the flash/GQA attention path the compiled HF model never takes
-    "fast": {"autocast": True, "causal_attn": True},
-    "fast-ckpt4": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 4},
-    "fast-ckpt8": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 8},
-    "fast-ckpt12": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 12},
-    "fast-ckpt": {"autocast": True, "causal_attn": True, "grad_ckpt": True},
-    # the same under CUDA graphs (the small LoRA kernels make the compiled step launch-bound)
-    "fast-ro": {"autocast": True, "causal_attn": True, "mode": "reduce-overhead"},
-    "fast-ckpt8-ro": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 8,
-                      "mode": "reduce-overhead"},
-    "fast-ckpt12-ro": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "ckpt_layers": 12,
-                       "mode": "reduce-overhead"},
-    "fast-ckpt-ro": {"autocast": True, "causal_attn": True, "grad_ckpt": True, "mode": "reduce-overhead"},
+    # bf16 LoRA compute (autocast) + the flash/GQA attention path the compiled HF model never takes,
+    # then checkpointing on the first N layers, then the same under CUDA graphs (the small LoRA
+    # kernels make the compiled step launch-bound)
+    "fast": dict(_FAST),
+    **{f"fast-ckpt{n}": {**_FAST, "grad_ckpt": True, "ckpt_layers": n} for n in (4, 8, 12)},
+    "fast-ckpt": {**_FAST, "grad_ckpt": True},
+    "fast-ro": {**_FAST, "mode": "reduce-overhead"},
+    **{f"fast-ckpt{n}-ro": {**_FAST, "grad_ckpt": True, "ckpt_layers": n, "mode": "reduce-overhead"} for n in (8, 12)},
+    "fast-ckpt-ro": {**_FAST, "grad_ckpt": True, "mode": "reduce-overhead"},
 }
 DEFAULT_VARIANT = "chunked"
 

@@ -7,8 +7,6 @@
 set -euo pipefail
 out=${1:?usage: tools/gpu_bench.sh OUT_DIR [qlora-nb bench args...]}
 shift
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
 python3 -m qlora_nb_utils.cli bench --out "$out" --no-progress "$@"

@@ -11,9 +11,7 @@ set -uo pipefail
 out=${1:?usage: tools/gpu_flex.sh OUT_DIR [SCOPES]}
 scopes=${2:-regional whole}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
 lens=${3:-$(python3 -c "print(','.join(str(64 + 16 * i) for i in range(20)))")}
 tag=${TAG:-odd}

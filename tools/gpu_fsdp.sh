@@ -15,7 +15,7 @@ set -euo pipefail
 OUT=${OUT:-$PWD/out/fsdp2}
 mkdir -p "$OUT"
 T0=$(date +%s)
-source "$(dirname "$0")/gpu_fsdp_env.sh"
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 MODEL=${MODEL:-llama-3.1-8b-shape}
 NF4=${NF4:-auto}  # auto = replicate on NCCL: sharded NF4 bytes did not survive NCCL (tools/fsdp_diag.py)

@@ -21,7 +21,7 @@ OUT=$WORK FROZEN=$FROZEN SEQUENTIAL=$SEQUENTIAL BUDGET=${FSDP_BUDGET:-330} bash 
 if [ -n "${EXTRA_FROZEN:-}" ] && [ "$(left)" -gt 200 ]; then
   # the other --frozen mode on 2 GPUs, same session: its step time against parity_2's
   echo "[fsdp_all] 1b. parity_2 with --frozen $EXTRA_FROZEN ($(left) s left)"
-  source tools/gpu_fsdp_env.sh
+  source tools/gpu_env.sh
   timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m qlora_nb_utils.fsdp_train \
     --model llama-3.1-8b-shape --quant nf4 --nf4 auto --frozen "$EXTRA_FROZEN" --seq-len 2048 --pack \
     --dtype bfloat16 --device cuda --compile --backend inductor --no-fullgraph --lr 2e-4 --seed 0 \
@@ -40,7 +40,7 @@ fi
 
 echo "[fsdp_all] 3. HF Trainer on 2 GPUs ($(left) s left)"
 if [ "${TRAINER:-1}" = 1 ] && [ "$(left)" -gt 70 ]; then
-  source tools/gpu_fsdp_env.sh
+  source tools/gpu_env.sh
   timeout $(( $(left) - 15 )) python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
     -m qlora_nb_utils.fsdp_train --trainer hf --model llama-3.2-1b-shape --quant nf4 --quant-storage uint8 \
     --seq-len 512 --dtype bfloat16 --device cuda --compile --backend inductor --no-fullgraph \

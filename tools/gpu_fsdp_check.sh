@@ -12,7 +12,7 @@ set -euo pipefail
 OUT=${OUT:-$PWD/out/fsdp2_check}
 mkdir -p "$OUT"
 T0=$(date +%s)
-source "$(dirname "$0")/gpu_fsdp_env.sh"
+source "$(dirname "$0")/gpu_env.sh"
 RUNS=/tmp/fsdp_check_runs
 mkdir -p "$RUNS"
 { nvidia-smi -L; nvidia-smi topo -m; env | grep -E '^(NCCL|TORCH_SYMM|NVSHMEM)' || true; } > "$RUNS/topo.txt" 2>&1

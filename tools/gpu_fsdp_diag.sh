@@ -5,7 +5,7 @@
 set -euo pipefail
 OUT=${OUT:-$PWD/out/fsdp2_diag}
 mkdir -p "$OUT"
-source "$(dirname "$0")/gpu_fsdp_env.sh"
+source "$(dirname "$0")/gpu_env.sh"
 MODEL=${MODEL:-llama-3.1-8b-shape}
 timeout 240 python3 -c "from qlora_nb_utils import models; print(models.materialize('$MODEL'))" 2>&1 | tail -1
 for mode in shard replicate; do

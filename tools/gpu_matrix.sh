@@ -25,9 +25,7 @@ case ${EAGER_NUMERICS:-0} in
   0|"") numerics=; numerics_env= ;;
   *) echo "EAGER_NUMERICS must be 0 or 1, not $EAGER_NUMERICS" >&2; exit 2;;
 esac
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 export QLORA_NB_GPU_LOCK=/tmp/qlora_nb_gpu.lock TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 nvidia-smi -L

@@ -9,9 +9,7 @@
 # Usage (GPU machine, carry .whl .gpucache): OUT=/dir bash tools/gpu_parity.sh
 set -uo pipefail
 OUT=${OUT:?set OUT}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 export TORCHINDUCTOR_COMPILE_THREADS=4 OMP_NUM_THREADS=2
 nvidia-smi -L
 BUDGET=${BUDGET:-450}

@@ -20,13 +20,11 @@ shape=${3:-4x512}
 peers=${4:-hf-eager,ours-chunked,unsloth,ours-ckpt,ours-budget,ours-default-compile,torchao-nf4,trl-sft-compile}
 steps=${5:-20}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+source "$(dirname "$0")/gpu_env.sh"
 if compgen -G ".whl/torchao/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-torchao .whl/torchao/*.whl
   export QLORA_NB_TORCHAO_SITE=/tmp/site-torchao
 fi
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 nvidia-smi -L
 gpu=$(python3 -c "import torch; n=torch.cuda.get_device_name(); print(next((t.lower() for t in ('H100','H200','A100','L4','T4') if t in n), 'gpu'))")
 file="$out/peers_${gpu}.json"

@@ -1,5 +1,6 @@
-# Sourced by tools/gpu_fsdp*.sh on the GPU machine: install the carried wheels (.whl/) and set the
-# offline environment the FSDP2 runs share (package path, model cache, hub off, unbuffered logs).
+# Sourced by the tools/gpu_*.sh scripts on the GPU machine: install the carried wheels (.whl/) into
+# /tmp/site and set the offline environment they share (package path, model cache, hub off,
+# unbuffered logs). A script that needs more (torchao's own site, notebook wheels) adds it after.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
