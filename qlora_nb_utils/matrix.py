@@ -52,12 +52,29 @@ def _batches(tokenizer, lengths: str, batch_size: int, max_len: int, steps: int,
     return [b for _, b in zip(range(steps), loader)]
 
 
-def _break_check(model, batch, device, ckpt: bool) -> dict[str, Any]:
-    """Breaks and the fullgraph verdict of the patched model's forward + loss."""
+def _autocast(forward: Callable[..., Any], device: torch.device, dtype: torch.dtype) -> Callable[..., Any]:
+    """`forward` under `torch.autocast(dtype)`: mixed precision for the fp32-weight full fine-tune.
+
+    Why: training bf16 weights in place rounds every AdamW update to bf16 (a weight near 0.02
+    moves in steps of about 1e-4, the size of an update at lr 2e-4), so a rounding difference in
+    any gradient, eager or compiled, decides whether a weight moves at all, and the runs drift
+    apart step by step. fp32 master weights keep the update; the matmuls still run in bf16.
+    The context is entered outside the compiled callable, so Dynamo traces under it.
+    """
+
+    def run(**batch):
+        with torch.autocast(device.type, dtype=dtype):
+            return forward(**batch)
+
+    return run
+
+
+def _break_check(model, batch, device, ckpt: bool, wrap: Callable = lambda f: f) -> dict[str, Any]:
+    """Breaks and the fullgraph verdict of the patched model's forward + loss (under `wrap`)."""
     prepared = prepare_for_compile(model, scope="whole", backend="eager", fullgraph=False, grad_ckpt=True if ckpt else None)
     try:
         first = {k: v.to(device) for k, v in batch.items()}
-        loss_fn = lambda **b: model(**b).loss  # noqa: E731
+        loss_fn = wrap(lambda **b: model(**b).loss)
         breaks = diagnostics.graph_breaks(loss_fn, **first)
         full = diagnostics.check_fullgraph(loss_fn, **first)
     finally:
@@ -68,7 +85,7 @@ def _break_check(model, batch, device, ckpt: bool) -> dict[str, Any]:
 
 
 def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ckpt,
-                   eager_numerics: bool = False) -> tuple[Any, dict[str, Any]]:
+                   eager_numerics: bool = False, wrap: Callable = lambda f: f) -> tuple[Any, dict[str, Any]]:
     torch.compiler.reset()
     load_trainable_state(model, start)
     # Regional: the layers are compiled, the embedding is not. Every layer but the first gets an
@@ -86,7 +103,7 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ck
                                    grad_ckpt=True if ckpt else None, eager_numerics=eager_numerics)
     forward = mark_dynamic(prepared.forward, SEQ_DIMS) if lengths == "variable" and scope == "whole" else prepared.forward
     try:
-        hist = train(model, batches, cfg, forward=forward, label=f"compiled-{scope}")
+        hist = train(model, batches, cfg, forward=wrap(forward), label=f"compiled-{scope}")
         error = None
     except Exception as err:  # a fullgraph failure is a result of the cell, not a crash of the run
         hist, error = None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -131,6 +148,7 @@ def run_matrix(
     log: Callable[[str], Any] = print,
     command: str | None = None,
     eager_numerics: bool = False,
+    base_fp32_master: bool = False,
 ) -> dict[str, Any]:
     """Run the matrix and return `{"device", "versions", "command", "date", "options", "cells": [...]}`.
 
@@ -156,21 +174,26 @@ def run_matrix(
         command: the command line to record (defaults to `sys.argv`).
         eager_numerics: compile with Inductor's `emulate_precision_casts` (bf16/fp16 rounded
             after every op, as eager does; see `prepare_for_compile`).
+        base_fp32_master: full fine-tuning ("base") keeps fp32 weights and computes under
+            `torch.autocast(dtype)` (mixed precision), instead of training bf16 weights in place.
+            LoRA configs are unchanged (their adapters are fp32 already). See `_autocast`.
 
     Each cell also keeps both runs' per-step losses (`eager_losses`, `losses`; `losses` is None
     when the compiled run failed) and `first_step_loss_diff`, |compiled - eager| at step 0, where
     both start from the same weights (None when the compiled run failed).
 
     Raises:
-        ValueError: for unknown configs, lengths or scopes, or a non-bool `eager_numerics`.
+        ValueError: for unknown configs, lengths or scopes, or a non-bool `eager_numerics` or
+            `base_fp32_master`.
     """
     configs, lengths, scopes, grad_ckpts = list(configs), list(lengths), list(scopes), list(grad_ckpts)
     for what, given, valid in (("configs", configs, CONFIGS), ("lengths", lengths, LENGTHS), ("scopes", scopes, SCOPES)):
         bad = [g for g in given if g not in valid]
         if bad:
             raise ValueError(f"unknown {what} {bad}; valid: {list(valid)}")
-    if not isinstance(eager_numerics, bool):
-        raise ValueError(f"eager_numerics must be True or False, got {eager_numerics!r}")
+    for flag, value in (("eager_numerics", eager_numerics), ("base_fp32_master", base_fp32_master)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag} must be True or False, got {value!r}")
     dev = env.resolve_device(device)
     torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
     result = {
@@ -180,6 +203,7 @@ def run_matrix(
         "options": {"model": model_name, "steps": steps, "batch_size": batch_size, "max_len": max_len,
                     "dtype": str(torch_dtype).replace("torch.", ""), "backend": backend, "mode": mode, "lr": lr,
                     "warmup": warmup, "seed": seed, "eager_numerics": eager_numerics,
+                    "base_fp32_master": base_fp32_master,
                     "gpu_lock": lock_path() is not None,
                     "recommended": "prepare_for_compile(fullgraph=True); variable lengths: mark_dynamic on the "
                                    "sequence dimension (whole), dynamic=True (regional); regional: the "
@@ -193,22 +217,26 @@ def run_matrix(
         for ckpt in grad_ckpts:
             if _out_of_time(t0, time_budget_s, result, log):
                 return result
-            model, tok = models.load_model(model_name, quant=quant, lora=lora, dtype=torch_dtype, device=dev,
+            mixed = base_fp32_master and not lora and torch_dtype != torch.float32
+            model, tok = models.load_model(model_name, quant=quant, lora=lora,
+                                           dtype=torch.float32 if mixed else torch_dtype, device=dev,
                                            seed=seed, gradient_checkpointing=ckpt)
             model.train()
             start = trainable_state(model)
+            wrap = (lambda f: _autocast(f, dev, torch_dtype)) if mixed else (lambda f: f)  # noqa: E731
             for kind in lengths:
                 batches = _batches(tok, kind, batch_size, max_len, steps, seed)
                 load_trainable_state(model, start)
-                eager = train(model, batches, cfg, label="eager")
-                checked = _break_check(model, batches[0], dev, ckpt)
+                eager = train(model, batches, cfg, forward=wrap(model), label="eager")
+                checked = _break_check(model, batches[0], dev, ckpt, wrap)
                 for scope in scopes:
                     if _out_of_time(t0, time_budget_s, result, log):
                         return result
                     log(f"==> {name} grad_ckpt={ckpt} {kind} {scope}")
                     hist, counts = _compiled_cell(model, batches, cfg, start, scope, kind, backend, mode, ckpt,
-                                                  eager_numerics)
+                                                  eager_numerics, wrap)
                     cell = {"model": model_name, "quant": quant, "lora": lora, "config": name, "grad_ckpt": ckpt,
+                            "weights_dtype": "float32 (autocast)" if mixed else str(torch_dtype).replace("torch.", ""),
                             "lengths": kind, "scope": scope, **checked, **counts,
                             "distinct_lengths": len({b["input_ids"].shape[1] for b in batches}),
                             "eager_median_step_ms": summarize(eager, warmup)["median_step_ms"],
@@ -235,9 +263,9 @@ def run_matrix(
 
 _ORDER = {"config": list(CONFIGS), "grad_ckpt": [False, True], "lengths": list(LENGTHS), "scope": list(SCOPES)}
 _SAME = ("model", "steps", "batch_size", "max_len", "dtype", "backend", "mode", "lr", "warmup", "seed",
-         "eager_numerics")
+         "eager_numerics", "base_fp32_master")
 #: What an option missing from a part meant (parts written before the option existed).
-_OPTION_DEFAULTS = {"eager_numerics": False}
+_OPTION_DEFAULTS = {"eager_numerics": False, "base_fp32_master": False}
 
 
 def merge_results(results: Iterable[dict[str, Any]], command: str | None = None) -> dict[str, Any]:
@@ -345,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget-s", type=float, default=None)
     p.add_argument("--eager-numerics", action="store_true",
                    help="compile with inductor's emulate_precision_casts (bf16 rounded after every op, as in eager)")
+    p.add_argument("--base-fp32-master", action="store_true",
+                   help="full fine-tuning keeps fp32 weights under torch.autocast (mixed precision)")
     p.add_argument("--command", default=None, help="the command line to record (defaults to this one)")
     p.add_argument("--merge", nargs="+", default=None, metavar="PART", help="merge these part files instead of running")
     p.add_argument("--out", required=True)
@@ -363,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         res = run_matrix(a.model, configs=split(a.configs), grad_ckpts=[ckpts[c] for c in split(a.grad_ckpt)],
                          lengths=split(a.lengths), scopes=split(a.scopes), steps=a.steps, batch_size=a.batch_size,
                          max_len=a.max_len, warmup=a.warmup, device=a.device, backend=a.backend, out=a.out,
-                         time_budget_s=a.time_budget_s, command=a.command, eager_numerics=a.eager_numerics)
+                         time_budget_s=a.time_budget_s, command=a.command, eager_numerics=a.eager_numerics,
+                         base_fp32_master=a.base_fp32_master)
     except ValueError as err:
         p.error(str(err))
     print(summary_frame(res).to_string() if res["cells"] else "no cells finished")

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from qlora_nb_utils import matrix
 
@@ -72,12 +73,40 @@ def test_eager_numerics_reaches_prepare_for_compile_and_the_options(monkeypatch)
         matrix.run_matrix("tiny", configs=["lora"], eager_numerics="yes")
 
 
-def test_cli_passes_eager_numerics(monkeypatch, tmp_path, capsys):
+def test_base_fp32_master_trains_fp32_weights_under_autocast(monkeypatch):
+    """Full fine-tuning with fp32 master weights: the weights stay fp32, the forward runs under
+    bf16 autocast (logits come out bf16), eager and compiled alike; LoRA configs are untouched."""
+    monkeypatch.setattr(matrix, "_break_check", lambda *a: {"graph_breaks": 0, "fullgraph_ok": True})
+    seen = []
+    real_train = matrix.train
+
+    def spy_train(model, batches, cfg, forward=None, label="eager"):
+        b = {k: v for k, v in batches[0].items()}
+        with torch.no_grad():
+            seen.append((label, next(model.parameters()).dtype, forward(**b).logits.dtype))
+        return real_train(model, batches, cfg, forward=forward, label=label)
+
+    monkeypatch.setattr(matrix, "train", spy_train)
+    kw = dict(grad_ckpts=[False], lengths=["fixed"], scopes=["whole"], steps=2, batch_size=2, max_len=192,
+              device="cpu", dtype="bfloat16", backend="eager", warmup=1, log=lambda *_: None)
+    res = matrix.run_matrix("tiny", configs=["base"], base_fp32_master=True, **kw)
+    assert res["options"]["base_fp32_master"] is True
+    assert res["cells"][0]["weights_dtype"] == "float32 (autocast)"
+    assert seen == [("eager", torch.float32, torch.bfloat16), ("compiled-whole", torch.float32, torch.bfloat16)]
+    seen.clear()
+    res = matrix.run_matrix("tiny", configs=["base"], base_fp32_master=False, **kw)
+    assert res["cells"][0]["weights_dtype"] == "bfloat16" and {s[1] for s in seen} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="base_fp32_master"):
+        matrix.run_matrix("tiny", configs=["base"], base_fp32_master=1)
+
+
+def test_cli_passes_eager_numerics_and_base_fp32_master(monkeypatch, tmp_path, capsys):
     calls = []
     monkeypatch.setattr(matrix, "run_matrix", lambda *a, **k: calls.append(k) or {"cells": []})
-    for flags in ([], ["--eager-numerics"]):
+    for flags in ([], ["--eager-numerics"], ["--base-fp32-master"]):
         assert matrix.main([*flags, "--out", str(tmp_path / "m.json")]) == 0
-    assert [c["eager_numerics"] for c in calls] == [False, True]
+    assert [(c["eager_numerics"], c["base_fp32_master"]) for c in calls] == [(False, False), (True, False),
+                                                                              (False, True)]
 
 
 def test_time_budget_stops_early():

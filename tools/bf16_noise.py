@@ -2,19 +2,25 @@
 
 The compile matrix compares eager and compiled losses over 30 steps in bf16. How far apart may
 two *correct* runs of the same batches drift? This runs each config (base, LoRA, QLoRA) eagerly
-three times from the same weights on the same batches as the matrix (fixed lengths): twice as
-is (same kernels: expected identical) and once with cuBLAS' reduced-precision bf16 reductions
-flipped (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction), an equally valid
-matmul accumulation order. The max |loss difference| of that pair is the floor a compiled run
+four times from the same weights on the same batches as the matrix (fixed lengths): twice as
+is (same kernels: expected identical), once with cuBLAS' reduced-precision bf16 reductions
+flipped (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, an equally valid
+matmul accumulation order; on an H200 it changed nothing), and once with SDPA held to its math
+backend (torch.nn.attention.sdpa_kernel: the reference attention instead of the fused kernel
+eager picks). The max |loss difference| of a perturbed pair is the floor that a compiled run
 (other fusion, other rounding) cannot be expected to beat.
 
+The pseudo-config "base-fp32" is the full fine-tune with fp32 master weights under bf16
+autocast (the matrix's --base-fp32-master).
+
 Usage (GPU machine, environment as tools/gpu_matrix.sh):
-    python3 tools/bf16_noise.py --out noise.json [--configs lora,qlora,base] [--steps 30]
+    python3 tools/bf16_noise.py --out noise.json [--configs lora,qlora,base,base-fp32] [--steps 30]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import shlex
@@ -23,7 +29,7 @@ import sys
 import torch
 
 from qlora_nb_utils import env, models
-from qlora_nb_utils.matrix import CONFIGS, _batches
+from qlora_nb_utils.matrix import CONFIGS, _autocast, _batches
 from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
 
 
@@ -31,7 +37,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="llama-3.2-1b-shape")
-    p.add_argument("--configs", default="lora,qlora,base")
+    p.add_argument("--configs", default="lora,qlora,base,base-fp32")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="cuda", help="cpu only to try the script (no cuBLAS flag there)")
     a = p.parse_args()
@@ -44,25 +50,43 @@ def main() -> None:
     cfg = TrainConfig(steps=a.steps, lr=2e-4, seed=0, progress=False)
     flag = torch.backends.cuda.matmul
     default = flag.allow_bf16_reduced_precision_reduction
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    @contextlib.contextmanager
+    def perturbed(label):
+        """What a run's label asks for, held around the whole run (backward included)."""
+        if label == "eager_sdpa_math":
+            with sdpa_kernel([SDPBackend.MATH]):
+                yield
+            return
+        flag.allow_bf16_reduced_precision_reduction = (not default) if label == "eager_flipped" else default
+        try:
+            yield
+        finally:
+            flag.allow_bf16_reduced_precision_reduction = default
+
     for name in a.configs.split(","):
-        quant, lora = CONFIGS[name]
-        model, tok = models.load_model(a.model, quant=quant, lora=lora, dtype=torch.bfloat16, device=dev, seed=0)
+        mixed = name == "base-fp32"
+        quant, lora = CONFIGS["base" if mixed else name]
+        model, tok = models.load_model(a.model, quant=quant, lora=lora, dtype=torch.float32 if mixed else torch.bfloat16,
+                                       device=dev, seed=0)
         model.train()
+        forward = _autocast(model, dev, torch.bfloat16) if mixed else model
         start = trainable_state(model)
         batches = _batches(tok, "fixed", 4, 256, a.steps, 0)
         runs = {}
-        for label, reduced in (("eager", default), ("eager_again", default), ("eager_flipped", not default)):
+        for label in ("eager", "eager_again", "eager_flipped", "eager_sdpa_math"):
             load_trainable_state(model, start)
-            flag.allow_bf16_reduced_precision_reduction = reduced
-            try:
-                runs[label] = [float(x) for x in train(model, batches, cfg, label=label)["loss"]]
-            finally:
-                flag.allow_bf16_reduced_precision_reduction = default
+            with perturbed(label):
+                runs[label] = [float(x) for x in train(model, batches, cfg, forward=forward, label=label)["loss"]]
         diff = lambda x, y: max(abs(u - v) for u, v in zip(runs[x], runs[y]))  # noqa: E731
         cell = {"config": name, "quant": quant, "lora": lora, "losses": runs,
                 "max_abs_loss_diff_repeat": diff("eager", "eager_again"),
                 "max_abs_loss_diff_flipped": diff("eager", "eager_flipped"),
-                "first_step_loss_diff_flipped": abs(runs["eager"][0] - runs["eager_flipped"][0])}
+                "first_step_loss_diff_flipped": abs(runs["eager"][0] - runs["eager_flipped"][0]),
+                "max_abs_loss_diff_sdpa_math": diff("eager", "eager_sdpa_math"),
+                "first_step_loss_diff_sdpa_math": abs(runs["eager"][0] - runs["eager_sdpa_math"][0]),
+                "weights_dtype": "float32 (autocast)" if mixed else "bfloat16"}
         print(name, {k: v for k, v in cell.items() if k != "losses"}, flush=True)
         res["cells"].append(cell)
         del model

@@ -8,6 +8,8 @@
 # `python -m qlora_nb_utils.matrix --merge PART.json ... --out ALL.json`.
 # EAGER_NUMERICS=1 compiles with inductor's emulate_precision_casts (--eager-numerics: bf16
 # rounded after every op, as eager does); parts with and without it do not merge.
+# BASE_FP32_MASTER=1 trains the full fine-tune ("base") with fp32 master weights under bf16
+# autocast (--base-fp32-master); likewise, parts with and without it do not merge.
 #
 # One process per (config, checkpointing): six processes compile at once on the host's cores
 # (two threads each). Their training steps never overlap on the GPU: each step holds an
@@ -24,6 +26,11 @@ case ${EAGER_NUMERICS:-0} in
   1) numerics=--eager-numerics; numerics_env="EAGER_NUMERICS=1 " ;;
   0|"") numerics=; numerics_env= ;;
   *) echo "EAGER_NUMERICS must be 0 or 1, not $EAGER_NUMERICS" >&2; exit 2;;
+esac
+case ${BASE_FP32_MASTER:-0} in
+  1) numerics="$numerics --base-fp32-master"; numerics_env="${numerics_env}BASE_FP32_MASTER=1 " ;;
+  0|"") ;;
+  *) echo "BASE_FP32_MASTER must be 0 or 1, not $BASE_FP32_MASTER" >&2; exit 2;;
 esac
 source "$(dirname "$0")/gpu_env.sh"
 export QLORA_NB_GPU_LOCK=/tmp/qlora_nb_gpu.lock TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
