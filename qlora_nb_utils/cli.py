@@ -40,7 +40,9 @@ def _seq_lens(text: str) -> list[int]:
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:
-    p.add_argument("--model", default=default_model, help="tiny, smollm2-135m, llama-3.2-1b-shape, llama-3.1-8b-shape, an HF id or a path")
+    p.add_argument("--model", default=default_model,
+                   help="tiny, smollm2-135m, llama-3.2-1b-shape, llama-3.2-1b-shape-4l, "
+                        "llama-3.1-8b-shape, an HF id or a path")
     p.add_argument("--quant", choices=("nf4", "none"), default="nf4")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")

@@ -15,6 +15,9 @@ No model hub can be reached from CI, so the named models are built locally, once
   Llama-3.2-1B and Llama-3.1-8B, for speed and memory work on a GPU, where the values do not
   matter but every matmul and every byte does. Their weights are written shard by shard, so
   building the 16 GB one never holds the whole model in memory.
+* ``llama-3.2-1b-shape-4l``: the 1B shape with 4 layers instead of 16 (every other value the
+  same). Whole-model compile time grows with depth, while guards and recompilations do not
+  depend on it, so recompilation studies use it to fit in a time-limited GPU call.
 
 All of them use SmolLM2's real tokenizer, so every model reads the same real data. Builds go
 to a temporary folder that is renamed into place only when complete, so an interrupted build
@@ -39,7 +42,8 @@ from torch import nn
 
 from . import env
 
-MODEL_NAMES = ("tiny", "smollm2-135m", "llama-3.2-1b-shape", "llama-3.1-8b-shape")
+MODEL_NAMES = ("tiny", "smollm2-135m", "llama-3.2-1b-shape", "llama-3.2-1b-shape-4l",
+               "llama-3.1-8b-shape")
 QUANT_CHOICES = ("nf4", "none")
 ATTN_CHOICES = ("sdpa", "eager", "flex_attention")
 
@@ -105,6 +109,9 @@ _CONFIGS = {
         "rope_parameters": _llama3_rope(8.0),
     },
 }
+# Derived, not copied, so that it stays the 1B shape if that one changes.
+_CONFIGS["llama-3.2-1b-shape-4l"] = {**copy.deepcopy(_CONFIGS["llama-3.2-1b-shape"]),
+                                      "num_hidden_layers": 4}
 
 
 def _say(message: str) -> None:
@@ -141,7 +148,8 @@ def model_config(name: str):
     """The ``LlamaConfig`` of a randomly initialised named model, without building it.
 
     Args:
-        name: ``"tiny"``, ``"llama-3.2-1b-shape"`` or ``"llama-3.1-8b-shape"``.
+        name: ``"tiny"``, ``"llama-3.2-1b-shape"``, ``"llama-3.2-1b-shape-4l"`` or
+            ``"llama-3.1-8b-shape"``.
 
     Returns:
         A ``transformers.LlamaConfig`` whose token ids match the SmolLM2 tokenizer.
@@ -370,8 +378,8 @@ def materialize(name: str, cache_dir: Union[str, Path, None] = None) -> Path:
 
     The folder holds a safetensors checkpoint, its config and the SmolLM2 tokenizer, so
     ``from_pretrained(folder)`` works on it like on any downloaded model. Later calls return
-    at once. The two ``*-shape`` models are large (2.5 GB and 16 GB in bfloat16) and are meant
-    for GPU machines.
+    at once. The ``*-shape`` models are large (1 GB for the four-layer 1B shape, 2.5 GB and
+    16 GB in bfloat16) and are meant for GPU machines.
 
     Args:
         name: one of :data:`MODEL_NAMES`.

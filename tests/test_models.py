@@ -216,6 +216,7 @@ def test_local_path_loads_like_the_name(cache, tiny_dir):
 
 @pytest.mark.parametrize("name, shape, params", [
     ("llama-3.2-1b-shape", (2048, 16, 32, 8, 8192, True, 32.0), 1_235_814_400),
+    ("llama-3.2-1b-shape-4l", (2048, 4, 32, 8, 8192, True, 32.0), 505_956_352),
     ("llama-3.1-8b-shape", (4096, 32, 32, 8, 14336, False, 8.0), 8_030_261_248),
 ])
 def test_shape_model_configs(name, shape, params):
@@ -230,6 +231,33 @@ def test_shape_model_configs(name, shape, params):
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(cfg)
     assert skeleton.num_parameters() == params
+
+
+def test_four_layer_1b_shape_differs_only_in_depth():
+    full = models.model_config("llama-3.2-1b-shape").to_dict()
+    short = models.model_config("llama-3.2-1b-shape-4l").to_dict()
+    assert (full.pop("num_hidden_layers"), short.pop("num_hidden_layers")) == (16, 4)
+    assert short == full
+
+
+def test_four_layer_1b_shape_builds_into_its_own_folder(tmp_path, monkeypatch):
+    layers = []  # what the (stubbed) writer was asked to build; nothing is materialized
+    monkeypatch.setattr(models, "_write_random_checkpoint",
+                        lambda config, folder, **kw: layers.append(config.num_hidden_layers))
+    monkeypatch.setattr(models, "_copy_tokenizer", lambda cache, folder: None)
+    folder = models.materialize("llama-3.2-1b-shape-4l", cache_dir=tmp_path)
+    assert folder == tmp_path / "llama-3.2-1b-shape-4l" and models._is_complete(folder)
+    assert layers == [4]
+
+
+def test_cli_model_help_names_every_model():
+    import argparse
+
+    from qlora_nb_utils import cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    helps = [a.help for p in sub.choices.values() for a in p._actions if "--model" in a.option_strings]
+    assert helps and all(name in h for h in helps for name in models.MODEL_NAMES)
 
 
 def test_model_config_only_for_random_models():

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Execute notebooks on the lent GPU machine with their outputs kept (QLORA_NB_PROFILE=gpu), in
-# place, and copy each executed notebook into $OUT when it is set. Any notebook of the series.
+# Execute notebooks on the lent GPU machine with their outputs kept (QLORA_NB_PROFILE=gpu unless
+# set), in place, and copy each executed notebook into $OUT when it is set. Any notebook of the series.
 #
 # It needs nbclient and an ipykernel, which the GPU image lacks (KINDS.md lists no jupyter):
 # carry them as wheels in .nbwhl/ (installed into /tmp/site-nb; debugpy and jedi, optional and
 # 10 MB, are left out) or the script stops with the list of what is missing. Carried otherwise as tools/gpu_bench.sh (.whl, .gpucache).
 # Usage (on that machine, from the repository root): bash tools/gpu_notebooks.sh notebooks/05_benchmarks.ipynb ...
+# Notebook 04 sized for one 600 s call (untimed yet): its gpu-short profile, the 1B shape with 4 layers:
+#   QLORA_NB_PROFILE=gpu-short OUT=$OUT timeout 580 bash tools/gpu_notebooks.sh notebooks/04_recompilations.ipynb
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: tools/gpu_notebooks.sh NOTEBOOK.ipynb..." >&2; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
