@@ -1,25 +1,57 @@
-"""Causal-only SDPA for right-padded training batches: the flash kernel under ``torch.compile``.
+"""Causal-only attention for right-padded training batches: one graph under ``torch.compile``.
 
-Why it exists: transformers builds a 4-D attention mask whenever Dynamo traces the model
-(``masking_utils._ignore_causal_mask_sdpa`` returns False while ``is_tracing()``), even when
-the batch has no padding at all. With a mask, ``scaled_dot_product_attention`` cannot take
-its flash kernel, and ``sdpa_attention_forward`` repeats K and V over the query groups
-(``repeat_kv``) instead of passing ``enable_gqa``, so the backward keeps 4x the K/V of
-Llama-3's grouped attention. Eager runs skip the mask when nothing is padded; compiled runs
-never do.
+Why it exists: transformers builds a padding mask whenever Dynamo traces the model, and what
+that costs depends on the kernel.
 
-For causal-LM training on *right*-padded batches the mask is not needed: a real token at
-position ``i`` attends to positions ``<= i``, which are all real, so the causal flag alone gives
-real tokens exactly the attention the padding mask would; only the pad positions' outputs
-differ, and their labels are ``-100``. :func:`use_causal_sdpa` switches a model to an attention
+* **SDPA.** ``masking_utils._ignore_causal_mask_sdpa`` returns False while ``is_tracing()``, so a
+  compiled model always gets a 4-D mask, even for a batch without padding. With a mask,
+  ``scaled_dot_product_attention`` cannot take its flash kernel, and ``sdpa_attention_forward``
+  repeats K and V over the query groups (``repeat_kv``) instead of passing ``enable_gqa``, so
+  the backward keeps 4x the K/V of Llama-3's grouped attention.
+* **flex_attention.** ``masking_utils.flex_attention_mask`` (transformers 5.17, line 685) asks
+  ``if attention_mask is not None and not fast_all(attention_mask)``, a branch on tensor data:
+  compiling the whole model breaks the graph there and ``fullgraph=True`` fails
+  (``results/flex_attention_h200.json``: 5 breaks). Dropping the 2-D mask alone is not enough:
+  the function then calls ``create_block_mask(..., _compile=True)``, whose deprecation
+  ``warnings.warn`` (torch 2.13, ``flex_attention.py:1912``) is a graph break too (4 breaks on
+  the tiny CPU model, measured).
+
+For causal-LM training on *right*-padded batches the padding mask is not needed: a real token
+at position ``i`` attends to positions ``<= i``, which are all real, so the causal mask alone
+gives real tokens exactly the attention the padding mask would; only the pad positions' outputs
+differ, and their labels are ``-100``. :func:`use_causal_attention` switches a model to an
 implementation registered with transformers' own ``AttentionInterface`` and
-``AttentionMaskInterface`` (no monkey-patching): the mask function builds nothing and the
-attention is the stock ``sdpa_attention_forward`` called without a mask. It is reversible
-(``handle.undo()``), and :func:`check_right_padded` refuses batches where it would be wrong
-(a pad before a real token, i.e. left padding or holes).
+``AttentionMaskInterface`` (no monkey-patching); the attention functions are transformers' own:
 
-Not for generation with a cache or for left-padded batches; packed sequences also need their
-own mask (document boundaries), which this drops.
+* ``"sdpa"`` (:func:`use_causal_sdpa`): the mask function builds nothing and
+  ``sdpa_attention_forward`` runs without a mask (``is_causal=True``, GQA without ``repeat_kv``).
+* ``"flex_attention"`` (:func:`use_causal_flex`): the mask function builds the ``BlockMask``
+  transformers would build, minus the padding: the model's own ``mask_function`` (causal; a
+  sliding window or packed sequences where the model composes them) with the cache offsets,
+  through ``create_block_mask`` called directly (no ``_compile``, no warning), once per forward
+  and inside the traced graph, from the lengths Dynamo sees as symbols. The attention is
+  ``flex_attention_forward`` given that ``BlockMask``: block-sparse causal attention,
+  ``enable_gqa=True`` (transformers repeats K/V only when the query heads per device are not a
+  power of two), its scaling and its (B, S, H, D) output.
+
+What was measured (tiny Llama on a CPU, torch 2.13, forward only: torch has no flex backward on
+a CPU): the whole model traces as one graph, ``fullgraph=True`` compiles, and the loss equals
+the padding-masked SDPA loss. Over variable lengths with the sequence dimension dynamic it
+compiles **once per side of 128**: ``create_block_mask`` gives a ``ceil(S / 128)``-block mask,
+and Dynamo specialises a 1-block mask (S <= 128) apart from the rest, so lengths on both sides
+take 2 compilations (3 with ``dynamic=None``: the first one static). Building the mask in each
+attention call instead (from the query and key lengths) behaves the same but traces one mask
+per layer (34 s against 22 s in one CPU comparison); a causal ``score_mod`` without a
+``BlockMask`` compiles once for all lengths but computes every block of the upper triangle too.
+Gradients cannot be checked on a CPU; ``tests/test_attention.py`` compares them on a GPU.
+
+Not for generation with a cache or for left-padded batches (:func:`check_right_padded` refuses
+those). Decoder-only causal LMs only: an encoder's bidirectional mask without the padding would
+let real tokens see pads. The SDPA variant also drops what transformers adds to the causal mask
+(a sliding window; packed-sequence boundaries, derived from ``position_ids`` when no
+``attention_mask`` is given); the flex variant passes them on (not tested here). Train with
+``use_cache=False``: with a ``DynamicCache`` the flex path does not trace on transformers 5.17,
+with this mask or with none (an ``AttributeError`` on the cache layer's ``dtype``, measured).
 """
 
 from __future__ import annotations
@@ -30,14 +62,18 @@ import torch
 
 from .patches._base import PatchHandle
 
-__all__ = ["CAUSAL_SDPA", "register_causal_sdpa", "use_causal_sdpa", "check_right_padded"]
+__all__ = ["CAUSAL_SDPA", "CAUSAL_FLEX", "KERNELS", "register_causal", "register_causal_sdpa", "use_causal_attention",
+           "use_causal_sdpa", "use_causal_flex", "causal_masks_for", "check_right_padded"]
 
-#: The name the implementation is registered under in transformers' interfaces.
+#: The names the implementations are registered under in transformers' interfaces.
 CAUSAL_SDPA = "qlora_causal_sdpa"
+CAUSAL_FLEX = "qlora_causal_flex"
+#: The kernel a model uses now -> the causal-only implementation it can switch to.
+KERNELS = {"sdpa": CAUSAL_SDPA, "flex_attention": CAUSAL_FLEX}
 
 
 def _no_mask(*args, **kwargs) -> None:
-    """The mask function: no mask at all (SDPA's ``is_causal`` does the causal part)."""
+    """The SDPA mask function: no mask at all (SDPA's ``is_causal`` does the causal part)."""
     return None
 
 
@@ -48,14 +84,54 @@ def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
-def register_causal_sdpa() -> str:
-    """Register :data:`CAUSAL_SDPA` with transformers (idempotent); return the name."""
+def _causal_block_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                       device="cpu", **kwargs):
+    """The flex mask function: ``flex_attention_mask`` without the padding mask and its data branch.
+
+    ``attention_mask`` (the 2-D padding mask) arrives in ``kwargs`` and is ignored. Nothing here
+    reads tensor data, so Dynamo traces it into the model's graph.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from transformers.masking_utils import add_offsets_to_mask_function, causal_mask_function
+
+    mask_mod = add_offsets_to_mask_function(mask_function or causal_mask_function, q_offset, kv_offset)
+    return create_block_mask(mask_mod, B=batch_size, H=None, Q_LEN=q_length, KV_LEN=kv_length, device=device)
+
+
+def _implementation(kernel: str):
+    """(name, attention function, mask function) of the causal-only twin of ``kernel``."""
+    if kernel == "sdpa":
+        return CAUSAL_SDPA, _causal_sdpa, _no_mask
+    if kernel == "flex_attention":
+        from transformers.utils import is_torch_flex_attn_available
+
+        if not is_torch_flex_attn_available():
+            raise ValueError(f"flex_attention needs torch >= 2.5; torch {torch.__version__} is installed")
+        from transformers.integrations.flex_attention import flex_attention_forward
+
+        return CAUSAL_FLEX, flex_attention_forward, _causal_block_mask
+    raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+
+
+def register_causal(kernel: str) -> str:
+    """Register the causal-only twin of ``kernel`` with transformers (idempotent); return its name.
+
+    Raises:
+        ValueError: ``kernel`` is not in :data:`KERNELS` (or flex attention is unavailable).
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(CAUSAL_SDPA, _causal_sdpa)
-    AttentionMaskInterface.register(CAUSAL_SDPA, _no_mask)
-    return CAUSAL_SDPA
+    name, attention_fn, mask_fn = _implementation(kernel)
+    AttentionInterface.register(name, attention_fn)
+    AttentionMaskInterface.register(name, mask_fn)
+    return name
+
+
+def register_causal_sdpa() -> str:
+    """Register :data:`CAUSAL_SDPA` with transformers (idempotent); return the name."""
+    return register_causal("sdpa")
 
 
 def _configs(model: torch.nn.Module) -> list:
@@ -68,31 +144,82 @@ def _configs(model: torch.nn.Module) -> list:
     return out
 
 
-def use_causal_sdpa(model: torch.nn.Module) -> PatchHandle:
-    """Switch ``model`` (a transformers model, PEFT-wrapped or not) to causal-only SDPA.
+def use_causal_attention(model: torch.nn.Module, kernel: str) -> PatchHandle:
+    """Switch ``model`` (a transformers causal LM, PEFT-wrapped or not) to causal-only ``kernel``.
 
     Sets ``_attn_implementation`` on every config the model's modules hold; ``undo()`` puts
     the previous values back. Call it before compiling (the implementation name is read at
-    trace time).
+    trace time). The kernel stays the one the model was loaded with: ``"sdpa"`` becomes
+    :data:`CAUSAL_SDPA`, ``"flex_attention"`` becomes :data:`CAUSAL_FLEX`.
+
+    Args:
+        model: The model; only right-padded batches may be fed to it afterwards.
+        kernel: ``"sdpa"`` or ``"flex_attention"``, the implementation the model uses now.
+
+    Returns:
+        A :class:`PatchHandle` (also a context manager) whose ``undo()`` restores the configs.
 
     Raises:
-        ValueError: the model has no transformers config, or does not use ``sdpa`` now
-            (``eager`` and ``flex_attention`` keep their own masks; switching them silently
-            would change more than the mask).
+        ValueError: ``kernel`` is unknown, the model has no transformers config, or it does
+            not use ``kernel`` now (switching kernels silently would change more than the mask).
     """
+    name = register_causal(kernel)
+    short = {"sdpa": "sdpa", "flex_attention": "flex"}[kernel]
     configs = _configs(model)
     if not configs:
         raise ValueError(f"{type(model).__name__} holds no transformers config with an attention implementation")
     current = {cfg._attn_implementation for cfg in configs}
-    if not current <= {"sdpa", CAUSAL_SDPA}:
-        raise ValueError(f"use_causal_sdpa expects a model using 'sdpa' attention, found {sorted(current)}")
-    register_causal_sdpa()
-    handle = PatchHandle("causal_sdpa", {"configs": len(configs)})
+    if not current <= {kernel, name}:
+        raise ValueError(f"use_causal_{short} expects a model using {kernel!r} attention, found {sorted(current)}; "
+                         f"load it with attn_implementation={kernel!r}")
+    handle = PatchHandle(f"causal_{short}", {"configs": len(configs), "implementation": name})
     for cfg in configs:
         # a property on PretrainedConfig: restore by setting the old value, never by deleting
         old = cfg._attn_implementation
-        cfg._attn_implementation = CAUSAL_SDPA
+        cfg._attn_implementation = name
         handle.add_undo(lambda cfg=cfg, old=old: setattr(cfg, "_attn_implementation", old))
+    return handle
+
+
+def use_causal_sdpa(model: torch.nn.Module) -> PatchHandle:
+    """:func:`use_causal_attention` for a model loaded with ``attn_implementation="sdpa"``."""
+    return use_causal_attention(model, "sdpa")
+
+
+def use_causal_flex(model: torch.nn.Module) -> PatchHandle:
+    """:func:`use_causal_attention` for a model loaded with ``attn_implementation="flex_attention"``.
+
+    The compiled whole model is then one graph (no break in the mask code), and variable
+    lengths compile once per side of 128 tokens with the sequence dimension dynamic (see the
+    module docstring). On a GPU, torch 2.11's Inductor could not generate the whole model's
+    dynamic graph (``CantSplit: ((s + 127)//128) not divisible by ...``, H200, measured, also
+    with the lengths declared multiples of 128 through ``torch._check``): compile regionally
+    there (``prepare_for_compile(scope="regional")``), where flex trains 20 lengths with 4
+    compilations (``results/flex_attention_h200.json``).
+    """
+    return use_causal_attention(model, "flex_attention")
+
+
+def causal_masks_for(kernel: str) -> PatchHandle:
+    """Give every model that uses ``kernel`` the causal-only mask until ``undo()``.
+
+    For code that loads the model itself (``qlora-nb diagnose --causal-attn``): instead of
+    renaming one model's implementation, the mask function registered under the stock name
+    is replaced, through transformers' ``AttentionMaskInterface.register``, and put back by
+    ``undo()``. The attention functions stay transformers' own; with no mask, SDPA runs
+    causal, as in :func:`use_causal_sdpa`. Prefer :func:`use_causal_attention` where you hold
+    the model: this one reaches every model in the process.
+
+    Raises:
+        ValueError: ``kernel`` is not in :data:`KERNELS`.
+    """
+    from transformers.masking_utils import AttentionMaskInterface
+
+    _, _, mask_fn = _implementation(kernel)
+    old = AttentionMaskInterface()[kernel]  # a fresh instance has no local overrides: the global entry
+    handle = PatchHandle("causal_masks", {"kernel": kernel})
+    AttentionMaskInterface.register(kernel, mask_fn)
+    handle.add_undo(lambda: AttentionMaskInterface.register(kernel, old))
     return handle
 
 

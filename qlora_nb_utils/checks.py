@@ -123,6 +123,14 @@ def diagnose(
     return report
 
 
+def _describe(err: BaseException) -> str:
+    """``Type: first line``, naming the backend's own exception when Dynamo wrapped it."""
+    first = lambda e: (str(e).strip().splitlines() or [""])[0]  # noqa: E731
+    inner = getattr(err, "inner_exception", None) or err.__cause__
+    text = f"{type(err).__name__}: {first(err)}"
+    return text + (f" {type(inner).__name__}: {first(inner)}" if inner is not None and inner is not err else "")
+
+
 def _diagnose_prepared(net, make_batch, seq_lens, scope, grad_ckpt, kwargs) -> dict[str, Any]:
     from .compile import prepare_for_compile
 
@@ -135,16 +143,23 @@ def _diagnose_prepared(net, make_batch, seq_lens, scope, grad_ckpt, kwargs) -> d
         first = make_batch(seq_lens[0])
         breaks = diagnostics.graph_breaks(loss_fn, **first)
         full = diagnostics.check_fullgraph(loss_fn, **first)
+        run_error, failed_at = None, None
         for n in seq_lens:
-            prepared.forward(**make_batch(n)).loss.backward()
-            net.zero_grad(set_to_none=True)
+            try:
+                prepared.forward(**make_batch(n)).loss.backward()
+            except Exception as err:  # a compiler failure is a finding of the run, reported, not a crash
+                run_error, failed_at = _describe(err), n
+                break
+            finally:
+                net.zero_grad(set_to_none=True)
         counts = prepared.counter.to_dict()
     finally:
         prepared.undo()
         torch.compiler.reset()
     counts.pop("backend_s", None)
     return {"graph_breaks": breaks.graph_break_count, "break_reasons": breaks.break_reasons, "fullgraph_ok": full.ok,
-            "fullgraph_error": full.error, "seq_lens": seq_lens, "patches": prepared.patches, **counts}
+            "fullgraph_error": full.error, "seq_lens": seq_lens, "patches": prepared.patches,
+            "run_error": run_error, "run_failed_at_len": failed_at, **counts}
 
 
 def problems(report: dict[str, Any], max_compilations: int = 2) -> list[str]:
@@ -163,6 +178,9 @@ def problems(report: dict[str, Any], max_compilations: int = 2) -> list[str]:
     if not report.get("fullgraph_ok"):
         first = (report.get("fullgraph_error") or "unknown error").splitlines()[0]
         found.append(f"fullgraph=True compile failed: {first}")
+    if report.get("run_error"):
+        found.append(f"the run over the lengths failed at length {report.get('run_failed_at_len')}: "
+                     f"{report['run_error']}")
     compilations = report.get("compilations")
     if compilations is not None and compilations > max_compilations:
         found.append(f"{compilations} compilations over {len(report.get('seq_lens') or [])} lengths (max {max_compilations})")

@@ -10,6 +10,7 @@ fullgraph compile, or more compilations than `--max-compilations`, so CI can gua
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-patches", action="store_true", help="report upstream as it is, without prepare_for_compile")
     d.add_argument("--attn", default="sdpa", choices=ATTN_CHOICES,
                    help="attention implementation (flex_attention trains on CUDA only)")
+    d.add_argument("--causal-attn", action="store_true",
+                   help="causal-only --attn (sdpa or flex_attention) without the padding mask, as "
+                   "qlora_nb_utils.attention.use_causal_attention; the batches are right-padded")
     d.add_argument("--seq-lens", type=_seq_lens, default=[64], help="comma-separated, e.g. 64,80,96")
     d.add_argument("--max-compilations", type=_positive_int, default=2)
     d.add_argument("--backend", default="inductor", help="backend of the run over --seq-lens (breaks are backend-independent)")
@@ -184,14 +188,19 @@ def print_bench_table(results: dict) -> None:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from . import checks, diagnostics
+    from . import attention, checks, diagnostics
 
-    report = checks.diagnose(
-        model=args.model, quant=args.quant, lora=not args.no_lora, grad_ckpt=args.grad_ckpt,
-        prepare=not args.no_patches, scope="regional" if args.regional else "whole",
-        seq_lens=args.seq_lens, batch_size=args.batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
-        compile_kwargs={"backend": args.backend}, attn=args.attn,
-    )
+    # --causal-attn: the model is loaded inside checks.diagnose, so the stock mask function is
+    # swapped for the run (make_length_batcher pads on the right, as the causal mask needs)
+    causal = attention.causal_masks_for(args.attn) if args.causal_attn else contextlib.nullcontext()
+    with causal:
+        report = checks.diagnose(
+            model=args.model, quant=args.quant, lora=not args.no_lora, grad_ckpt=args.grad_ckpt,
+            prepare=not args.no_patches, scope="regional" if args.regional else "whole",
+            seq_lens=args.seq_lens, batch_size=args.batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
+            compile_kwargs={"backend": args.backend}, attn=args.attn,
+        )
+    report["causal_attn"] = args.causal_attn
     print(diagnostics.format_report(report))
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

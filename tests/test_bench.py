@@ -127,6 +127,24 @@ def test_problems_lists_each_failure():
     assert len(found) == 3 and "Unsupported: x" in found[1] and "5 compilations" in found[2]
 
 
+def test_a_compiler_failure_during_the_run_over_lengths_is_reported_not_raised():
+    """What the H200 showed for whole-model causal flex (Inductor's CantSplit on the dynamic
+    graph), made on a CPU: a backend that refuses dynamic graphs fails the second length."""
+    from qlora_nb_utils import checks
+
+    def static_only(gm, example_inputs):
+        if any(isinstance(x, torch.SymInt) for x in example_inputs):
+            raise RuntimeError("this backend compiles static graphs only")
+        return gm.forward
+
+    report = checks.diagnose(model="tiny", quant="none", seq_lens=[16, 24, 32], batch_size=2, device="cpu",
+                             compile_kwargs={"backend": static_only})
+    assert report["graph_breaks"] == 0 and report["fullgraph_ok"]
+    assert report["run_failed_at_len"] == 24 and "static graphs only" in report["run_error"]
+    (found,) = checks.problems(report)
+    assert "failed at length 24" in found
+
+
 def test_diagnose_grad_ckpt_upstream_breaks_and_prepared_is_clean(tmp_path):
     base = ["diagnose", "--model", "tiny", "--quant", "none", "--grad-ckpt", "--device", "cpu", "--backend", "eager",
             "--seq-lens", "32", "--strict"]

@@ -3,23 +3,34 @@
 # the 1B-shape QLoRA over 20 distinct sequence lengths, regional and whole-model, through
 # `qlora-nb diagnose --attn flex_attention` (torch has no CPU backward for flex attention, so
 # CI cannot train it). Writes $OUT_DIR/flex_<scope>_<tag>.json and prints each report.
+# Scopes: regional, whole (stock transformers flex: its mask code breaks the whole-model graph),
+# regional-causal, whole-causal (the same with --causal-attn: qlora_nb_utils.attention's
+# causal-only flex mask, no padding mask, one graph; the batches are right-padded).
 # Carried: .whl (bitsandbytes, peft, ...), .gpucache (tokenizer), as tools/gpu_peers.sh.
 # Usage (on that machine, repository root): bash tools/gpu_flex.sh OUT_DIR [SCOPES="regional whole"] [LENS]
 # LENS: comma-separated lengths (default: 20 lengths 64, 80, ..., 368; each run's JSON and log
-# name carry a tag, TAG=..., default "odd").
+# name carry a tag, TAG=..., default "odd"). Inductor's flex lowering needs multiples of 64 (at
+# least 128) on torch 2.11, e.g. TAG=x128 with 128, 256, ..., 2560.
 set -uo pipefail
-out=${1:?usage: tools/gpu_flex.sh OUT_DIR [SCOPES]}
+out=${1:?usage: tools/gpu_flex.sh OUT_DIR [SCOPES] [LENS]}
 scopes=${2:-regional whole}
+for scope in $scopes; do  # refuse a typo before loading anything
+  case "$scope" in regional|whole|regional-causal|whole-causal) ;;
+    *) echo "unknown scope '$scope' (regional, whole, regional-causal, whole-causal)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
 lens=${3:-$(python3 -c "print(','.join(str(64 + 16 * i) for i in range(20)))")}
 tag=${TAG:-odd}
 for scope in $scopes; do
-  flag=""; [ "$scope" = regional ] && flag="--regional"
+  flags=()
+  [ "${scope%-causal}" = regional ] && flags+=(--regional)
+  [ "${scope%-causal}" != "$scope" ] && flags+=(--causal-attn)
   echo "==> flex_attention, $scope, lengths $lens"
   start=$(date +%s)
-  python3 -m qlora_nb_utils.cli diagnose --model llama-3.2-1b-shape --quant nf4 --attn flex_attention $flag \
+  python3 -m qlora_nb_utils.cli diagnose --model llama-3.2-1b-shape --quant nf4 --attn flex_attention "${flags[@]}" \
     --batch-size 4 --seq-lens "$lens" --json "$out/flex_${scope}_${tag}.json" 2>&1 | grep -v "Warning\|warnings.warn"
   echo "    rc=${PIPESTATUS[0]} wall $(( $(date +%s) - start )) s"
 done
