@@ -72,6 +72,25 @@ def _autocast(forward: Callable[..., Any], device: torch.device, dtype: torch.dt
     return run
 
 
+def load_cell_model(model_name: str, config: str, dtype: torch.dtype, device: torch.device, *, seed: int = 0,
+                    grad_ckpt: bool = False, base_fp32_master: bool = False):
+    """Load one of `CONFIGS` as a matrix cell trains it, in train mode.
+
+    Returns:
+        (model, tokenizer, wrap, weights_dtype): `wrap(forward)` is the forward to train with
+        (`_autocast` for the fp32-master full fine-tune, else `forward` itself);
+        `weights_dtype` names the weights' precision for the results.
+    """
+    quant, lora = CONFIGS[config]
+    mixed = base_fp32_master and not lora and dtype != torch.float32
+    model, tok = models.load_model(model_name, quant=quant, lora=lora, dtype=torch.float32 if mixed else dtype,
+                                   device=device, seed=seed, gradient_checkpointing=grad_ckpt)
+    model.train()
+    if mixed:
+        return model, tok, lambda f: _autocast(f, device, dtype), "float32 (autocast)"
+    return model, tok, lambda f: f, str(dtype).replace("torch.", "")
+
+
 def _break_check(model, batch, device, ckpt: bool, wrap: Callable = lambda f: f) -> dict[str, Any]:
     """Breaks and the fullgraph verdict of the patched model's forward + loss (under `wrap`)."""
     prepared = prepare_for_compile(model, scope="whole", backend="eager", fullgraph=False, grad_ckpt=True if ckpt else None)
@@ -220,13 +239,9 @@ def run_matrix(
         for ckpt in grad_ckpts:
             if _out_of_time(t0, time_budget_s, result, log):
                 return result
-            mixed = base_fp32_master and not lora and torch_dtype != torch.float32
-            model, tok = models.load_model(model_name, quant=quant, lora=lora,
-                                           dtype=torch.float32 if mixed else torch_dtype, device=dev,
-                                           seed=seed, gradient_checkpointing=ckpt)
-            model.train()
+            model, tok, wrap, weights_dtype = load_cell_model(model_name, name, torch_dtype, dev, seed=seed,
+                                                              grad_ckpt=ckpt, base_fp32_master=base_fp32_master)
             start = trainable_state(model)
-            wrap = (lambda f: _autocast(f, dev, torch_dtype)) if mixed else (lambda f: f)  # noqa: E731
             for kind in lengths:
                 batches = _batches(tok, kind, batch_size, max_len, steps, seed)
                 load_trainable_state(model, start)
@@ -239,7 +254,7 @@ def run_matrix(
                     hist, counts = _compiled_cell(model, batches, cfg, start, scope, kind, backend, mode, ckpt,
                                                   eager_numerics, wrap)
                     cell = {"model": model_name, "quant": quant, "lora": lora, "config": name, "grad_ckpt": ckpt,
-                            "weights_dtype": "float32 (autocast)" if mixed else str(torch_dtype).replace("torch.", ""),
+                            "weights_dtype": weights_dtype,
                             "lengths": kind, "scope": scope, **checked, **counts,
                             "distinct_lengths": len({b["input_ids"].shape[1] for b in batches}),
                             "eager_median_step_ms": summarize(eager, warmup)["median_step_ms"],

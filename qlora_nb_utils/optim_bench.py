@@ -37,9 +37,10 @@ from typing import Any, Callable
 import torch
 
 from . import env, models
+from .bench import default_dtype
 from .compile import compiled_optimizer, prepare_for_compile
 from .matrix import _batches
-from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
+from .train import TrainConfig, _sync, load_trainable_state, summarize, train, trainable_state
 
 __all__ = ["OPTIMIZERS", "compare_optimizers", "time_optimizer_step", "main"]
 
@@ -57,11 +58,6 @@ def _make_optimizer(kind: str, params: list[torch.nn.Parameter], lr: float, weig
         # AdamW's own defaults (a tensor lr with an explicit foreach=True needs capturable=True)
         return compiled_optimizer(params, backend=backend, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {kind!r}; valid: {list(OPTIMIZERS)}")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_optimizer_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], *, repeats: int = 50,
@@ -129,7 +125,7 @@ def compare_optimizers(
     if bad:
         raise ValueError(f"unknown optimizers {bad}; valid: {list(OPTIMIZERS)}")
     dev = env.resolve_device(device)
-    torch_dtype = env.resolve_dtype(("bfloat16" if dev.type == "cuda" else "float32") if dtype == "auto" else dtype, dev)
+    torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
     model, tok = models.load_model(model_name, quant=quant, lora=True, dtype=torch_dtype, device=dev, seed=seed)
     model.train()
     start = trainable_state(model)

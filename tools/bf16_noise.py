@@ -28,8 +28,8 @@ import sys
 
 import torch
 
-from qlora_nb_utils import env, models
-from qlora_nb_utils.matrix import CONFIGS, _autocast, _batches
+from qlora_nb_utils import env
+from qlora_nb_utils.matrix import CONFIGS, _batches, load_cell_model
 from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
 
 
@@ -66,12 +66,11 @@ def main() -> None:
             flag.allow_bf16_reduced_precision_reduction = default
 
     for name in a.configs.split(","):
-        mixed = name == "base-fp32"
-        quant, lora = CONFIGS["base" if mixed else name]
-        model, tok = models.load_model(a.model, quant=quant, lora=lora, dtype=torch.float32 if mixed else torch.bfloat16,
-                                       device=dev, seed=0)
-        model.train()
-        forward = _autocast(model, dev, torch.bfloat16) if mixed else model
+        config = "base" if name == "base-fp32" else name
+        quant, lora = CONFIGS[config]
+        model, tok, wrap, weights_dtype = load_cell_model(a.model, config, torch.bfloat16, dev, seed=0,
+                                                          base_fp32_master=name == "base-fp32")
+        forward = wrap(model)
         start = trainable_state(model)
         batches = _batches(tok, "fixed", 4, 256, a.steps, 0)
         runs = {}
@@ -86,7 +85,7 @@ def main() -> None:
                 "first_step_loss_diff_flipped": abs(runs["eager"][0] - runs["eager_flipped"][0]),
                 "max_abs_loss_diff_sdpa_math": diff("eager", "eager_sdpa_math"),
                 "first_step_loss_diff_sdpa_math": abs(runs["eager"][0] - runs["eager_sdpa_math"][0]),
-                "weights_dtype": "float32 (autocast)" if mixed else "bfloat16"}
+                "weights_dtype": weights_dtype}
         print(name, {k: v for k, v in cell.items() if k != "losses"}, flush=True)
         res["cells"].append(cell)
         del model
