@@ -45,6 +45,18 @@ per layer (34 s against 22 s in one CPU comparison); a causal ``score_mod`` with
 ``BlockMask`` compiles once for all lengths but computes every block of the upper triangle too.
 Gradients cannot be checked on a CPU; ``tests/test_attention.py`` compares them on a GPU.
 
+**The mask built outside the graph** (:func:`causal_block_mask`, :func:`with_causal_block_mask`).
+transformers takes a ``BlockMask`` passed as ``attention_mask`` as it is
+(``masking_utils._preprocess_mask_arguments`` returns it before any mask code runs), so a stock
+``flex_attention`` model can be given the causal ``BlockMask`` built eagerly, once per length
+(cached), with no mask code in the compiled graph at all. The graph then takes the mask's
+block counts and indices as inputs, sized by a block-count symbol of their own, instead of
+computing them from ``ceil(S / 128)``: that computation is what Inductor could not split on the
+H200 (``use_causal_flex``'s docstring). On a CPU (tiny Llama, forward, Inductor) it compiles
+like the in-graph mask: one static graph, one dynamic graph for every length over 128, one
+more for a 1-block length. The mask function is a module-level function, so its identity
+guard holds from call to call.
+
 Not for generation with a cache or for left-padded batches (:func:`check_right_padded` refuses
 those). Decoder-only causal LMs only: an encoder's bidirectional mask without the padding would
 let real tokens see pads. The SDPA variant also drops what transformers adds to the causal mask
@@ -56,6 +68,7 @@ with this mask or with none (an ``AttributeError`` on the cache layer's ``dtype`
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -63,7 +76,8 @@ import torch
 from .patches._base import PatchHandle
 
 __all__ = ["CAUSAL_SDPA", "CAUSAL_FLEX", "KERNELS", "register_causal", "register_causal_sdpa", "use_causal_attention",
-           "use_causal_sdpa", "use_causal_flex", "causal_masks_for", "check_right_padded"]
+           "use_causal_sdpa", "use_causal_flex", "causal_masks_for", "check_right_padded", "causal_block_mask",
+           "with_causal_block_mask"]
 
 #: The names the implementations are registered under in transformers' interfaces.
 CAUSAL_SDPA = "qlora_causal_sdpa"
@@ -249,3 +263,72 @@ def check_right_padded(batches: Iterable[dict]) -> int:
             raise ValueError(f"batch {i} is not right-padded (a padding position comes before a real token); "
                              "causal-only attention would let real tokens see the padding")
     return n
+
+
+def _causal_mod(batch, head, q_idx, kv_idx):
+    """``mask_mod`` of the precomputed causal ``BlockMask``: module-level, so Dynamo's guard on it holds."""
+    return q_idx >= kv_idx
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_block_mask(seq_len: int, device: str, block_size: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask = create_block_mask(_causal_mod, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
+                             BLOCK_SIZE=block_size)
+    # The block counts are dynamic from the first compile on: without this, a compile whose
+    # lengths share a block count keeps that count static, and the next count recompiles.
+    # A 1-block mask stays static (Dynamo specialises sizes 0 and 1 anyway).
+    if mask.kv_indices.shape[-1] > 1:
+        for t in (mask.kv_num_blocks, mask.full_kv_num_blocks, mask.q_num_blocks, mask.full_q_num_blocks):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)  # dims count from 0 here, never -1
+        for t in (mask.kv_indices, mask.full_kv_indices, mask.q_indices, mask.full_q_indices):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)
+                torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)
+    return mask
+
+
+def causal_block_mask(seq_len: int, device: str | torch.device = "cpu", block_size: int = 128):
+    """The causal ``BlockMask`` for ``seq_len`` tokens, built eagerly and cached per (length, device).
+
+    Broadcast over batch and heads (``B=None, H=None``). Pass it as ``attention_mask`` to a model
+    loaded with ``attn_implementation="flex_attention"`` (transformers uses it as given), on
+    right-padded batches only: see the module docstring for why the padding mask is not needed.
+
+    Raises:
+        ValueError: ``seq_len`` or ``block_size`` is not a positive int.
+        RuntimeError: called while ``torch.compile`` traces: the point is a mask built outside the
+            graph, so wrap the compiled model (:func:`with_causal_block_mask`), not the reverse.
+    """
+    if torch.compiler.is_compiling():
+        raise RuntimeError("causal_block_mask runs outside the compiled graph: wrap the compiled model with "
+                           "with_causal_block_mask(torch.compile(model)), not torch.compile(with_causal_block_mask(...))")
+    for name, value in (("seq_len", seq_len), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return _cached_block_mask(seq_len, str(torch.device(device)), block_size)
+
+
+def with_causal_block_mask(forward, block_size: int = 128):
+    """Wrap ``forward`` (a model or its compiled twin) to run with :func:`causal_block_mask`.
+
+    The wrapper replaces the batch's 2-D ``attention_mask`` by the causal ``BlockMask`` of the
+    batch's length (``input_ids.shape[1]``) on the batch's device; everything else passes
+    through. It does not read the batch's data (no device sync per step): check the batches
+    once with :func:`check_right_padded`.
+
+    Raises:
+        ValueError (when called): no ``input_ids`` to take the length from.
+    """
+
+    def run(*args, **batch):
+        ids = batch.get("input_ids")
+        if ids is None:
+            raise ValueError("with_causal_block_mask needs input_ids (keyword) to size the mask")
+        batch["attention_mask"] = causal_block_mask(ids.shape[1], ids.device, block_size)
+        return forward(*args, **batch)
+
+    return run
+

@@ -17,7 +17,10 @@ import torch
 from . import data as qdata
 from . import diagnostics, env, models
 
-__all__ = ["diagnose", "problems", "make_length_batcher"]
+__all__ = ["FLEX_BLOCK_MASKS", "diagnose", "problems", "make_length_batcher"]
+
+#: Where a flex_attention model's BlockMask comes from in `diagnose` (see its docstring).
+FLEX_BLOCK_MASKS = ("graph", "precomputed")
 
 
 def make_length_batcher(tokenizer, batch_size: int, *, data=None, seed: int = 0):
@@ -69,6 +72,7 @@ def diagnose(
     scope: str = "whole",
     compile_kwargs: dict | None = None,
     attn: str = "sdpa",
+    flex_block_mask: str = "graph",
 ) -> dict[str, Any]:
     """Load a configuration and report its graph breaks and compilations.
 
@@ -90,6 +94,10 @@ def diagnose(
         compile_kwargs: `backend`, `mode`, `dynamic` for the run over `seq_lens`.
         attn: the attention implementation (`models.ATTN_CHOICES`; `flex_attention` trains
             only on CUDA: torch has no CPU backward for it).
+        flex_block_mask: with `attn="flex_attention"`, "graph" leaves the mask to the model
+            (built in the compiled graph); "precomputed" passes every batch the causal
+            `BlockMask` built outside the graph (`attention.causal_block_mask`; the batches
+            are right-padded, so no padding mask is needed).
 
     Returns:
         The `diagnostics.diagnose_model` keys plus the configuration, patches applied,
@@ -97,6 +105,10 @@ def diagnose(
     """
     from .bench import default_dtype
 
+    if flex_block_mask not in FLEX_BLOCK_MASKS:
+        raise ValueError(f"flex_block_mask must be one of {FLEX_BLOCK_MASKS}, got {flex_block_mask!r}")
+    if flex_block_mask == "precomputed" and attn != "flex_attention":
+        raise ValueError(f"flex_block_mask='precomputed' needs attn='flex_attention', got attn={attn!r}")
     dev = env.resolve_device(device)
     torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
     net, tok = models.load_model(
@@ -105,7 +117,14 @@ def diagnose(
     )
     net.train()
     make_batch = make_length_batcher(tok, batch_size, seed=seed)
-    to_dev = lambda b: {k: v.to(dev) for k, v in b.items()}  # noqa: E731
+
+    def to_dev(b: dict) -> dict:
+        b = {k: v.to(dev) for k, v in b.items()}
+        if flex_block_mask == "precomputed":  # the causal BlockMask in place of the 2-D padding mask
+            from .attention import causal_block_mask
+
+            b["attention_mask"] = causal_block_mask(b["input_ids"].shape[1], dev)
+        return b
     if prepare:
         report = _diagnose_prepared(net, lambda n: to_dev(make_batch(n)), list(seq_lens), scope, grad_ckpt,
                                     dict(compile_kwargs or {}))
@@ -117,6 +136,7 @@ def diagnose(
         report["patches"] = []
     report.update(
         model=model, quant=quant, lora=lora, grad_ckpt=grad_ckpt, batch_size=batch_size, prepared=prepare, attn=attn,
+        flex_block_mask=flex_block_mask if attn == "flex_attention" else None,
         scope=scope, dtype=str(torch_dtype).replace("torch.", ""), device=env.device_info(dev),
         versions=env.versions(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )

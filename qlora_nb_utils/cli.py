@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--causal-attn", action="store_true",
                    help="causal-only --attn (sdpa or flex_attention) without the padding mask, as "
                    "qlora_nb_utils.attention.use_causal_attention; the batches are right-padded")
+    d.add_argument("--flex-block-mask", default="graph", choices=["graph", "precomputed"],
+                   help="with --attn flex_attention: build the BlockMask in the compiled graph (graph) or pass "
+                   "each batch the causal BlockMask built outside it (precomputed; right-padded batches)")
     d.add_argument("--seq-lens", type=_seq_lens, default=[64], help="comma-separated, e.g. 64,80,96")
     d.add_argument("--max-compilations", type=_positive_int, default=2)
     d.add_argument("--backend", default="inductor", help="backend of the run over --seq-lens (breaks are backend-independent)")
@@ -198,7 +201,7 @@ def _diagnose(args: argparse.Namespace) -> int:
             model=args.model, quant=args.quant, lora=not args.no_lora, grad_ckpt=args.grad_ckpt,
             prepare=not args.no_patches, scope="regional" if args.regional else "whole",
             seq_lens=args.seq_lens, batch_size=args.batch_size, device=args.device, dtype=args.dtype, seed=args.seed,
-            compile_kwargs={"backend": args.backend}, attn=args.attn,
+            compile_kwargs={"backend": args.backend}, attn=args.attn, flex_block_mask=args.flex_block_mask,
         )
     report["causal_attn"] = args.causal_attn
     print(diagnostics.format_report(report))

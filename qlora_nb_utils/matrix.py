@@ -8,8 +8,9 @@ one configuration a demo happens to use. `run_matrix` builds each cell the way a
 the sequence dimension marked dynamic for variable lengths), and measures, on the same
 batches and from the same starting weights as an eager run of that cell: graph breaks,
 whether `fullgraph=True` held, compilations, max |loss difference| (and both runs' per-step
-losses), peak memory and median step time. Each finished cell is written out at once, so a run
-cut short keeps its cells.
+losses), peak memory (over the run, compile steps included, and "steady", over the steps after
+warm-up: the first compiled step compiles and autotunes on real buffers) and median step time.
+Each finished cell is written out at once, so a run cut short keeps its cells.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ def _break_check(model, batch, device, ckpt: bool, wrap: Callable = lambda f: f)
 
 
 def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ckpt,
-                   eager_numerics: bool = False, wrap: Callable = lambda f: f) -> tuple[Any, dict[str, Any]]:
+                   eager_numerics: bool = False, wrap: Callable = lambda f: f,
+                   train_fn: Callable = train) -> tuple[Any, dict[str, Any]]:
+    """Prepare `model` as the cell says, train it with `train_fn` (`train`'s signature), undo."""
     torch.compiler.reset()
     load_trainable_state(model, start)
     # Regional: the layers are compiled, the embedding is not. Every layer but the first gets an
@@ -125,7 +128,7 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ck
                                    grad_ckpt=True if ckpt else None, eager_numerics=eager_numerics)
     forward = mark_dynamic(prepared.forward, SEQ_DIMS) if lengths == "variable" and scope == "whole" else prepared.forward
     try:
-        hist = train(model, batches, cfg, forward=wrap(forward), label=f"compiled-{scope}")
+        hist = train_fn(model, batches, cfg, forward=wrap(forward), label=f"compiled-{scope}")
         error = None
     except Exception as err:  # a fullgraph failure is a result of the cell, not a crash of the run
         hist, error = None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -259,15 +262,18 @@ def run_matrix(
                             "distinct_lengths": len({b["input_ids"].shape[1] for b in batches}),
                             "eager_median_step_ms": summarize(eager, warmup)["median_step_ms"],
                             "eager_peak_mem_gib": float(eager["peak_mem_gib"].max()),
+                            "eager_steady_peak_mem_gib": summarize(eager, warmup)["steady_peak_mem_gib"],
                             "eager_losses": [float(x) for x in eager["loss"]]}
                     if hist is not None:
                         s = summarize(hist, warmup)
                         diff = (hist["loss"] - eager["loss"]).abs()
                         cell.update(median_step_ms=s["median_step_ms"], peak_mem_gib=s["peak_mem_gib"],
+                                    steady_peak_mem_gib=s["steady_peak_mem_gib"],
                                     max_abs_loss_diff=float(diff.max()), first_step_loss_diff=float(diff.iloc[0]),
                                     losses=[float(x) for x in hist["loss"]])
                     else:
-                        cell.update(median_step_ms=None, peak_mem_gib=None, max_abs_loss_diff=None,
+                        cell.update(median_step_ms=None, peak_mem_gib=None, steady_peak_mem_gib=None,
+                                    max_abs_loss_diff=None,
                                     first_step_loss_diff=None, losses=None, fullgraph_ok=False)
                     result["cells"].append(cell)
                     if out is not None:
@@ -350,17 +356,24 @@ def summary_frame(result: dict[str, Any]):
     import pandas as pd
 
     cols = ["config", "grad_ckpt", "lengths", "scope", "graph_breaks", "fullgraph_ok", "compilations",
-            "max_abs_loss_diff", "peak_mem_gib", "eager_peak_mem_gib", "median_step_ms", "eager_median_step_ms"]
-    return pd.DataFrame(result["cells"])[cols]
+            "max_abs_loss_diff", "peak_mem_gib", "eager_peak_mem_gib", "steady_peak_mem_gib",
+            "eager_steady_peak_mem_gib", "median_step_ms", "eager_median_step_ms"]
+    frame = pd.DataFrame(result["cells"])
+    return frame[[c for c in cols if c in frame]]  # files written before steady peaks lack those two
 
 
 def markdown_table(path: str | Path) -> str:
     """The cells of a matrix results file as a Markdown table (what the README shows)."""
     res = json.loads(Path(path).read_text())
+    steady = any(c.get("eager_steady_peak_mem_gib") is not None for c in res["cells"])
     rows = table_header(["config", "grad ckpt", "lengths", "scope", "breaks", "fullgraph", "compilations",
-                         "max loss diff", "peak GiB compiled / eager", "ms/step compiled / eager"])
+                         "max loss diff", "peak GiB compiled / eager",
+                         *(["steady peak GiB compiled / eager"] if steady else []), "ms/step compiled / eager"])
     for c in res["cells"]:
         mem = f"{c['peak_mem_gib']:.2f} / {c['eager_peak_mem_gib']:.2f}" if c["peak_mem_gib"] is not None else "-"
+        if steady:
+            mem += (f" | {c['steady_peak_mem_gib']:.2f} / {c['eager_steady_peak_mem_gib']:.2f}"
+                    if c.get("steady_peak_mem_gib") is not None else " | -")
         ms = f"{c['median_step_ms']:.1f} / {c['eager_median_step_ms']:.1f}" if c["median_step_ms"] is not None else "-"
         diff = f"{c['max_abs_loss_diff']:.1e}" if c["max_abs_loss_diff"] is not None else "-"
         rows.append(f"| {c['config']} | {'on' if c['grad_ckpt'] else 'off'} | {c['lengths']} | {c['scope']} "

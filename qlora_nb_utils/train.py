@@ -8,10 +8,15 @@ users of `Trainer`/TRL are covered elsewhere; this loop is the measuring instrum
 
 What it records per optimizer step, into a pandas DataFrame: the loss, the wall time of the
 step (with a device sync before the clock is read, so asynchronous GPU work is counted),
-real (non-padding) tokens and tokens/s, and peak memory. On CUDA "peak memory" is
-`torch.cuda.max_memory_allocated` reset at the start of the run; on a CPU no allocator
-tracks peaks, so it is the process's resident set size after each step, which includes
-the Python heap and everything loaded before the run: compare CPU figures only with care.
+real (non-padding) tokens and tokens/s, and peak memory, twice: `peak_mem_gib` is the peak
+since the run started and `step_peak_mem_gib` the peak within that step alone. The two differ
+where the first steps hold something later steps do not: a compiled step's first call compiles
+(and Inductor autotunes its kernels on real buffers), so "the compiled run peaked higher" and
+"each compiled training step peaks higher" are different claims, and `summarize` reports both.
+On CUDA both come from `torch.cuda.max_memory_allocated`, reset at the start of each step; on
+a CPU no allocator tracks peaks, so both are the process's resident set size after the step,
+which includes the Python heap and everything loaded before the run: compare CPU figures only
+with care.
 
 Ctrl-C (a notebook's "interrupt kernel") loses no trained adapter: the loop catches the
 interrupt, saves the LoRA adapter, and re-raises `TrainingInterrupted`, which carries the
@@ -218,7 +223,8 @@ def train(
 
     Returns:
         A DataFrame with one row per optimizer step: `run`, `step`, `loss`, `step_ms`,
-        `tokens`, `tokens_per_s`, `peak_mem_gib`, `lr`, `grad_norm`.
+        `tokens`, `tokens_per_s`, `step_peak_mem_gib` (this step's peak), `peak_mem_gib` (the
+        peak so far), `lr`, `grad_norm`.
 
     Raises:
         ValueError: when the model has no trainable parameter or `batches` is empty.
@@ -237,12 +243,14 @@ def train(
     next_batch = _micro_batches(batches)
     rows: list[dict] = []
     model.train()
-    _reset_peak(device)
     bar = _progress(cfg.steps, label, cfg.progress)
     try:
         for step in range(cfg.steps):
             with step_lock():  # a no-op unless $QLORA_NB_GPU_LOCK shares the GPU (gpulock.py)
-                rows.append(_one_step(forward, opt, sched, params, next_batch, cfg, device, label, step))
+                _reset_peak(device)
+                row = _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
+            row["peak_mem_gib"] = max(row["step_peak_mem_gib"], rows[-1]["peak_mem_gib"] if rows else 0.0)
+            rows.append(row)
             bar.update(1)
             bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", ms=f"{rows[-1]['step_ms']:.0f}")
     except KeyboardInterrupt:
@@ -286,7 +294,7 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
         "step_ms": elapsed * 1e3,
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
-        "peak_mem_gib": _peak_mem_gib(device),
+        "step_peak_mem_gib": _peak_mem_gib(device),
         "lr": lr,
         "grad_norm": grad_norm,
     }
@@ -319,8 +327,9 @@ def summarize(history: pd.DataFrame, warmup: int = 3) -> dict[str, Any]:
         warmup: steps left out of the medians (compilation happens in the first ones).
 
     Returns:
-        `median_step_ms`, `tokens_per_s` (median), `peak_mem_gib` (max), `first_step_s`,
-        `losses` (list), `steps`.
+        `median_step_ms`, `tokens_per_s` (median), `peak_mem_gib` (max over the run, compile
+        steps included), `steady_peak_mem_gib` (max over the steps after `warmup`; None for a
+        history without per-step peaks), `first_step_s`, `losses` (list), `steps`.
 
     Raises:
         ValueError: when there are no steps left after `warmup`.
@@ -333,6 +342,8 @@ def summarize(history: pd.DataFrame, warmup: int = 3) -> dict[str, Any]:
         "median_step_ms": float(steady["step_ms"].median()),
         "tokens_per_s": float(steady["tokens_per_s"].median()),
         "peak_mem_gib": float(history["peak_mem_gib"].max()),
+        "steady_peak_mem_gib": (float(steady["step_peak_mem_gib"].max())
+                                if "step_peak_mem_gib" in steady else None),
         "first_step_s": float(history["step_ms"].iloc[0] / 1e3),
         "losses": [float(x) for x in history["loss"]],
     }

@@ -244,3 +244,66 @@ def test_causal_flex_grads_match_stock_flex_on_gpu():
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_causal_block_mask_is_causal_cached_and_refuses_bad_input():
+    mask = attention.causal_block_mask(200)
+    assert mask is attention.causal_block_mask(200, "cpu")  # cached per (length, device)
+    assert mask.shape == (1, 1, 200, 200)  # broadcast over batch and heads
+    assert mask.to_dense().tolist() == [[[[1, 0], [1, 1]]]]
+    q, k = torch.arange(200)[:, None], torch.arange(200)[None, :]
+    assert torch.equal(mask.mask_mod(0, 0, q, k), q >= k)  # the token-level mask is causal
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ValueError, match="seq_len must be a positive int"):
+            attention.causal_block_mask(bad)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        attention.causal_block_mask(64, block_size=0)
+    with pytest.raises(ValueError, match="needs input_ids"):
+        attention.with_causal_block_mask(lambda **b: b)(attention_mask=torch.ones(1, 4))
+
+
+def test_stock_flex_with_the_precomputed_mask_is_one_graph_and_compiles_twice(tiny_dir):
+    """The BlockMask built outside the graph: no break in stock flex, the padding-masked loss at
+    every length, and 2 compilations for 4 lengths over 3 block counts (static, then dynamic:
+    the mask's block counts are marked dynamic, so a new count does not recompile)."""
+    model = _flex_lora(tiny_dir, quant=True)
+    lens = (136, 200, 264, 520)
+    with torch.no_grad():
+        model.get_base_model().set_attn_implementation("sdpa")
+        refs = [model(**_padded(n)).loss for n in lens]
+        model.get_base_model().set_attn_implementation("flex_attention")
+        report = diagnostics.graph_breaks(_loss(model), **attention.with_causal_block_mask(dict)(**_padded(136)))
+        assert (report.graph_break_count, report.graph_count) == (0, 1), report.break_reasons
+        with diagnostics.CompileCounter(backend="eager") as counter:
+            compiled = attention.with_causal_block_mask(counter.compile(model, fullgraph=True))
+            for n, ref in zip(lens, refs):
+                torch.testing.assert_close(compiled(**_padded(n)).loss, ref, atol=1e-5, rtol=1e-5)
+    assert counter.compilations == 2, counter.recompile_reasons
+    assert "size mismatch at index 1" in counter.recompile_reasons[0]  # the length, not the block count
+
+
+def test_diagnose_refuses_a_precomputed_mask_without_flex(capsys):
+    from qlora_nb_utils import checks, cli
+
+    with pytest.raises(ValueError, match="needs attn='flex_attention'"):
+        checks.diagnose("tiny", attn="sdpa", flex_block_mask="precomputed", device="cpu")
+    with pytest.raises(ValueError, match="flex_block_mask must be one of"):
+        checks.diagnose("tiny", attn="flex_attention", flex_block_mask="eager", device="cpu")
+    assert cli.main(["diagnose", "--flex-block-mask", "precomputed", "--device", "cpu"]) == 2
+    assert "needs attn='flex_attention'" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_precomputed_flex_mask_grads_match_stock_flex_on_gpu():
+    """fp32 on CUDA: stock flex given the causal BlockMask matches stock flex with the padding mask."""
+    batch = {k: v.cuda() for k, v in _padded(200, vocab=300).items()}
+    model = _model("flex_attention").cuda().train()
+    params = list(model.parameters())
+    ref = model(**batch).loss
+    ref_grads = torch.autograd.grad(ref, params)
+    loss = attention.with_causal_block_mask(model)(**batch).loss
+    grads = torch.autograd.grad(loss, params)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -33,8 +33,11 @@ def test_cells_are_written_to_json_with_the_required_fields(small_matrix):
     assert len(on_disk["cells"]) == len(res["cells"]) and {"device", "versions"} <= set(on_disk)
     required = {"model", "quant", "lora", "grad_ckpt", "lengths", "scope", "graph_breaks", "fullgraph_ok",
                 "compilations", "max_abs_loss_diff", "peak_mem_gib", "median_step_ms", "eager_losses", "losses",
-                "first_step_loss_diff"}
+                "first_step_loss_diff", "steady_peak_mem_gib", "eager_steady_peak_mem_gib"}
     assert all(required <= set(cell) for cell in on_disk["cells"])
+    for cell in on_disk["cells"]:  # the steady peak leaves steps out; it cannot exceed the run's peak
+        assert 0 < cell["steady_peak_mem_gib"] <= cell["peak_mem_gib"]
+        assert 0 < cell["eager_steady_peak_mem_gib"] <= cell["eager_peak_mem_gib"]
     assert matrix.summary_frame(res).shape[0] == len(res["cells"])
     assert on_disk["options"]["eager_numerics"] is False
 

@@ -53,6 +53,9 @@ def test_history_columns_and_token_counts():
     assert {"run", "loss", "step_ms", "tokens", "tokens_per_s", "peak_mem_gib", "lr", "grad_norm"} <= set(hist.columns)
     assert (hist["tokens"] == 2 * 16 - 3).all()
     assert (hist["step_ms"] > 0).all() and (hist["peak_mem_gib"] > 0).all()
+    # the run's peak so far never falls and is never below the step's own peak
+    assert hist["peak_mem_gib"].is_monotonic_increasing
+    assert (hist["peak_mem_gib"] >= hist["step_peak_mem_gib"]).all()
 
 
 def test_loss_falls_when_repeating_one_batch():
@@ -136,8 +139,18 @@ def test_summarize_medians_skip_warmup():
     s = summarize(hist, warmup=1)
     assert s["median_step_ms"] == 25 and s["tokens_per_s"] == 250
     assert s["peak_mem_gib"] == 3 and s["first_step_s"] == 1.0 and s["losses"] == [5, 4, 3, 2, 1]
+    assert s["steady_peak_mem_gib"] is None  # a history without per-step peaks
     with pytest.raises(ValueError, match="warm-up"):
         summarize(hist, warmup=5)
+
+
+def test_summarize_separates_the_steady_peak_from_the_compile_steps():
+    step_peaks = [9.0, 4.0, 3.0, 3.5, 3.0]  # the first step compiled and peaked higher
+    hist = pd.DataFrame({"step": range(5), "loss": [5, 4, 3, 2, 1], "step_ms": [1000, 10, 20, 30, 40],
+                         "tokens_per_s": [1, 100, 200, 300, 400], "step_peak_mem_gib": step_peaks,
+                         "peak_mem_gib": pd.Series(step_peaks).cummax()})
+    s = summarize(hist, warmup=2)
+    assert s["peak_mem_gib"] == 9.0 and s["steady_peak_mem_gib"] == 3.5
 
 
 def test_compiled_forward_matches_eager_fp32():

@@ -5,7 +5,9 @@
 # CI cannot train it). Writes $OUT_DIR/flex_<scope>_<tag>.json and prints each report.
 # Scopes: regional, whole (stock transformers flex: its mask code breaks the whole-model graph),
 # regional-causal, whole-causal (the same with --causal-attn: qlora_nb_utils.attention's
-# causal-only flex mask, no padding mask, one graph; the batches are right-padded).
+# causal-only flex mask, no padding mask, one graph; the batches are right-padded),
+# regional-precomputed, whole-precomputed (stock flex given the causal BlockMask built outside
+# the graph: --flex-block-mask precomputed, qlora_nb_utils.attention.causal_block_mask).
 # Carried: .whl (bitsandbytes, peft, ...), .gpucache (tokenizer), as tools/gpu_peers.sh.
 # Usage (on that machine, repository root): bash tools/gpu_flex.sh OUT_DIR [SCOPES="regional whole"] [LENS]
 # LENS: comma-separated lengths (default: 20 lengths 64, 80, ..., 368; each run's JSON and log
@@ -15,8 +17,9 @@ set -uo pipefail
 out=${1:?usage: tools/gpu_flex.sh OUT_DIR [SCOPES] [LENS]}
 scopes=${2:-regional whole}
 for scope in $scopes; do  # refuse a typo before loading anything
-  case "$scope" in regional|whole|regional-causal|whole-causal) ;;
-    *) echo "unknown scope '$scope' (regional, whole, regional-causal, whole-causal)" >&2; exit 2 ;;
+  case "$scope" in regional|whole|regional-causal|whole-causal|regional-precomputed|whole-precomputed) ;;
+    *) echo "unknown scope '$scope' (regional, whole, regional-causal, whole-causal, regional-precomputed," \
+            "whole-precomputed)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -26,8 +29,9 @@ lens=${3:-$(python3 -c "print(','.join(str(64 + 16 * i) for i in range(20)))")}
 tag=${TAG:-odd}
 for scope in $scopes; do
   flags=()
-  [ "${scope%-causal}" = regional ] && flags+=(--regional)
+  [ "${scope%%-*}" = regional ] && flags+=(--regional)
   [ "${scope%-causal}" != "$scope" ] && flags+=(--causal-attn)
+  [ "${scope%-precomputed}" != "$scope" ] && flags+=(--flex-block-mask precomputed)
   echo "==> flex_attention, $scope, lengths $lens"
   start=$(date +%s)
   python3 -m qlora_nb_utils.cli diagnose --model llama-3.2-1b-shape --quant nf4 --attn flex_attention "${flags[@]}" \
