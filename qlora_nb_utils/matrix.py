@@ -16,6 +16,7 @@ Each finished cell is written out at once, so a run cut short keeps its cells.
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import shlex
 import sys
@@ -103,6 +104,7 @@ def _break_check(model, batch, device, ckpt: bool, wrap: Callable = lambda f: f)
     finally:
         prepared.undo()
         torch.compiler.reset()
+        gc.collect()  # the checks leave their forward passes in reference cycles (freed only by the collector)
     return {"graph_breaks": breaks.graph_break_count, "break_reasons": breaks.break_reasons,
             "fullgraph_ok": full.ok, "fullgraph_error": full.error, "patches": prepared.patches}
 

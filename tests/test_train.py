@@ -162,3 +162,23 @@ def test_compiled_forward_matches_eager_fp32():
     compiled = train(model, batches, TrainConfig(steps=4, progress=False), forward=torch.compile(model, fullgraph=True))
     diff = (eager["loss"] - compiled["loss"]).abs().max()
     assert diff <= 1e-4, diff
+
+
+def test_a_run_does_not_count_garbage_left_by_earlier_work():
+    """A tensor held only by a reference cycle is collected before the run measures anything."""
+    import gc
+    import weakref
+
+    model, batches = tiny_lora(), make_batches()
+    big = torch.zeros(1 << 20)
+    cycle = [big]
+    cycle.append(cycle)
+    alive = weakref.ref(big)
+    del big, cycle
+    gc.disable()  # no automatic collection: only the run's own can free the cycle
+    try:
+        assert alive() is not None
+        train(model, batches, TrainConfig(steps=1, progress=False))
+    finally:
+        gc.enable()
+    assert alive() is None
