@@ -7,14 +7,18 @@ is (same kernels: expected identical), once with cuBLAS' reduced-precision bf16 
 flipped (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, an equally valid
 matmul accumulation order; on an H200 it changed nothing), and once with SDPA held to its math
 backend (torch.nn.attention.sdpa_kernel: the reference attention instead of the fused kernel
-eager picks). The max |loss difference| of a perturbed pair is the floor that a compiled run
-(other fusion, other rounding) cannot be expected to beat.
+eager picks), and once with the rows of every batch in reverse order (the same examples, so the
+same loss in exact arithmetic; only the order of the sums over tokens, in the loss and in every
+weight gradient, changes). The max |loss difference| of a perturbed pair is the floor that a
+compiled run (other fusion, other rounding) cannot be expected to beat; the perturbations give
+a range, not one number.
 
 The pseudo-config "base-fp32" is the full fine-tune with fp32 master weights under bf16
 autocast (the matrix's --base-fp32-master).
 
 Usage (GPU machine, environment as tools/gpu_matrix.sh):
     python3 tools/bf16_noise.py --out noise.json [--configs lora,qlora,base,base-fp32] [--steps 30]
+        [--perturbations flipped,sdpa_math,rows_reversed]
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ from qlora_nb_utils.matrix import CONFIGS, _batches, load_cell_model
 from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
 
 
+#: The perturbed eager runs, each compared with the plain eager run (see the module docstring).
+PERTURBATIONS = ("flipped", "sdpa_math", "rows_reversed")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -40,7 +48,11 @@ def main() -> None:
     p.add_argument("--configs", default="lora,qlora,base,base-fp32")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="cuda", help="cpu only to try the script (no cuBLAS flag there)")
+    p.add_argument("--perturbations", default=",".join(PERTURBATIONS), help=f"comma-separated, from {PERTURBATIONS}")
     a = p.parse_args()
+    bad = [x for x in a.perturbations.split(",") if x not in PERTURBATIONS]
+    if bad:
+        p.error(f"unknown perturbations {bad}; choose from {PERTURBATIONS}")
     dev = torch.device(a.device)
     res = {"device": env.device_info(dev), "versions": env.versions(), "command": shlex.join(sys.argv),
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -65,6 +77,7 @@ def main() -> None:
         finally:
             flag.allow_bf16_reduced_precision_reduction = default
 
+    labels = ("eager", "eager_again", *(f"eager_{x}" for x in a.perturbations.split(",")))
     for name in a.configs.split(","):
         config = "base" if name == "base-fp32" else name
         quant, lora = CONFIGS[config]
@@ -74,18 +87,19 @@ def main() -> None:
         start = trainable_state(model)
         batches = _batches(tok, "fixed", 4, 256, a.steps, 0)
         runs = {}
-        for label in ("eager", "eager_again", "eager_flipped", "eager_sdpa_math"):
+        reversed_rows = [{k: v.flip(0) for k, v in b.items()} for b in batches]
+        for label in labels:
             load_trainable_state(model, start)
             with perturbed(label):
-                runs[label] = [float(x) for x in train(model, batches, cfg, forward=forward, label=label)["loss"]]
+                data = reversed_rows if label == "eager_rows_reversed" else batches
+                runs[label] = [float(x) for x in train(model, data, cfg, forward=forward, label=label)["loss"]]
         diff = lambda x, y: max(abs(u - v) for u, v in zip(runs[x], runs[y]))  # noqa: E731
-        cell = {"config": name, "quant": quant, "lora": lora, "losses": runs,
-                "max_abs_loss_diff_repeat": diff("eager", "eager_again"),
-                "max_abs_loss_diff_flipped": diff("eager", "eager_flipped"),
-                "first_step_loss_diff_flipped": abs(runs["eager"][0] - runs["eager_flipped"][0]),
-                "max_abs_loss_diff_sdpa_math": diff("eager", "eager_sdpa_math"),
-                "first_step_loss_diff_sdpa_math": abs(runs["eager"][0] - runs["eager_sdpa_math"][0]),
-                "weights_dtype": weights_dtype}
+        cell = {"config": name, "quant": quant, "lora": lora, "losses": runs, "weights_dtype": weights_dtype,
+                "max_abs_loss_diff_repeat": diff("eager", "eager_again")}
+        for label in labels[2:]:
+            short = label.removeprefix("eager_")
+            cell[f"max_abs_loss_diff_{short}"] = diff("eager", label)
+            cell[f"first_step_loss_diff_{short}"] = abs(runs["eager"][0] - runs[label][0])
         print(name, {k: v for k, v in cell.items() if k != "losses"}, flush=True)
         res["cells"].append(cell)
         del model
