@@ -45,8 +45,9 @@ def _short_stack(frames: list[dict[str, Any]], depth: int) -> list[str]:
     return [f"{'/'.join(f.get('filename', '').split('/')[-2:])}:{f.get('line')}:{f.get('name')}" for f in frames[:depth]]
 
 
-def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth: int = 8) -> dict[str, Any]:
-    """The allocations alive at the highest point of a recorded window.
+def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth: int = 8,
+                 at: str = "peak") -> dict[str, Any]:
+    """The allocations alive at the highest point of a recorded window (or at its end).
 
     Args:
         snapshot: ``torch.cuda.memory._snapshot()`` taken while recording (or a dict with the
@@ -54,15 +55,19 @@ def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth
         device: which device's trace to read.
         top: how many of the largest live allocations and sites to return.
         depth: stack frames kept per listed allocation.
+        at: ``"peak"``, or ``"end"``: what the window left allocated (a leak shows there).
 
     Returns:
         ``peak_delta_gib`` (allocated bytes at the peak minus at the start of the recording; frees
-        of older allocations count), ``live_gib`` (bytes allocated during the recording and alive at
-        the peak), ``events``, ``largest`` (size, site, stack) and ``by_site`` (site -> GiB, count).
+        of older allocations count), ``end_delta_gib`` (the same at the end), ``live_gib`` (bytes
+        allocated during the recording and alive at the peak, or at the end), ``events``, ``largest`` (size, site, stack) and ``by_site`` (site -> GiB, count).
 
     Raises:
-        ValueError: the snapshot has no trace for ``device`` (recording was not on).
+        ValueError: the snapshot has no trace for ``device`` (recording was not on), or ``at``
+            is neither ``"peak"`` nor ``"end"``.
     """
+    if at not in ("peak", "end"):
+        raise ValueError(f"at must be 'peak' or 'end', got {at!r}")
     traces = snapshot.get("device_traces") or []
     if device >= len(traces) or not traces[device]:
         raise ValueError(f"no allocation trace for device {device}: record with "
@@ -76,6 +81,9 @@ def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth
             level -= e["size"]
         if level > best:
             best, best_at = level, i
+    end_level = level
+    if at == "end":
+        best_at = len(events) - 1
     live: dict[int, dict] = {}
     for e in events[: best_at + 1]:
         if e["action"] == "alloc":
@@ -91,6 +99,7 @@ def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth
     by_site = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "peak_delta_gib": best / 2**30,
+        "end_delta_gib": end_level / 2**30,
         "live_gib": sum(e["size"] for e in blocks) / 2**30,
         "events": len(events),
         "largest": [{"mib": e["size"] / 2**20, "site": site_of(e.get("frames") or []),

@@ -33,6 +33,11 @@ def test_live_at_peak_lists_what_was_alive_at_the_highest_point():
     assert out["largest"][0]["site"] == "inductor:cab.py:99:call"
     sites = {s["site"]: (s["gib"] * 2**30 / MIB, s["count"]) for s in out["by_site"]}
     assert sites == {"inductor:cab.py:99:call": (8, 1), "lora/layer.py:10:forward": (4, 2)}
+    end = memprof.live_at_peak({"device_traces": [events]}, at="end")  # what the window left allocated
+    assert end["end_delta_gib"] == pytest.approx(11 * MIB / 2**30)
+    assert sorted(b["mib"] for b in end["largest"]) == [2, 2, 5, 8]
+    with pytest.raises(ValueError, match="at must be"):
+        memprof.live_at_peak({"device_traces": [events]}, at="start")
 
 
 def test_site_skips_torch_frames_and_names_missing_stacks():

@@ -14,6 +14,8 @@ Two modes:
 * ``--snapshot``: the same cell with the allocator recording (`qlora_nb_utils.memprof`): eager
   after warm-up, the compiled run's first steps (they compile) and its later steps, each with
   per-step peaks and the allocations alive at the window's peak, summed by allocating line.
+  ``--break-check`` adds the matrix's break check between eager and compiled, recorded, with
+  what it left allocated.
 
 Usage (GPU machine, environment as tools/gpu_matrix.sh):
     python3 tools/ckpt_mem_probe.py --out probe.json [--configs qlora,lora] [--budgets 1.0,0.5,0.1]
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import shlex
 import sys
@@ -85,6 +88,16 @@ def _snapshot(a, res) -> None:
         load_trainable_state(model, start)
         train(model, batches[:half], cfg, forward=wrap(model), label="eager-warm")
         _recorded(windows, "eager", model, batches[half:], cfg, forward=wrap(model), label="eager")
+        if a.break_check:  # what the matrix runs between its eager and compiled runs
+            before = torch.cuda.memory_allocated()
+            with memprof.recording() as rec:
+                matrix._break_check(model, batches[0], dev, True, wrap)
+            left = memprof.live_at_peak(rec["snapshot"], device=torch.cuda.current_device(), at="end")
+            gc.collect()
+            windows["break_check"] = {"allocated_delta_gib": (torch.cuda.memory_allocated() - before) / 2**30,
+                                      "left_allocated": left}
+            print(f"break check left {windows['break_check']['allocated_delta_gib']:.4f} GiB allocated: "
+                  f"{[(round(b['mib'], 1), b['site']) for b in left['largest'][:8]]}", flush=True)
 
         def two_windows(model, batches, cfg, forward, label):
             first = _recorded(windows, "compiled_first", model, batches[:half], cfg, forward=forward, label=label)
@@ -110,6 +123,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--device", default="auto")
     p.add_argument("--snapshot", action="store_true", help="record allocations instead of trying budgets")
+    p.add_argument("--break-check", action="store_true",
+                   help="with --snapshot: run the matrix's break check between the eager and compiled runs, recorded")
     a = p.parse_args()
     res = {"command": shlex.join(sys.argv), "parts": []}
     if a.snapshot:
