@@ -56,8 +56,8 @@ H200 (``use_causal_flex``'s docstring). On a CPU (tiny Llama, forward, Inductor)
 like the in-graph mask: one static graph, one dynamic graph for every length over 128, one
 more for a 1-block length. On the H200 the whole 1B-shape QLoRA trained 20 lengths (128 to
 2560) with 0 breaks, ``fullgraph=True`` and 2 compilations, and the loss and gradients equal
-stock flex with the padding mask (``results/flex_attention_h200.json``, ``whole_precomputed``). The mask function is a module-level function, so its identity
-guard holds from call to call.
+stock flex with the padding mask (``results/flex_attention_h200.json``, ``whole_precomputed``).
+The mask function is a module-level function, so its identity guard holds from call to call.
 
 Not for generation with a cache or for left-padded batches (:func:`check_right_padded` refuses
 those). Decoder-only causal LMs only: an encoder's bidirectional mask without the padding would
