@@ -121,9 +121,9 @@ def diagnose(
     def to_dev(b: dict) -> dict:
         b = {k: v.to(dev) for k, v in b.items()}
         if flex_block_mask == "precomputed":  # the causal BlockMask in place of the 2-D padding mask
-            from .attention import causal_block_mask
+            from .attention import with_causal_block_mask
 
-            b["attention_mask"] = causal_block_mask(b["input_ids"].shape[1], dev)
+            b = with_causal_block_mask(dict)(**b)
         return b
     if prepare:
         report = _diagnose_prepared(net, lambda n: to_dev(make_batch(n)), list(seq_lens), scope, grad_ckpt,
