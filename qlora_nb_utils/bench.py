@@ -34,6 +34,7 @@ __all__ = [
     "compiled_run",
     "mark_dynamic",
     "default_dtype",
+    "resolve_device_dtype",
     "make_bench_batches",
     "run_bench",
     "side_by_side",
@@ -48,6 +49,16 @@ def default_dtype(device: torch.device) -> str:
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.get_device_capability(device) >= (8, 0) else "float16"
     return "float32"
+
+
+def resolve_device_dtype(device: Any = "auto", dtype: Any = "auto") -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) from names: ``"auto"`` (or None) dtype is :func:`default_dtype` of the device.
+
+    Raises:
+        ValueError: an unknown device or dtype name (from ``env.resolve_device``/``resolve_dtype``).
+    """
+    dev = env.resolve_device(device)
+    return dev, env.resolve_dtype(default_dtype(dev) if dtype in (None, "auto") else dtype, dev)
 
 
 DEFAULTS: dict[str, Any] = {

@@ -103,14 +103,13 @@ def diagnose(
         The `diagnostics.diagnose_model` keys plus the configuration, patches applied,
         device, versions and date.
     """
-    from .bench import default_dtype
+    from .bench import resolve_device_dtype
 
     if flex_block_mask not in FLEX_BLOCK_MASKS:
         raise ValueError(f"flex_block_mask must be one of {FLEX_BLOCK_MASKS}, got {flex_block_mask!r}")
     if flex_block_mask == "precomputed" and attn != "flex_attention":
         raise ValueError(f"flex_block_mask='precomputed' needs attn='flex_attention', got attn={attn!r}")
-    dev = env.resolve_device(device)
-    torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
+    dev, torch_dtype = resolve_device_dtype(device, dtype)
     net, tok = models.load_model(
         model, quant=quant, lora=lora, dtype=torch_dtype, device=dev, seed=seed,
         gradient_checkpointing=grad_ckpt, prepare_kbit=grad_ckpt and quant == "nf4", attn_implementation=attn,

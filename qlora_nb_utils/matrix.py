@@ -28,7 +28,7 @@ import torch
 
 from . import data as qdata
 from . import diagnostics, env, models
-from .bench import default_dtype, mark_dynamic
+from .bench import mark_dynamic, resolve_device_dtype
 from .compile import prepare_for_compile
 from .gpulock import lock_path
 from .patches import input_require_grads
@@ -221,8 +221,7 @@ def run_matrix(
     for flag, value in (("eager_numerics", eager_numerics), ("base_fp32_master", base_fp32_master)):
         if not isinstance(value, bool):
             raise ValueError(f"{flag} must be True or False, got {value!r}")
-    dev = env.resolve_device(device)
-    torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
+    dev, torch_dtype = resolve_device_dtype(device, dtype)
     result = {
         "device": env.device_info(dev), "versions": env.versions(),
         "command": command or shlex.join(sys.argv),

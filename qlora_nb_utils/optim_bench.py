@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from . import env, models
-from .bench import default_dtype
+from .bench import resolve_device_dtype
 from .compile import compiled_optimizer, prepare_for_compile
 from .matrix import _batches
 from .train import TrainConfig, _sync, load_trainable_state, summarize, train, trainable_state
@@ -124,8 +124,7 @@ def compare_optimizers(
     bad = [o for o in optimizers if o not in OPTIMIZERS]
     if bad:
         raise ValueError(f"unknown optimizers {bad}; valid: {list(OPTIMIZERS)}")
-    dev = env.resolve_device(device)
-    torch_dtype = env.resolve_dtype(default_dtype(dev) if dtype == "auto" else dtype, dev)
+    dev, torch_dtype = resolve_device_dtype(device, dtype)
     model, tok = models.load_model(model_name, quant=quant, lora=True, dtype=torch_dtype, device=dev, seed=seed)
     model.train()
     start = trainable_state(model)

@@ -56,6 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import env, models
+from .bench import resolve_device_dtype as _resolve_device_dtype
 
 __all__ = [
     "PEERS",
@@ -218,13 +219,6 @@ class ChunkedLossLM(torch.nn.Module):
         return CausalLMOutputWithPast(loss=chunked_cross_entropy(hidden, weight, labels, chunks=self.chunks))
 
 
-def _device_dtype(device: Any, dtype: Any) -> tuple[torch.device, torch.dtype]:
-    from .bench import default_dtype
-
-    dev = env.resolve_device(device)
-    return dev, env.resolve_dtype(default_dtype(dev) if dtype in (None, "auto") else dtype, dev)
-
-
 def summarize_run(name: str, *, losses: Sequence[float], step_ms: Sequence[float], tokens: Sequence[int],
                   peak_mem_gib: float, batch_size: int, seq_len: int, warmup: int,
                   flops_per_step: float | None = None, peak_tflops: float | None = None,
@@ -356,7 +350,7 @@ def _peer_torchao(ctx: dict, batches: list) -> dict[str, Any]:
     ok, why = torchao_status()
     if not ok:
         return error_run(ctx["name"], why, batch_size=ctx["batch_size"], seq_len=ctx["seq_len"])
-    device, dtype = _device_dtype(ctx["device"], ctx["dtype"])
+    device, dtype = _resolve_device_dtype(ctx["device"], ctx["dtype"])
     model, info = build_torchao_qlora(_model_dir(ctx["model"]), dtype=dtype, device=device,
                                       lora_r=ctx["lora_r"], lora_alpha=ctx["lora_alpha"], seed=ctx["seed"])
     if ctx["grad_ckpt"]:
@@ -376,7 +370,7 @@ def _peer_trl(ctx: dict, batches: list) -> dict[str, Any]:
     from .hf_trainer import trainer_patches
     from .train import _peak_mem_gib, _reset_peak, _sync
 
-    device, dtype = _device_dtype(ctx["device"], ctx["dtype"])
+    device, dtype = _resolve_device_dtype(ctx["device"], ctx["dtype"])
     model, tok = _hf_model(ctx)
     keys = ("input_ids", "attention_mask", "labels")
     order = [batches[i % len(batches)] for i in range(ctx["steps"])]
@@ -518,7 +512,7 @@ def run_peer(name: str, batches: list, *, model: str = "tiny", steps: int | None
         raise ValueError(f"warmup ({warmup}) must be >= 0 and smaller than steps ({steps})")
     opts = _variant_options(name, variants) if name.startswith("ours") and name != "ours-default-compile" else None
     b, s = (int(x) for x in batches[0]["input_ids"].shape)
-    dev, dt = _device_dtype(device, dtype)
+    dev, dt = _resolve_device_dtype(device, dtype)
     ctx = {"name": name, "model": model, "steps": steps, "warmup": warmup, "lr": lr, "seed": seed,
            "lora_r": lora_r, "lora_alpha": lora_alpha, "device": str(dev), "dtype": str(dt).replace("torch.", ""),
            "grad_ckpt": grad_ckpt,
@@ -697,7 +691,7 @@ def run_peers(model_name: str, peers: Sequence[str], batch_size: int, seq_len: i
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(work_dir) if work_dir else out.parent / f"{out.stem}_work"
     work.mkdir(parents=True, exist_ok=True)
-    dev, dt = _device_dtype(device, dtype)
+    dev, dt = _resolve_device_dtype(device, dtype)
     model_dir = _model_dir(model_name)
     tok = models.load_tokenizer(model_name)
     batches, pad = bench.make_bench_batches(tok, batch_size=batch_size, seq_len=seq_len, steps=steps,

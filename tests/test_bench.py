@@ -155,3 +155,13 @@ def test_diagnose_grad_ckpt_upstream_breaks_and_prepared_is_clean(tmp_path):
     fixed = json.loads((tmp_path / "fixed.json").read_text())
     assert fixed["graph_breaks"] == 0 and fixed["fullgraph_ok"] and "input_require_grads" in fixed["patches"]
     assert cli.main(base + ["--regional"]) == 0
+
+
+def test_resolve_device_dtype_names_the_default_and_refuses_unknown_names():
+    from qlora_nb_utils.bench import resolve_device_dtype
+
+    assert resolve_device_dtype("cpu", "auto") == (torch.device("cpu"), torch.float32)  # exact parity on a CPU
+    assert resolve_device_dtype("cpu", None) == (torch.device("cpu"), torch.float32)
+    assert resolve_device_dtype("cpu", "bfloat16")[1] is torch.bfloat16
+    with pytest.raises(ValueError):
+        resolve_device_dtype("cpu", "float7")
