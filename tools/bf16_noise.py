@@ -9,7 +9,8 @@ matmul accumulation order; on an H200 it changed nothing), and once with SDPA he
 backend (torch.nn.attention.sdpa_kernel: the reference attention instead of the fused kernel
 eager picks), and once with the rows of every batch in reverse order (the same examples, so the
 same loss in exact arithmetic; only the order of the sums over tokens, in the loss and in every
-weight gradient, changes). The max |loss difference| of a perturbed pair is the floor that a
+weight gradient, changes; rows_perm1..4 do the same with seeded random orders, to see how far
+the max over 30 steps moves from one summation order to the next). The max |loss difference| of a perturbed pair is the floor that a
 compiled run (other fusion, other rounding) cannot be expected to beat; the perturbations give
 a range, not one number.
 
@@ -38,7 +39,20 @@ from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, train
 
 
 #: The perturbed eager runs, each compared with the plain eager run (see the module docstring).
-PERTURBATIONS = ("flipped", "sdpa_math", "rows_reversed")
+PERTURBATIONS = ("flipped", "sdpa_math", "rows_reversed", "rows_perm1", "rows_perm2", "rows_perm3", "rows_perm4")
+
+
+def _rows_permuted(batches: list, seed: int) -> list:
+    """The same batches, the rows of each in a seeded order that is never the identity."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in batches:
+        n = b["input_ids"].shape[0]
+        order = torch.randperm(n, generator=g)
+        if n > 1 and torch.equal(order, torch.arange(n)):
+            order = order.roll(1)
+        out.append({k: v[order] for k, v in b.items()})
+    return out
 
 
 def main() -> None:
@@ -91,7 +105,11 @@ def main() -> None:
         for label in labels:
             load_trainable_state(model, start)
             with perturbed(label):
-                data = reversed_rows if label == "eager_rows_reversed" else batches
+                data = batches
+                if label == "eager_rows_reversed":
+                    data = reversed_rows
+                elif label.startswith("eager_rows_perm"):
+                    data = _rows_permuted(batches, int(label.removeprefix("eager_rows_perm")))
                 runs[label] = [float(x) for x in train(model, data, cfg, forward=forward, label=label)["loss"]]
         diff = lambda x, y: max(abs(u - v) for u, v in zip(runs[x], runs[y]))  # noqa: E731
         cell = {"config": name, "quant": quant, "lora": lora, "losses": runs, "weights_dtype": weights_dtype,
