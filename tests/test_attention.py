@@ -230,20 +230,29 @@ def test_diagnose_causal_attn_refuses_eager_before_loading_a_model(capsys):
     assert "kernel must be one of" in capsys.readouterr().err
 
 
-@pytest.mark.gpu
-def test_causal_flex_grads_match_stock_flex_on_gpu():
-    """fp32 on CUDA: the causal-only flex loss and every gradient equal stock flex with the padding mask."""
-    batch = {k: v.cuda() for k, v in _padded(40, vocab=300).items()}
+def _assert_flex_matches_stock_flex_on_gpu(seq: int, run) -> None:
+    """fp32 on CUDA: ``run(model, batch)`` gives stock flex's padding-masked loss and every gradient."""
+    batch = {k: v.cuda() for k, v in _padded(seq, vocab=300).items()}
     model = _model("flex_attention").cuda().train()
     params = list(model.parameters())
     ref = model(**batch).loss
     ref_grads = torch.autograd.grad(ref, params)
-    with attention.use_causal_flex(model):
-        loss = model(**batch).loss
-        grads = torch.autograd.grad(loss, params)
+    loss = run(model, batch)
+    grads = torch.autograd.grad(loss, params)
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_causal_flex_grads_match_stock_flex_on_gpu():
+    """The causal-only flex mask (built in the model) against stock flex with the padding mask."""
+
+    def run(model, batch):
+        with attention.use_causal_flex(model):
+            return model(**batch).loss
+
+    _assert_flex_matches_stock_flex_on_gpu(40, run)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -296,14 +305,5 @@ def test_diagnose_refuses_a_precomputed_mask_without_flex(capsys):
 
 @pytest.mark.gpu
 def test_precomputed_flex_mask_grads_match_stock_flex_on_gpu():
-    """fp32 on CUDA: stock flex given the causal BlockMask matches stock flex with the padding mask."""
-    batch = {k: v.cuda() for k, v in _padded(200, vocab=300).items()}
-    model = _model("flex_attention").cuda().train()
-    params = list(model.parameters())
-    ref = model(**batch).loss
-    ref_grads = torch.autograd.grad(ref, params)
-    loss = attention.with_causal_block_mask(model)(**batch).loss
-    grads = torch.autograd.grad(loss, params)
-    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    """Stock flex given the causal BlockMask built outside against stock flex with the padding mask."""
+    _assert_flex_matches_stock_flex_on_gpu(200, lambda model, batch: attention.with_causal_block_mask(model)(**batch).loss)
