@@ -176,6 +176,7 @@ def run_matrix(
     command: str | None = None,
     eager_numerics: bool = False,
     base_fp32_master: bool = False,
+    base_lr: float | None = None,
 ) -> dict[str, Any]:
     """Run the matrix and return `{"device", "versions", "command", "date", "options", "cells": [...]}`.
 
@@ -204,14 +205,17 @@ def run_matrix(
         base_fp32_master: full fine-tuning ("base") keeps fp32 weights and computes under
             `torch.autocast(dtype)` (mixed precision), instead of training bf16 weights in place.
             LoRA configs are unchanged (their adapters are fp32 already). See `_autocast`.
+        base_lr: learning rate of the full fine-tune ("base") cells; None means `lr`. Full
+            fine-tuning is usually run about 10x below LoRA's rate (the adapters start at zero and
+            need the larger steps); every cell records the `lr` it trained with.
 
     Each cell also keeps both runs' per-step losses (`eager_losses`, `losses`; `losses` is None
     when the compiled run failed) and `first_step_loss_diff`, |compiled - eager| at step 0, where
     both start from the same weights (None when the compiled run failed).
 
     Raises:
-        ValueError: for unknown configs, lengths or scopes, or a non-bool `eager_numerics` or
-            `base_fp32_master`.
+        ValueError: for unknown configs, lengths or scopes, a non-bool `eager_numerics` or
+            `base_fp32_master`, or a learning rate that is not a positive number.
     """
     configs, lengths, scopes, grad_ckpts = list(configs), list(lengths), list(scopes), list(grad_ckpts)
     for what, given, valid in (("configs", configs, CONFIGS), ("lengths", lengths, LENGTHS), ("scopes", scopes, SCOPES)):
@@ -221,6 +225,9 @@ def run_matrix(
     for flag, value in (("eager_numerics", eager_numerics), ("base_fp32_master", base_fp32_master)):
         if not isinstance(value, bool):
             raise ValueError(f"{flag} must be True or False, got {value!r}")
+    for what, value in (("lr", lr), ("base_lr", lr if base_lr is None else base_lr)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{what} must be a positive number, got {value!r}")
     dev, torch_dtype = resolve_device_dtype(device, dtype)
     result = {
         "device": env.device_info(dev), "versions": env.versions(),
@@ -229,7 +236,7 @@ def run_matrix(
         "options": {"model": model_name, "steps": steps, "batch_size": batch_size, "max_len": max_len,
                     "dtype": str(torch_dtype).replace("torch.", ""), "backend": backend, "mode": mode, "lr": lr,
                     "warmup": warmup, "seed": seed, "eager_numerics": eager_numerics,
-                    "base_fp32_master": base_fp32_master,
+                    "base_fp32_master": base_fp32_master, "base_lr": base_lr,
                     "gpu_lock": lock_path() is not None,
                     "recommended": "prepare_for_compile(fullgraph=True); variable lengths: mark_dynamic on the "
                                    "sequence dimension (whole), dynamic=True (regional); regional: the "
@@ -237,9 +244,10 @@ def run_matrix(
         "cells": [],
     }
     t0 = time.perf_counter()
-    cfg = TrainConfig(steps=steps, lr=lr, seed=seed, progress=False)
     for name in configs:
         quant, lora = CONFIGS[name]
+        cell_lr = base_lr if (name == "base" and base_lr is not None) else lr
+        cfg = TrainConfig(steps=steps, lr=cell_lr, seed=seed, progress=False)
         for ckpt in grad_ckpts:
             if _out_of_time(t0, time_budget_s, result, log):
                 return result
@@ -259,7 +267,7 @@ def run_matrix(
                     hist, counts = _compiled_cell(model, batches, cfg, start, scope, kind, backend, mode, ckpt,
                                                   eager_numerics, wrap)
                     cell = {"model": model_name, "quant": quant, "lora": lora, "config": name, "grad_ckpt": ckpt,
-                            "weights_dtype": weights_dtype, "lengths": kind, "scope": scope, **counts,
+                            "weights_dtype": weights_dtype, "lr": cell_lr, "lengths": kind, "scope": scope, **counts,
                             "distinct_lengths": len({b["input_ids"].shape[1] for b in batches}),
                             "eager_median_step_ms": summarize(eager, warmup)["median_step_ms"],
                             "eager_peak_mem_gib": float(eager["peak_mem_gib"].max()),
@@ -334,6 +342,10 @@ def merge_results(results: Iterable[dict[str, Any]], command: str | None = None)
                 != first["options"].get(k, _OPTION_DEFAULTS.get(k))]
         if diff:
             raise ValueError(f"parts ran with different options: {diff}")
+    # base_lr only acts on base cells: the parts that hold some must agree on it (None: `lr`).
+    base_lrs = {p["options"].get("base_lr") for p in parts if any(c["config"] == "base" for c in p["cells"])}
+    if len(base_lrs) > 1:
+        raise ValueError(f"parts with base cells ran with different base_lr: {sorted(map(str, base_lrs))}")
     cells, seen = [], set()
     for part in parts:
         for cell in part["cells"]:
@@ -347,6 +359,7 @@ def merge_results(results: Iterable[dict[str, Any]], command: str | None = None)
     merged["date"] = min(p["date"] for p in parts)
     merged["command"] = command or first["command"]
     merged["parts"] = len(parts)
+    merged["options"] = dict(first["options"], base_lr=next(iter(base_lrs), None))
     merged["cells"] = cells
     return merged
 
@@ -420,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="compile with inductor's emulate_precision_casts (bf16 rounded after every op, as in eager)")
     p.add_argument("--base-fp32-master", action="store_true",
                    help="full fine-tuning keeps fp32 weights under torch.autocast (mixed precision)")
+    p.add_argument("--lr", type=float, default=2e-4, help="learning rate (default 2e-4)")
+    p.add_argument("--base-lr", type=float, default=None,
+                   help="learning rate of the full fine-tune (base) cells (default: --lr)")
     p.add_argument("--command", default=None, help="the command line to record (defaults to this one)")
     p.add_argument("--merge", nargs="+", default=None, metavar="PART", help="merge these part files instead of running")
     p.add_argument("--out", required=True)
@@ -439,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                          lengths=split(a.lengths), scopes=split(a.scopes), steps=a.steps, batch_size=a.batch_size,
                          max_len=a.max_len, warmup=a.warmup, device=a.device, backend=a.backend, out=a.out,
                          time_budget_s=a.time_budget_s, command=a.command, eager_numerics=a.eager_numerics,
-                         base_fp32_master=a.base_fp32_master)
+                         base_fp32_master=a.base_fp32_master, lr=a.lr, base_lr=a.base_lr)
     except ValueError as err:
         p.error(str(err))
     print(summary_frame(res).to_string() if res["cells"] else "no cells finished")

@@ -112,6 +112,45 @@ def test_cli_passes_eager_numerics_and_base_fp32_master(monkeypatch, tmp_path, c
                                                                               (False, True)]
 
 
+def test_base_lr_trains_only_the_base_cells_at_their_own_rate(monkeypatch):
+    """`base_lr` reaches the full fine-tune's optimizer and nothing else; each cell records its lr."""
+    monkeypatch.setattr(matrix, "_break_check", lambda *a: {"graph_breaks": 0, "fullgraph_ok": True})
+    seen = []
+    real_train = matrix.train
+    monkeypatch.setattr(matrix, "train", lambda model, batches, cfg, forward=None, label="eager":
+                        seen.append(cfg.lr) or real_train(model, batches, cfg, forward=forward, label=label))
+    res = matrix.run_matrix("tiny", configs=["lora", "base"], grad_ckpts=[False], lengths=["fixed"],
+                            scopes=["whole"], steps=2, batch_size=2, max_len=192, device="cpu", backend="eager",
+                            warmup=1, lr=2e-4, base_lr=2e-5, log=lambda *_: None)
+    assert seen == [2e-4, 2e-4, 2e-5, 2e-5]  # eager then compiled, per config
+    assert [(c["config"], c["lr"]) for c in res["cells"]] == [("lora", 2e-4), ("base", 2e-5)]
+    assert res["options"]["lr"] == 2e-4 and res["options"]["base_lr"] == 2e-5
+    for bad in (0, -1e-4, "2e-5", True):
+        with pytest.raises(ValueError, match="base_lr must be a positive number"):
+            matrix.run_matrix("tiny", configs=["base"], base_lr=bad)
+    with pytest.raises(ValueError, match="lr must be a positive number"):
+        matrix.run_matrix("tiny", configs=["lora"], lr=0.0)
+
+
+def test_cli_passes_the_learning_rates(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(matrix, "run_matrix", lambda *a, **k: calls.append(k) or {"cells": []})
+    assert matrix.main(["--out", str(tmp_path / "m.json")]) == 0
+    assert matrix.main(["--lr", "1e-4", "--base-lr", "2e-5", "--out", str(tmp_path / "m.json")]) == 0
+    assert [(c["lr"], c["base_lr"]) for c in calls] == [(2e-4, None), (1e-4, 2e-5)]
+
+
+def test_merging_checks_base_lr_only_where_there_are_base_cells(small_matrix):
+    res, _ = small_matrix  # lora and qlora cells only
+    lora, qlora = _split(res, "config")
+    base = {**qlora, "cells": [dict(c, config="base") for c in qlora["cells"]]}
+    merged = matrix.merge_results([lora, {**base, "options": {**base["options"], "base_lr": 2e-5}}])
+    assert merged["options"]["base_lr"] == 2e-5  # the lora part's base_lr (None) does not count
+    with pytest.raises(ValueError, match="base_lr"):
+        matrix.merge_results([{**lora, "cells": [dict(c, config="base") for c in lora["cells"]]},
+                              {**base, "options": {**base["options"], "base_lr": 2e-5}}])
+
+
 def test_time_budget_stops_early():
     res = matrix.run_matrix("tiny", configs=["lora"], steps=2, batch_size=2, max_len=192, device="cpu",
                             backend="eager", warmup=1, time_budget_s=0.0, log=lambda *_: None)

@@ -19,7 +19,10 @@ autocast (the matrix's --base-fp32-master).
 
 Usage (GPU machine, environment as tools/gpu_matrix.sh):
     python3 tools/bf16_noise.py --out noise.json [--configs lora,qlora,base,base-fp32] [--steps 30]
-        [--perturbations flipped,sdpa_math,rows_reversed]
+        [--perturbations flipped,sdpa_math,rows_reversed] [--lr 2e-4] [--base-lr 2e-5]
+
+--base-lr sets the learning rate of the full fine-tune (base, base-fp32) alone, as the matrix's
+--base-lr does; each cell records the lr it trained with.
 """
 
 from __future__ import annotations
@@ -62,18 +65,22 @@ def main() -> None:
     p.add_argument("--configs", default="lora,qlora,base,base-fp32")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="cuda", help="cpu only to try the script (no cuBLAS flag there)")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--base-lr", type=float, default=None, help="learning rate of base/base-fp32 (default: --lr)")
     p.add_argument("--perturbations", default=",".join(PERTURBATIONS), help=f"comma-separated, from {PERTURBATIONS}")
     a = p.parse_args()
     bad = [x for x in a.perturbations.split(",") if x not in PERTURBATIONS]
     if bad:
         p.error(f"unknown perturbations {bad}; choose from {PERTURBATIONS}")
+    base_lr = a.lr if a.base_lr is None else a.base_lr
+    if not (a.lr > 0 and base_lr > 0):
+        p.error("--lr and --base-lr must be positive")
     dev = torch.device(a.device)
     res = {"device": env.device_info(dev), "versions": env.versions(), "command": shlex.join(sys.argv),
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "options": {"model": a.model, "steps": a.steps, "batch_size": 4, "max_len": 256, "lengths": "fixed",
-                       "dtype": "bfloat16", "lr": 2e-4, "seed": 0},
+                       "dtype": "bfloat16", "lr": a.lr, "base_lr": base_lr, "seed": 0},
            "cells": []}
-    cfg = TrainConfig(steps=a.steps, lr=2e-4, seed=0, progress=False)
     flag = torch.backends.cuda.matmul
     default = flag.allow_bf16_reduced_precision_reduction
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -95,6 +102,8 @@ def main() -> None:
     for name in a.configs.split(","):
         config = "base" if name == "base-fp32" else name
         quant, lora = CONFIGS[config]
+        lr = base_lr if config == "base" else a.lr
+        cfg = TrainConfig(steps=a.steps, lr=lr, seed=0, progress=False)
         model, tok, wrap, weights_dtype = load_cell_model(a.model, config, torch.bfloat16, dev, seed=0,
                                                           base_fp32_master=name == "base-fp32")
         forward = wrap(model)
@@ -112,7 +121,7 @@ def main() -> None:
                     data = _rows_permuted(batches, int(label.removeprefix("eager_rows_perm")))
                 runs[label] = [float(x) for x in train(model, data, cfg, forward=forward, label=label)["loss"]]
         diff = lambda x, y: max(abs(u - v) for u, v in zip(runs[x], runs[y]))  # noqa: E731
-        cell = {"config": name, "quant": quant, "lora": lora, "losses": runs, "weights_dtype": weights_dtype,
+        cell = {"config": name, "quant": quant, "lora": lora, "lr": lr, "losses": runs, "weights_dtype": weights_dtype,
                 "max_abs_loss_diff_repeat": diff("eager", "eager_again")}
         for label in labels[2:]:
             short = label.removeprefix("eager_")

@@ -10,6 +10,7 @@
 # rounded after every op, as eager does); parts with and without it do not merge.
 # BASE_FP32_MASTER=1 trains the full fine-tune ("base") with fp32 master weights under bf16
 # autocast (--base-fp32-master); likewise, parts with and without it do not merge.
+# BASE_LR=2e-5 trains the base cells at that learning rate (--base-lr; LoRA/QLoRA keep 2e-4).
 #
 # One process per (config, checkpointing): six processes compile at once on the host's cores
 # (two threads each). Their training steps never overlap on the GPU: each step holds an
@@ -32,6 +33,11 @@ case ${BASE_FP32_MASTER:-0} in
   0|"") ;;
   *) echo "BASE_FP32_MASTER must be 0 or 1, not $BASE_FP32_MASTER" >&2; exit 2;;
 esac
+if [ -n "${BASE_LR:-}" ]; then
+  python3 -c "import sys; v = float(sys.argv[1]); assert v > 0" "$BASE_LR" 2>/dev/null \
+    || { echo "BASE_LR must be a positive number, not $BASE_LR" >&2; exit 2; }
+  numerics="$numerics --base-lr $BASE_LR"; numerics_env="${numerics_env}BASE_LR=$BASE_LR "
+fi
 source "$(dirname "$0")/gpu_env.sh"
 export QLORA_NB_GPU_LOCK=/tmp/qlora_nb_gpu.lock TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
