@@ -197,3 +197,37 @@ def test_merging_refuses_mixed_eager_numerics_and_reads_a_missing_one_as_off(sma
         matrix.merge_results([regional, {**whole, "options": {**whole["options"], "eager_numerics": True}}])
     older = {k: v for k, v in whole["options"].items() if k != "eager_numerics"}  # written before the option
     assert len(matrix.merge_results([regional, {**whole, "options": older}])["cells"]) == len(res["cells"])
+
+
+def _cell(config, losses, eager, **kw):
+    return {"config": config, "grad_ckpt": False, "lengths": "fixed", "scope": "whole", "losses": losses,
+            "eager_losses": eager, **kw}
+
+
+def test_parity_table_sets_compiled_against_eager_next_to_the_eager_floor_at_the_same_lr():
+    result = {"options": {"lr": 2e-4, "base_lr": 2e-5, "base_fp32_master": True},
+              "cells": [_cell("lora", [1.0, 2.004, 3.0], [1.0, 2.0, 3.001]),      # max 4e-3, mean 5/3e-3
+                        _cell("lora", [1.0, 2.0, 3.006], [1.0, 2.0, 3.0]),        # max 6e-3: over the target, mean 2e-3
+                        _cell("base", [5.0, 4.002], [5.0, 4.0])]}                 # no per-cell lr: base_lr
+    noise = {"options": {"lr": 2e-4},  # an older file: one lr for every config, none per cell
+             "cells": [{"config": "lora", "losses": {"eager": [1.0, 2.0, 3.0], "eager_again": [1.0, 2.0, 3.0],
+                                                      "eager_rows_reversed": [1.0, 2.003, 3.0],
+                                                      "eager_flipped": [1.0, 2.0, 3.0]}},
+                       {"config": "base-fp32", "losses": {"eager": [5.0, 4.0], "eager_sdpa_math": [5.0, 4.5]}}]}
+    noise_base = {"options": {"lr": 2e-4, "base_lr": 2e-5},
+                  "cells": [{"config": "base-fp32", "lr": 2e-5,
+                             "losses": {"eager": [5.0, 4.0], "eager_sdpa_math": [5.0, 4.001]}}]}
+    t = matrix.parity_table(result, [noise, noise_base])
+    assert list(t.index) == ["base", "lora"]  # the matrix's config order
+    lora, base = t.loc["lora"], t.loc["base"]
+    assert lora["cells"] == 2 and lora["cells within 0.005"] == 1
+    assert lora["max diff min"] == pytest.approx(4e-3) and lora["max diff max"] == pytest.approx(6e-3)
+    assert lora["mean diff min"] == pytest.approx(5e-3 / 3) and lora["mean diff max"] == pytest.approx(2e-3)
+    # the repeat and the flag that changed nothing are not samples of the floor
+    assert lora["eager runs"] == 1 and lora["eager max max"] == pytest.approx(3e-3)
+    # base trained at 2e-5: only the 2e-5 floor counts, not the old file's 2e-4 base-fp32 run
+    assert base["lr"] == "2e-05" and base["eager runs"] == 1 and base["eager max max"] == pytest.approx(1e-3)
+    assert matrix.cell_lr(result, result["cells"][2]) == 2e-5 and matrix.cell_lr(result, result["cells"][0]) == 2e-4
+    assert matrix.cell_lr(result, {**result["cells"][0], "lr": 1e-3}) == 1e-3
+    empty = matrix.parity_table(result)  # no noise files: the floor columns are empty
+    assert empty.loc["lora", "eager runs"] == 0 and empty.loc["lora", "eager max max"] is None

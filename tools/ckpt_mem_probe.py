@@ -15,11 +15,15 @@ Two modes:
   after warm-up, the compiled run's first steps (they compile) and its later steps, each with
   per-step peaks and the allocations alive at the window's peak, summed by allocating line.
   ``--break-check`` adds the matrix's break check between eager and compiled, recorded, with
-  what it left allocated.
+  what it left allocated. ``--lengths variable --scope whole --base-fp32-master --lr 2e-5``
+  record another matrix cell the same way (e.g. base, whose checkpointed variable-length cells
+  peak a few MiB above eager), with as many steps as the matrix (``--steps 30``) so that both
+  windows see its longest batches.
 
 Usage (GPU machine, environment as tools/gpu_matrix.sh):
     python3 tools/ckpt_mem_probe.py --out probe.json [--configs qlora,lora] [--budgets 1.0,0.5,0.1]
     python3 tools/ckpt_mem_probe.py --out snap.json --snapshot [--configs qlora]
+        [--lengths variable --scope whole --base-fp32-master --lr 2e-5 --steps 30]
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 import torch._functorch.config as functorch_config
 
 from qlora_nb_utils import env, matrix, memprof
-from qlora_nb_utils.bench import default_dtype
+from qlora_nb_utils.bench import resolve_device_dtype
 from qlora_nb_utils.matrix import run_matrix
 from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
 
@@ -76,14 +80,14 @@ def _recorded(windows: dict, name: str, model, batches, cfg, **kw) -> pd.DataFra
 
 
 def _snapshot(a, res) -> None:
-    dev = env.resolve_device(a.device)
-    dtype = default_dtype(dev)
+    dev, dtype = resolve_device_dtype(a.device, "auto")
     half = max(a.steps // 2, 1)
     for config in a.configs.split(","):
-        model, tok, wrap, _ = matrix.load_cell_model(a.model, config, dtype, dev, grad_ckpt=True)
+        model, tok, wrap, _ = matrix.load_cell_model(a.model, config, dtype, dev, grad_ckpt=True,
+                                                     base_fp32_master=a.base_fp32_master)
         start = trainable_state(model)
-        batches = matrix._batches(tok, "fixed", 4, 256, a.steps, 0)
-        cfg = TrainConfig(steps=half, progress=False)
+        batches = matrix._batches(tok, a.lengths, 4, 256, a.steps, 0)
+        cfg = TrainConfig(steps=half, lr=a.lr, progress=False)
         windows: dict = {}
         load_trainable_state(model, start)
         train(model, batches[:half], cfg, forward=wrap(model), label="eager-warm")
@@ -104,9 +108,10 @@ def _snapshot(a, res) -> None:
             later = _recorded(windows, "compiled_later", model, batches[half:], cfg, forward=forward, label=label)
             return pd.concat([first, later], ignore_index=True)
 
-        _, counts = matrix._compiled_cell(model, batches, cfg, start, "regional", "fixed", "inductor", None, True,
+        _, counts = matrix._compiled_cell(model, batches, cfg, start, a.scope, a.lengths, "inductor", None, True,
                                           eager_numerics=True, wrap=wrap, train_fn=two_windows)
-        res["cells"].append({"config": config, "compilations": counts["compilations"],
+        res["cells"].append({"config": config, "lengths": a.lengths, "scope": a.scope, "lr": a.lr,
+                             "base_fp32_master": a.base_fp32_master, "compilations": counts["compilations"],
                              "compiled_error": counts["compiled_error"], "windows": windows})
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
@@ -125,6 +130,10 @@ def main() -> None:
     p.add_argument("--snapshot", action="store_true", help="record allocations instead of trying budgets")
     p.add_argument("--break-check", action="store_true",
                    help="with --snapshot: run the matrix's break check between the eager and compiled runs, recorded")
+    p.add_argument("--lengths", default="fixed", choices=matrix.LENGTHS, help="with --snapshot: the cell's lengths")
+    p.add_argument("--scope", default="regional", choices=matrix.SCOPES, help="with --snapshot: the cell's scope")
+    p.add_argument("--base-fp32-master", action="store_true", help="with --snapshot: as the matrix's option")
+    p.add_argument("--lr", type=float, default=2e-4, help="with --snapshot: learning rate (the matrix's base_lr for base)")
     a = p.parse_args()
     res = {"command": shlex.join(sys.argv), "parts": []}
     if a.snapshot:
