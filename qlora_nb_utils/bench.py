@@ -37,6 +37,7 @@ __all__ = [
     "resolve_device_dtype",
     "make_bench_batches",
     "run_bench",
+    "warm_shapes",
     "side_by_side",
     "write_results",
 ]
@@ -207,6 +208,44 @@ def mark_dynamic(forward: Callable[..., Any], dims: dict[str, int]) -> Callable[
         return forward(**batch)
 
     return call
+
+
+def warm_shapes(model, batches, forward: Callable[..., Any] | None = None) -> int:
+    """One untimed forward and backward per distinct batch shape; the weights are left as they were.
+
+    Why: on a GPU the first step at a batch length the process has not run before costs about
+    100 ms more than later steps at that length, eager and compiled alike (on the H200 with the
+    4-layer 1B shape: ~130-200 ms against ~20-35 ms; `tools/default_step_probe.py`,
+    `results/default_step_probe_h200.json`). It is paid once per length per process, outside
+    the compiler: a compiled run after an eager pass over the same lengths steps at 20 ms from
+    its first new length. So when runs are compared on variable lengths, whichever runs first
+    pays for every length, and its median step says so. Warming every shape once first makes
+    each run's step times its own.
+
+    Args:
+        model: the model; its gradients are cleared afterwards (set to None) and no optimizer
+            steps, so the weights do not change.
+        batches: the batches that will be timed (one of each shape is run).
+        forward: what to call instead of `model` (e.g. an autocast wrapper).
+
+    Returns:
+        The number of distinct shapes run.
+    """
+    forward = model if forward is None else forward
+    device = next(model.parameters()).device
+    seen = set()
+    for batch in batches:
+        shape = tuple(batch["input_ids"].shape)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        out = forward(**{k: v.to(device) for k, v in batch.items()})
+        out.loss.backward()
+        del out
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(seen)
 
 
 def compiled_run(

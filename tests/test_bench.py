@@ -165,3 +165,21 @@ def test_resolve_device_dtype_names_the_default_and_refuses_unknown_names():
     assert resolve_device_dtype("cpu", "bfloat16")[1] is torch.bfloat16
     with pytest.raises(ValueError):
         resolve_device_dtype("cpu", "float7")
+
+
+def test_warm_shapes_runs_each_shape_once_and_leaves_the_weights_alone():
+    model, tok = models.load_model("tiny", quant="none", dtype="float32", device="cpu")
+    short, _ = bench.make_bench_batches(tok, batch_size=2, seq_len=64, steps=2)
+    long, _ = bench.make_bench_batches(tok, batch_size=2, seq_len=96, steps=2)
+    batches = [short[0], long[0], short[1], long[1]]  # two shapes, each twice
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = []
+
+    def forward(**batch):
+        calls.append(tuple(batch["input_ids"].shape))
+        return model(**batch)
+
+    assert bench.warm_shapes(model, batches, forward=forward) == 2
+    assert calls == [(2, 64), (2, 96)]
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
