@@ -35,8 +35,8 @@ from .patches import input_require_grads
 from .markdown import table_header
 from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
 
-__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "cell_lr", "committed_results", "markdown_table", "merge_results",
-           "parity_table", "run_matrix", "summary_frame"]
+__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "cell_lr", "committed_results", "config_lr", "markdown_table",
+           "merge_results", "parity_table", "run_matrix", "summary_frame"]
 
 #: name -> (quant, lora)
 CONFIGS = {"base": ("none", False), "lora": ("none", True), "qlora": ("nf4", True)}
@@ -248,8 +248,8 @@ def run_matrix(
     t0 = time.perf_counter()
     for name in configs:
         quant, lora = CONFIGS[name]
-        cell_lr = base_lr if (name == "base" and base_lr is not None) else lr
-        cfg = TrainConfig(steps=steps, lr=cell_lr, seed=seed, progress=False)
+        run_lr = config_lr(name, lr, base_lr)
+        cfg = TrainConfig(steps=steps, lr=run_lr, seed=seed, progress=False)
         for ckpt in grad_ckpts:
             if _out_of_time(t0, time_budget_s, result, log):
                 return result
@@ -272,7 +272,7 @@ def run_matrix(
                     hist, counts = _compiled_cell(model, batches, cfg, start, scope, kind, backend, mode, ckpt,
                                                   eager_numerics, wrap)
                     cell = {"model": model_name, "quant": quant, "lora": lora, "config": name, "grad_ckpt": ckpt,
-                            "weights_dtype": weights_dtype, "lr": cell_lr, "lengths": kind, "scope": scope, **counts,
+                            "weights_dtype": weights_dtype, "lr": run_lr, "lengths": kind, "scope": scope, **counts,
                             "distinct_lengths": len({b["input_ids"].shape[1] for b in batches}),
                             "eager_median_step_ms": summarize(eager, warmup)["median_step_ms"],
                             "eager_peak_mem_gib": float(eager["peak_mem_gib"].max()),
@@ -394,16 +394,27 @@ def summary_frame(result: dict[str, Any]):
     return frame[[c for c in cols if c in frame]]  # files written before steady peaks lack those two
 
 
+def config_lr(config: str, lr: float, base_lr: float | None = None) -> float:
+    """The learning rate `config` trains at: `base_lr` for the full fine-tune ("base") when given, else `lr`."""
+    return base_lr if config == "base" and base_lr is not None else lr
+
+
 def cell_lr(result: dict[str, Any], cell: dict[str, Any]) -> float:
     """The learning rate `cell` trained with (files written before cells recorded it: the options')."""
     if "lr" in cell:
         return cell["lr"]
-    opts = result["options"]
-    return opts["base_lr"] if cell["config"] == "base" and opts.get("base_lr") is not None else opts["lr"]
+    return config_lr(cell["config"], result["options"]["lr"], result["options"].get("base_lr"))
 
 
 def _per_step(a: list[float], b: list[float]) -> list[float]:
     return [abs(x - y) for x, y in zip(a, b)]
+
+
+def _ranges(runs: list[list[float]], max_key: str, mean_key: str) -> dict[str, float | None]:
+    """min and max over `runs` of each run's max and mean per-step difference (None without runs)."""
+    maxes, means = [max(d) for d in runs], [sum(d) / len(d) for d in runs]
+    return {f"{max_key} min": min(maxes, default=None), f"{max_key} max": max(maxes, default=None),
+            f"{mean_key} min": min(means, default=None), f"{mean_key} max": max(means, default=None)}
 
 
 def parity_table(result: dict[str, Any], noise: Iterable[dict[str, Any]] = (), target: float = 5e-3):
@@ -438,17 +449,11 @@ def parity_table(result: dict[str, Any], noise: Iterable[dict[str, Any]] = (), t
                 eager = c["losses"]["eager"]
                 floors += [d for label, run in c["losses"].items() if label != "eager"
                            for d in [_per_step(run, eager)] if max(d) > 0]
-        rng = lambda xs: (min(xs), max(xs)) if xs else (None, None)  # noqa: E731
         rows[name] = {
             "lr": ", ".join(f"{x:g}" for x in sorted(lrs)), "cells": len(cells),
-            "max diff min": rng([max(d) for d in steps])[0], "max diff max": rng([max(d) for d in steps])[1],
-            "mean diff min": rng([sum(d) / len(d) for d in steps])[0],
-            "mean diff max": rng([sum(d) / len(d) for d in steps])[1],
+            **_ranges(steps, "max diff", "mean diff"),
             f"cells within {target:g}": sum(max(d) <= target for d in steps),
-            "eager runs": len(floors),
-            "eager max min": rng([max(d) for d in floors])[0], "eager max max": rng([max(d) for d in floors])[1],
-            "eager mean min": rng([sum(d) / len(d) for d in floors])[0],
-            "eager mean max": rng([sum(d) / len(d) for d in floors])[1],
+            "eager runs": len(floors), **_ranges(floors, "eager max", "eager mean"),
         }
     return pd.DataFrame(rows).T
 

@@ -37,7 +37,7 @@ import sys
 import torch
 
 from qlora_nb_utils import env
-from qlora_nb_utils.matrix import CONFIGS, _batches, load_cell_model
+from qlora_nb_utils.matrix import CONFIGS, _batches, config_lr, load_cell_model
 from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
 
 
@@ -102,7 +102,7 @@ def main() -> None:
     for name in a.configs.split(","):
         config = "base" if name == "base-fp32" else name
         quant, lora = CONFIGS[config]
-        lr = base_lr if config == "base" else a.lr
+        lr = config_lr(config, a.lr, base_lr)
         cfg = TrainConfig(steps=a.steps, lr=lr, seed=0, progress=False)
         model, tok, wrap, weights_dtype = load_cell_model(a.model, config, torch.bfloat16, dev, seed=0,
                                                           base_fp32_master=name == "base-fp32")

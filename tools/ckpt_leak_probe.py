@@ -13,8 +13,11 @@ Usage (GPU machine): python3 tools/ckpt_leak_probe.py [--model tiny] [--out leak
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import gc
 import json
+import shlex
+import sys
 
 import torch
 
@@ -57,9 +60,10 @@ def main() -> None:
     if a.out:
         from qlora_nb_utils import env
 
-        with open(a.out, "w") as f:
-            json.dump({"device": env.device_info(dev), "versions": env.versions(), "model": a.model,
-                       "config": a.config, "rows": rows}, f, indent=1)
+        with open(a.out, "w") as f:  # the fields every results file carries (tests/test_readme.py)
+            json.dump({"device": env.device_info(dev), "versions": env.versions(), "command": shlex.join(sys.argv),
+                       "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                       "model": a.model, "config": a.config, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
