@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention implementation (flex_attention trains on CUDA only)")
     d.add_argument("--causal-attn", action="store_true",
                    help="causal-only --attn (sdpa or flex_attention) without the padding mask, as "
-                   "qlora_nb_utils.attention.use_causal_attention; the batches are right-padded")
+                   "qlora_nb_utils.ops.attention.use_causal_attention; the batches are right-padded")
     d.add_argument("--flex-block-mask", default="graph", choices=["graph", "precomputed"],
                    help="with --attn flex_attention: build the BlockMask in the compiled graph (graph) or pass "
                    "each batch the causal BlockMask built outside it (precomputed; right-padded batches)")
@@ -102,7 +102,7 @@ def _kind(path: str, results: dict) -> str | None:
     Raises:
         ValueError: for a JSON that is none of these, naming the file (rather than a KeyError later).
     """
-    from . import fsdp_report, peers_report
+    from .report import fsdp as fsdp_report, peers as peers_report
 
     if not isinstance(results, dict):
         raise ValueError(f"{path}: not a results file (a JSON {type(results).__name__}, expected an object)")
@@ -124,8 +124,9 @@ def _kind(path: str, results: dict) -> str | None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from . import bench, fsdp_report, matrix, peers_report
-    from .plots import load_results
+    from .bench import main_job as bench, matrix
+    from .report import fsdp as fsdp_report, peers as peers_report
+    from .report.plots import load_results
 
     missing = [f for f in args.files if not Path(f).is_file()]
     if missing:
@@ -151,7 +152,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from .bench import main_job as bench
 
     results = bench.run_bench(
         progress=not args.no_progress, command=args.command_line,
@@ -191,7 +192,9 @@ def print_bench_table(results: dict) -> None:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from . import attention, checks, diagnostics
+    from .ops import attention
+    from .diagnostics import checks
+    from . import diagnostics
 
     # --causal-attn: the model is loaded inside checks.diagnose, so the stock mask function is
     # swapped for the run (make_length_batcher pads on the right, as the causal mask needs)

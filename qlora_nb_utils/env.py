@@ -16,7 +16,7 @@ import importlib.metadata
 import os
 import platform
 import re
-from typing import Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -271,3 +271,20 @@ def require_bnb(device: DeviceLike = "auto") -> None:
     ok, reason = bnb_status(device)
     if not ok:
         raise RuntimeError(f"4-bit (NF4) loading is not possible here: {reason}")
+
+
+def default_dtype(device: torch.device) -> str:
+    """bf16 on SM80+ GPUs, fp16 on older ones, fp32 on a CPU (exact parity, no slow bf16 emulation)."""
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.get_device_capability(device) >= (8, 0) else "float16"
+    return "float32"
+
+
+def resolve_device_dtype(device: Any = "auto", dtype: Any = "auto") -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) from names: ``"auto"`` (or None) dtype is :func:`default_dtype` of the device.
+
+    Raises:
+        ValueError: an unknown device or dtype name (from ``resolve_device``/``resolve_dtype``).
+    """
+    dev = resolve_device(device)
+    return dev, resolve_dtype(default_dtype(dev) if dtype in (None, "auto") else dtype, dev)

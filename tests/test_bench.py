@@ -5,8 +5,10 @@ import json
 import pytest
 import torch
 
-from qlora_nb_utils import bench, cli, models, plots
-from qlora_nb_utils.train import TrainConfig, train
+from qlora_nb_utils.bench import main_job as bench
+from qlora_nb_utils import cli, models
+from qlora_nb_utils.report import plots
+from qlora_nb_utils.training.loop import TrainConfig, train
 
 REQUIRED = {
     "device", "versions", "command", "date", "model", "eager", "compiled", "graph_breaks", "compilations",
@@ -117,7 +119,7 @@ def test_diagnose_counts_and_strict_exit_codes(tmp_path, capsys):
 
 
 def test_problems_lists_each_failure():
-    from qlora_nb_utils import checks
+    from qlora_nb_utils.diagnostics import checks
 
     clean = {"graph_breaks": 0, "fullgraph_ok": True, "compilations": 1, "seq_lens": [16]}
     assert checks.problems(clean) == []
@@ -130,7 +132,7 @@ def test_problems_lists_each_failure():
 def test_a_compiler_failure_during_the_run_over_lengths_is_reported_not_raised():
     """What the H200 showed for whole-model causal flex (Inductor's CantSplit on the dynamic
     graph), made on a CPU: a backend that refuses dynamic graphs fails the second length."""
-    from qlora_nb_utils import checks
+    from qlora_nb_utils.diagnostics import checks
 
     def static_only(gm, example_inputs):
         if any(isinstance(x, torch.SymInt) for x in example_inputs):
@@ -158,7 +160,7 @@ def test_diagnose_grad_ckpt_upstream_breaks_and_prepared_is_clean(tmp_path):
 
 
 def test_resolve_device_dtype_names_the_default_and_refuses_unknown_names():
-    from qlora_nb_utils.bench import resolve_device_dtype
+    from qlora_nb_utils.env import resolve_device_dtype
 
     assert resolve_device_dtype("cpu", "auto") == (torch.device("cpu"), torch.float32)  # exact parity on a CPU
     assert resolve_device_dtype("cpu", None) == (torch.device("cpu"), torch.float32)

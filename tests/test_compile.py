@@ -20,8 +20,8 @@ from qlora_nb_utils.compile import (
     valid_backends,
     valid_modes,
 )
-from qlora_nb_utils.patches import input_require_grads
-from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
+from qlora_nb_utils.compile.patches import input_require_grads
+from qlora_nb_utils.training.loop import TrainConfig, load_trainable_state, train, trainable_state
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
@@ -421,7 +421,7 @@ def test_eager_numerics_tiny_llama_bf16_forward_losses_match_eager(tmp_path):
 def test_a_forward_with_the_recompute_policy_and_no_backward_frees_its_memory_on_gpu():
     import gc
 
-    from qlora_nb_utils import matrix
+    from qlora_nb_utils.bench import matrix
 
     model, tok, wrap, _ = matrix.load_cell_model("tiny", "lora", torch.bfloat16, torch.device("cuda"), grad_ckpt=True)
     batch = {k: v.cuda() for k, v in matrix._batches(tok, "fixed", 4, 256, 1, 0)[0].items()}

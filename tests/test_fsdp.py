@@ -1,6 +1,6 @@
 """QLoRA + FSDP2 on the CPU with gloo: sharding, loss parity, adapter round trip, resume, errors.
 
-The runs are real ``torchrun`` launches of ``qlora_nb_utils.fsdp_train`` on the tiny model
+The runs are real ``torchrun`` launches of ``qlora_nb_utils.distributed.fsdp_train`` on the tiny model
 (2 processes unless said otherwise), each made once per module and shared by the tests that
 read it. Layers are compiled with the ``eager`` backend (Dynamo traces with ``fullgraph=True``,
 so a break inside a layer fails the run) except one short inductor run. Everything is fp32,
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlora_nb_utils import fsdp_train
-from qlora_nb_utils.fsdp_train import read_log
+from qlora_nb_utils.distributed import fsdp_train
+from qlora_nb_utils.distributed.fsdp_train import read_log
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--model", "tiny", "--steps", "6", "--global-batch-size", "4", "--seq-len", "192",
@@ -35,7 +35,7 @@ def _launch(nproc: int, args: list[str], timeout: int = 300) -> subprocess.Compl
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "qlora_nb_utils.fsdp_train", *args]
+           "-m", "qlora_nb_utils.distributed.fsdp_train", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -206,7 +206,7 @@ def one_rank_group(monkeypatch):
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
-    from qlora_nb_utils.fsdp import init_distributed
+    from qlora_nb_utils.distributed.fsdp import init_distributed
 
     info = init_distributed("cpu")
     yield info
@@ -215,7 +215,7 @@ def one_rank_group(monkeypatch):
 
 def test_replicate_mode_leaves_the_4bit_weights_whole_and_usable(one_rank_group):
     from qlora_nb_utils import models
-    from qlora_nb_utils.fsdp import apply_fsdp2, nf4_params, sharding_report
+    from qlora_nb_utils.distributed.fsdp import apply_fsdp2, nf4_params, sharding_report
 
     model, _ = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
     ids = torch.randint(0, 1000, (2, 16))
@@ -234,7 +234,7 @@ def test_replicate_mode_leaves_the_4bit_weights_whole_and_usable(one_rank_group)
 
 def test_frozen_replicate_shards_only_the_trainable_weights(one_rank_group):
     from qlora_nb_utils import models
-    from qlora_nb_utils.fsdp import apply_fsdp2, sharding_report
+    from qlora_nb_utils.distributed.fsdp import apply_fsdp2, sharding_report
 
     model, _ = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
     ids = torch.randint(0, 1000, (2, 16))
@@ -252,7 +252,7 @@ def test_frozen_replicate_shards_only_the_trainable_weights(one_rank_group):
 
 
 def test_a_mixed_precision_cast_of_the_packed_weights_is_refused(one_rank_group):
-    from qlora_nb_utils.fsdp import apply_fsdp2, load_qlora, mixed_precision
+    from qlora_nb_utils.distributed.fsdp import apply_fsdp2, load_qlora, mixed_precision
 
     # float32 quant storage under a bf16 policy: FSDP2 would all-gather the packed bytes as bf16
     model, _ = load_qlora("tiny", dtype="float32", device="cpu", quant_storage=torch.float32)
@@ -261,7 +261,7 @@ def test_a_mixed_precision_cast_of_the_packed_weights_is_refused(one_rank_group)
 
 
 def test_unknown_nf4_mode_and_storage_are_value_errors():
-    from qlora_nb_utils.fsdp import apply_fsdp2, resolve_quant_storage
+    from qlora_nb_utils.distributed.fsdp import apply_fsdp2, resolve_quant_storage
 
     with pytest.raises(ValueError, match="nf4 must be one of"):
         apply_fsdp2(torch.nn.Linear(2, 2), nf4="split")
@@ -275,7 +275,7 @@ def test_unknown_nf4_mode_and_storage_are_value_errors():
 
 
 def test_pack_rows_fills_windows_in_order():
-    from qlora_nb_utils.fsdp import pack_rows
+    from qlora_nb_utils.data import pack_rows
 
     rows = [{"input_ids": [i] * n, "labels": [-100] + [i] * (n - 1)} for i, n in enumerate([3, 4, 5, 2])]
     packed = pack_rows(rows, seq_len=8, pad_id=0)
@@ -310,7 +310,7 @@ def test_trainer_mode_shards_with_fsdp2_on_cpu(trainer_run):
 
 
 def test_nf4_auto_mode_shards_on_gloo_and_replicates_on_nccl():
-    from qlora_nb_utils.fsdp_train import build_parser, resolve_nf4_mode
+    from qlora_nb_utils.distributed.fsdp_train import build_parser, resolve_nf4_mode
 
     assert build_parser().parse_args(["--out", "x"]).nf4 == "auto"
     assert resolve_nf4_mode("auto", "gloo") == "shard"
@@ -320,7 +320,7 @@ def test_nf4_auto_mode_shards_on_gloo_and_replicates_on_nccl():
 
 def test_apply_fsdp2_refuses_packed_bytes_changed_by_the_round_trip(one_rank_group, monkeypatch):
     """The verify checksum fires when the all-gathered bytes differ (simulated: one word changed)."""
-    import qlora_nb_utils.fsdp as F
+    import qlora_nb_utils.distributed.fsdp as F
 
     real = F.packed_checksums
     calls = []

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from qlora_nb_utils import cli, fsdp_report
+from qlora_nb_utils import cli
+from qlora_nb_utils.report import fsdp as fsdp_report
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

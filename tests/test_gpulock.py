@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from qlora_nb_utils import gpulock
+from qlora_nb_utils.training import gpulock
 
 
 def _free(path) -> bool:
@@ -72,7 +72,7 @@ def test_close_removes_the_callbacks(tmp_path):
 
 
 def test_train_takes_the_lock_per_step(tmp_path, monkeypatch):
-    from qlora_nb_utils.train import TrainConfig, train
+    from qlora_nb_utils.training.loop import TrainConfig, train
 
     path = str(tmp_path / "gpu.lock")
     monkeypatch.setenv(gpulock.LOCK_ENV, path)

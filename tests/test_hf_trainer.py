@@ -4,7 +4,7 @@ import pytest
 
 from qlora_nb_utils import data as qdata
 from qlora_nb_utils import models
-from qlora_nb_utils.hf_trainer import count_graph_breaks, trainer_patches
+from qlora_nb_utils.training.hf_trainer import count_graph_breaks, trainer_patches
 
 COMMON = dict(max_steps=2, per_device_train_batch_size=2, torch_compile=True, torch_compile_backend="eager",
               report_to=[], save_strategy="no", use_cpu=True, gradient_checkpointing=True,

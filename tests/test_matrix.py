@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from qlora_nb_utils import matrix
+from qlora_nb_utils.bench import matrix
 
 
 @pytest.fixture(scope="module")

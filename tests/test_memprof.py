@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from qlora_nb_utils import memprof
+from qlora_nb_utils.diagnostics import memprof
 
 MIB = 2**20
 

@@ -1,4 +1,4 @@
-"""Tests for qlora_nb_utils.nf4_op: the op's registration, its values, and compiling through it.
+"""Tests for qlora_nb_utils.ops.nf4: the op's registration, its values, and compiling through it.
 
 ``torch.library.opcheck`` checks the schema, the fake kernel against the real one, and tracing
 through AOTAutograd. The values are checked twice, independently: against bitsandbytes' own
@@ -10,7 +10,7 @@ absmax, of the original). Compiling a function that calls the op must give one g
 import pytest
 import torch
 
-from qlora_nb_utils import nf4_op
+from qlora_nb_utils.ops import nf4 as nf4_op
 from qlora_nb_utils.diagnostics import CompileCounter, check_fullgraph, graph_breaks
 
 bnbF = pytest.importorskip("bitsandbytes.functional")

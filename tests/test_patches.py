@@ -1,4 +1,4 @@
-"""Tests for qlora_nb_utils.patches: each break without its patch, none with it, exact undo.
+"""Tests for qlora_nb_utils.compile.patches: each break without its patch, none with it, exact undo.
 
 The models are tiny Llamas saved once to a temporary folder and loaded back through
 ``from_pretrained`` (with a bitsandbytes NF4 config for QLoRA), then set up for gradient
@@ -16,8 +16,8 @@ from tiny_lora import batch, build, save_tiny_llama
 from transformers.modeling_utils import PreTrainedModel
 
 from qlora_nb_utils.diagnostics import check_fullgraph, graph_breaks
-from qlora_nb_utils.patches import PATCHES, PatchHandle, input_require_grads, use_cache_warning
-from qlora_nb_utils.patches._base import check_versions, set_attribute
+from qlora_nb_utils.compile.patches import PATCHES, PatchHandle, input_require_grads, use_cache_warning
+from qlora_nb_utils.compile.patches._base import check_versions, set_attribute
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):

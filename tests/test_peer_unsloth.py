@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlora_nb_utils import peer_unsloth as pu
+from qlora_nb_utils.bench.peers import unsloth as pu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,13 +140,13 @@ def test_cli_without_cuda_writes_error_json_and_exits_0(files):
     proc = subprocess.run(
         [sys.executable, "-c",
          "import sys, runpy; sys.argv[0] = 'peer'; "
-         "runpy.run_module('qlora_nb_utils.peer_unsloth', run_name='__main__'); "],
+         "runpy.run_module('qlora_nb_utils.bench.peers.unsloth', run_name='__main__'); "],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     # runpy without argv: argparse must refuse with status 2.
     assert proc.returncode == 2 and "--model-dir" in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "qlora_nb_utils.peer_unsloth", *_argv(model, batches, out)],
+        [sys.executable, "-m", "qlora_nb_utils.bench.peers.unsloth", *_argv(model, batches, out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -157,6 +157,6 @@ def test_cli_without_cuda_writes_error_json_and_exits_0(files):
 
 
 def test_importing_the_module_leaves_transformers_unloaded():
-    code = "import sys, qlora_nb_utils.peer_unsloth; print('transformers' in sys.modules)"
+    code = "import sys, qlora_nb_utils.bench.peers.unsloth; print('transformers' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False", proc.stderr

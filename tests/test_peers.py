@@ -6,7 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qlora_nb_utils import bench, cli, losses, models, peers
+from qlora_nb_utils.bench import main_job as bench
+from qlora_nb_utils import cli, models
+from qlora_nb_utils.ops import losses
+from qlora_nb_utils.bench.peers import run as peers
 
 SCHEMA = {"name", "batch_size", "seq_len", "median_step_ms", "tokens_per_s", "mfu", "peak_mem_gib", "compile_s",
           "losses", "step_ms", "notes"}

@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from qlora_nb_utils.train import (
+from qlora_nb_utils.training.loop import (
     TrainConfig,
     TrainingInterrupted,
     load_trainable_state,

@@ -37,8 +37,8 @@ import sys
 import torch
 
 from qlora_nb_utils import env
-from qlora_nb_utils.matrix import CONFIGS, _batches, config_lr, load_cell_model
-from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
+from qlora_nb_utils.bench.matrix import CONFIGS, _batches, config_lr, load_cell_model
+from qlora_nb_utils.training.loop import TrainConfig, load_trainable_state, train, trainable_state
 
 
 #: The perturbed eager runs, each compared with the plain eager run (see the module docstring).

@@ -21,7 +21,8 @@ import sys
 
 import torch
 
-from qlora_nb_utils import diagnostics, matrix
+from qlora_nb_utils import diagnostics
+from qlora_nb_utils.bench import matrix
 from qlora_nb_utils.compile import prepare_for_compile
 
 

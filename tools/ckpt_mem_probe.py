@@ -11,7 +11,7 @@ Two modes:
   1 makes that partitioner recompute more. Runs the matrix's regional checkpointed cell (fixed
   lengths) at each budget, one after the other in one process, and writes the peaks beside
   eager's. (Session 6: the gap stayed 0.1334 GiB at every budget.)
-* ``--snapshot``: the same cell with the allocator recording (`qlora_nb_utils.memprof`): eager
+* ``--snapshot``: the same cell with the allocator recording (`qlora_nb_utils.diagnostics.memprof`): eager
   after warm-up, the compiled run's first steps (they compile) and its later steps, each with
   per-step peaks and the allocations alive at the window's peak, summed by allocating line.
   ``--break-check`` adds the matrix's break check between eager and compiled, recorded, with
@@ -39,10 +39,12 @@ import pandas as pd
 import torch
 import torch._functorch.config as functorch_config
 
-from qlora_nb_utils import env, matrix, memprof
-from qlora_nb_utils.bench import resolve_device_dtype
-from qlora_nb_utils.matrix import run_matrix
-from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
+from qlora_nb_utils import env
+from qlora_nb_utils.bench import matrix
+from qlora_nb_utils.diagnostics import memprof
+from qlora_nb_utils.env import resolve_device_dtype
+from qlora_nb_utils.bench.matrix import run_matrix
+from qlora_nb_utils.training.loop import TrainConfig, load_trainable_state, train, trainable_state
 
 
 def _budgets(a, res) -> None:

@@ -25,9 +25,9 @@ import sys
 import torch
 
 from qlora_nb_utils import data as qdata, env, models
-from qlora_nb_utils.bench import mark_dynamic
+from qlora_nb_utils.bench.main_job import mark_dynamic
 from qlora_nb_utils.diagnostics import CompileCounter
-from qlora_nb_utils.train import TrainConfig, load_trainable_state, train, trainable_state
+from qlora_nb_utils.training.loop import TrainConfig, load_trainable_state, train, trainable_state
 
 
 def main() -> None:

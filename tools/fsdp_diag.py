@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from qlora_nb_utils import fsdp, fsdp_train
+from qlora_nb_utils.distributed import fsdp, fsdp_train
 
 
 def row_losses(model, batch, rows, device):

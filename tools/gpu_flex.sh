@@ -4,10 +4,10 @@
 # `qlora-nb diagnose --attn flex_attention` (torch has no CPU backward for flex attention, so
 # CI cannot train it). Writes $OUT_DIR/flex_<scope>_<tag>.json and prints each report.
 # Scopes: regional, whole (stock transformers flex: its mask code breaks the whole-model graph),
-# regional-causal, whole-causal (the same with --causal-attn: qlora_nb_utils.attention's
+# regional-causal, whole-causal (the same with --causal-attn: qlora_nb_utils.ops.attention's
 # causal-only flex mask, no padding mask, one graph; the batches are right-padded),
 # regional-precomputed, whole-precomputed (stock flex given the causal BlockMask built outside
-# the graph: --flex-block-mask precomputed, qlora_nb_utils.attention.causal_block_mask).
+# the graph: --flex-block-mask precomputed, qlora_nb_utils.ops.attention.causal_block_mask).
 # Carried: .whl (bitsandbytes, peft, ...), .gpucache (tokenizer), as tools/gpu_peers.sh.
 # Usage (on that machine, repository root): bash tools/gpu_flex.sh OUT_DIR [SCOPES="regional whole"] [LENS]
 # LENS: comma-separated lengths (default: 20 lengths 64, 80, ..., 368; each run's JSON and log

@@ -36,7 +36,7 @@ run() {  # run NAME TIMEOUT_S GPUS NPROC ARGS...
   echo "[gpu_fsdp] $name on GPU(s) $gpus, $nproc process(es), limit ${limit}s ($(($(date +%s) - T0)) s elapsed)"
   if CUDA_VISIBLE_DEVICES=$gpus timeout --signal=TERM --kill-after=20 "$limit" \
       python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-      -m qlora_nb_utils.fsdp_train "${COMMON[@]}" "$@" --out "$RUNS/$name" > "$RUNS/$name.log" 2>&1; then
+      -m qlora_nb_utils.distributed.fsdp_train "${COMMON[@]}" "$@" --out "$RUNS/$name" > "$RUNS/$name.log" 2>&1; then
     echo "[gpu_fsdp] $name done ($(($(date +%s) - T0)) s elapsed)"
   else
     echo "[gpu_fsdp] $name FAILED or timed out (exit $?); tail of its log:" | tee -a "$OUT/errors.txt"
@@ -72,7 +72,7 @@ FROZEN=$FROZEN NF4=$NF4 python3 - "$RUNS" "$OUT" "$0 $*" <<'EOF' || echo "[gpu_f
 import json, os, re, sys, datetime
 from pathlib import Path
 import torch
-from qlora_nb_utils.fsdp_train import compare_runs
+from qlora_nb_utils.distributed.fsdp_train import compare_runs
 
 runs, out, command = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 done = {p.name for p in runs.iterdir() if (p / "summary.json").is_file()}

@@ -22,7 +22,7 @@ if [ -n "${EXTRA_FROZEN:-}" ] && [ "$(left)" -gt 200 ]; then
   # the other --frozen mode on 2 GPUs, same session: its step time against parity_2's
   echo "[fsdp_all] 1b. parity_2 with --frozen $EXTRA_FROZEN ($(left) s left)"
   source tools/gpu_env.sh
-  timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m qlora_nb_utils.fsdp_train \
+  timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m qlora_nb_utils.distributed.fsdp_train \
     --model llama-3.1-8b-shape --quant nf4 --nf4 auto --frozen "$EXTRA_FROZEN" --seq-len 2048 --pack \
     --dtype bfloat16 --device cuda --compile --backend inductor --no-fullgraph --lr 2e-4 --seed 0 \
     --timing-warmup 3 --steps 30 --global-batch-size 2 --micro-batch-size 1 --no-adapter \
@@ -42,7 +42,7 @@ echo "[fsdp_all] 3. HF Trainer on 2 GPUs ($(left) s left)"
 if [ "${TRAINER:-1}" = 1 ] && [ "$(left)" -gt 70 ]; then
   source tools/gpu_env.sh
   timeout $(( $(left) - 15 )) python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-    -m qlora_nb_utils.fsdp_train --trainer hf --model llama-3.2-1b-shape --quant nf4 --quant-storage uint8 \
+    -m qlora_nb_utils.distributed.fsdp_train --trainer hf --model llama-3.2-1b-shape --quant nf4 --quant-storage uint8 \
     --seq-len 512 --dtype bfloat16 --device cuda --compile --backend inductor --no-fullgraph \
     --global-batch-size 4 --micro-batch-size 1 --steps 10 --lr 2e-4 --seed 0 \
     --out "$WORK/trainer_hf_2" > "$WORK/trainer_hf_2.log" 2>&1

@@ -55,7 +55,7 @@ run() {  # run NAME TIMEOUT_S GPUS NPROC ARGS...
   echo "[check] $name on GPU(s) $gpus ($(($(date +%s) - T0)) s elapsed)"
   CUDA_VISIBLE_DEVICES=$gpus timeout --signal=TERM --kill-after=20 "$limit" \
     python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-    -m qlora_nb_utils.fsdp_train "${COMMON[@]}" "$@" --out "$RUNS/$name" > "$RUNS/$name.log" 2>&1 \
+    -m qlora_nb_utils.distributed.fsdp_train "${COMMON[@]}" "$@" --out "$RUNS/$name" > "$RUNS/$name.log" 2>&1 \
     || { echo "[check] $name FAILED (exit $?)" | tee -a "$RUNS/errors.txt"; tail -20 "$RUNS/$name.log"; }
 }
 run scaling_1 150 0 1 --dtype bfloat16 --steps 12 --global-batch-size 1

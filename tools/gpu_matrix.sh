@@ -5,7 +5,7 @@
 # group "quick": fixed lengths (whole, regional) and variable lengths (regional);
 # group "dynamic": variable lengths, whole model (a dynamic graph of the whole model: the
 # slowest compile); group "variable": variable lengths, whole then regional; group "all": all. Parts of two calls merge with
-# `python -m qlora_nb_utils.matrix --merge PART.json ... --out ALL.json`.
+# `python -m qlora_nb_utils.bench.matrix --merge PART.json ... --out ALL.json`.
 # EAGER_NUMERICS=1 compiles with inductor's emulate_precision_casts (--eager-numerics: bf16
 # rounded after every op, as eager does); parts with and without it do not merge.
 # BASE_FP32_MASTER=1 trains the full fine-tune ("base") with fp32 master weights under bf16
@@ -53,7 +53,7 @@ deadline=$(( $(date +%s) + budget ))
 part() {  # part TAG LENGTHS SCOPES: runs until the common deadline at most
   local rem=$(( deadline - $(date +%s) ))
   [ "$rem" -gt 10 ] || return 0
-  timeout --kill-after=10 "$rem" python3 -W ignore -m qlora_nb_utils.matrix --model "$model" --configs "$c" \
+  timeout --kill-after=10 "$rem" python3 -W ignore -m qlora_nb_utils.bench.matrix --model "$model" --configs "$c" \
     --grad-ckpt "$ck" --lengths "$2" --scopes "$3" --steps 30 --batch-size 4 --max-len 256 \
     --warmup 5 $numerics --command "$cmd" --out "$parts/$c-$ck-$1.json" >> "$parts/$c-$ck.log" 2>&1
 }
@@ -70,5 +70,5 @@ done
 wait $(jobs -p | grep -v "^$monitor$") 2>/dev/null || true
 kill $monitor 2>/dev/null || true
 ls "$parts"/*.json >/dev/null 2>&1 || { echo "no part finished a cell"; tail -n 20 "$parts"/*.log; exit 1; }
-python3 -m qlora_nb_utils.matrix --merge "$parts"/*.json --command "$cmd" --out "$out"
+python3 -m qlora_nb_utils.bench.matrix --merge "$parts"/*.json --command "$cmd" --out "$out"
 for f in "$parts"/*.log; do echo "== $f"; grep -E "Error|error|Traceback" "$f" | tail -n 5 || true; done

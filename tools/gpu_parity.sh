@@ -16,7 +16,7 @@ BUDGET=${BUDGET:-450}
 python3 -c "from qlora_nb_utils import models; models.materialize('llama-3.2-1b-shape')" 2>&1 | tail -1
 m() {  # m NAME ARGS...
   local name=$1; shift
-  timeout --kill-after=10 $((BUDGET + 60)) python3 -W ignore -m qlora_nb_utils.matrix --model llama-3.2-1b-shape \
+  timeout --kill-after=10 $((BUDGET + 60)) python3 -W ignore -m qlora_nb_utils.bench.matrix --model llama-3.2-1b-shape \
     --steps 30 --batch-size 4 --max-len 256 --warmup 5 --time-budget-s "$BUDGET" \
     --command "OUT=\$OUT bash tools/gpu_parity.sh ($name)" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
   echo "[gpu_parity] $name exit $?"

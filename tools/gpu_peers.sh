@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The peer comparison on the lent GPU machine: one process per library, same checkpoint, same
-# batches, same seed (qlora_nb_utils.peers.run_peers), into $OUT_DIR/peers_<gpu>.json, then the
+# batches, same seed (qlora_nb_utils.bench.peers.run_peers), into $OUT_DIR/peers_<gpu>.json, then the
 # report (table on stdout, PNGs next to the JSON).
 #
 # Carried (see tools/gpu_bench.sh): .whl (bitsandbytes, datasets, peft, trl, ...; torchao in

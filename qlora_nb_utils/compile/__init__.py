@@ -5,7 +5,7 @@ step only compiles into few graphs with zero breaks, and keeps checkpointing's m
 saving, when a few decisions are made together, each easy to get subtly wrong on its own:
 
 * **Patches.** With gradient checkpointing on, transformers' require-grad hook and its
-  ``use_cache`` warning break the graph (see :mod:`qlora_nb_utils.patches`). ``patches="auto"``
+  ``use_cache`` warning break the graph (see :mod:`qlora_nb_utils.compile.patches`). ``patches="auto"``
   applies the ones whose targets the model actually has, reversibly.
 * **Gradient checkpointing.** Inside a region Dynamo traces, ``torch.utils.checkpoint`` is
   captured as the ``tag_activation_checkpoint`` higher-order op (reentrant or not) and
@@ -26,13 +26,13 @@ saving, when a few decisions are made together, each easy to get subtly wrong on
   ``"whole"`` scope the checkpoint carries a selective-checkpointing policy of
   ``MUST_RECOMPUTE`` for every op (:func:`must_recompute_context`), which the compiler must
   obey, and the compiled peak came down to eager's. Those runs kept no results file, so no
-  figure is quoted here; the compile matrix (``qlora_nb_utils.matrix``) records peak memory
+  figure is quoted here; the compile matrix (``qlora_nb_utils.bench.matrix``) records peak memory
   per cell. The CPU partitioner makes the lean choice either way, so only a GPU shows it.
 * **Optimizer.** PyTorch's compiled-optimizer recipe: the learning rate must be a tensor
   (else every scheduler change recompiles), and the compiled function must call the
   optimizer's own ``step``, because an LR scheduler wraps ``opt.step`` in a function Dynamo
   skips. :class:`CompiledOptimizer` does both and still works with any ``LRScheduler`` and
-  with :func:`qlora_nb_utils.train.train` (``optimizer=``).
+  with :func:`qlora_nb_utils.training.train` (``optimizer=``).
 * **Low-precision numerics.** Inductor fuses bf16/fp16 pointwise ops into one kernel and
   keeps the intermediates in fp32, where eager rounds every op's output to bf16, so compiled
   losses drift from eager's by rounding. ``eager_numerics=True`` turns on Inductor's
@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from . import patches as _patches
-from .diagnostics import CompileCounter
+from ..diagnostics import CompileCounter
 from .patches import input_require_grads
 from .patches._base import PatchHandle, set_attribute
 
@@ -408,7 +408,7 @@ def compiled_optimizer(params_or_optimizer: Any, *, backend: Any = "inductor", m
         backend: The compile backend (name or callable).
         mode: An inductor mode, or None.
         **adamw_kwargs: ``AdamW`` options when building one (``lr`` defaults to 2e-4, as in
-            :class:`~qlora_nb_utils.train.TrainConfig`).
+            :class:`~qlora_nb_utils.training.TrainConfig`).
 
     Returns:
         A :class:`CompiledOptimizer`; its ``counter`` counts the step's compilations.
@@ -512,7 +512,7 @@ def prepare_for_compile(
         compile_optimizer: True builds a compiled ``AdamW`` over the trainable parameters
             (lr 2e-4); a dict gives its ``AdamW`` options, e.g. ``{"lr": 1e-4}``.
         patches: ``"auto"`` (the patches whose targets the model has), None/``[]`` (none), or
-            names from ``qlora_nb_utils.patches.PATCHES``.
+            names from ``qlora_nb_utils.compile.patches.PATCHES``.
         eager_numerics: True sets Inductor's ``emulate_precision_casts`` until ``undo()``.
             Inductor fuses bf16/fp16 pointwise ops and keeps the intermediates in fp32, while
             eager rounds each op's result to bf16; with this, the fused kernels round where

@@ -26,14 +26,15 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import data as qdata
-from . import diagnostics, env, models
-from .bench import mark_dynamic, resolve_device_dtype, warm_shapes
-from .compile import prepare_for_compile
-from .gpulock import lock_path
-from .patches import input_require_grads
-from .markdown import table_header
-from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
+from .. import data as qdata
+from .. import diagnostics, env, models
+from ..env import resolve_device_dtype
+from .main_job import mark_dynamic, warm_shapes
+from ..compile import prepare_for_compile
+from ..training.gpulock import lock_path
+from ..compile.patches import input_require_grads
+from ..report.markdown import table_header
+from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
 
 __all__ = ["CONFIGS", "LENGTHS", "SCOPES", "cell_lr", "committed_results", "config_lr", "markdown_table",
            "merge_results", "parity_table", "run_matrix", "summary_frame"]
@@ -46,12 +47,10 @@ SEQ_DIMS = {"input_ids": 1, "attention_mask": 1, "labels": 1}
 
 
 def _batches(tokenizer, lengths: str, batch_size: int, max_len: int, steps: int, seed: int):
-    examples = qdata.load_examples(limit=max(512, 4 * batch_size * steps))
-    tokenized = qdata.tokenize_examples(examples, tokenizer, max_len=max_len)
-    policy = {"fixed": {"policy": "fixed", "max_length": max_len}, "variable": {"policy": "longest"}}[lengths]
-    collator = qdata.PaddingCollator(pad_token_id=tokenizer.pad_token_id, **policy)
-    loader = qdata.make_batches(tokenized, batch_size, collator, seed=seed)
-    return [b for _, b in zip(range(steps), loader)]
+    """A cell's batches: ``"fixed"`` pads every batch to ``max_len``, ``"variable"`` to its longest row."""
+    return qdata.build_batches(tokenizer, batch_size=batch_size, steps=steps, max_len=max_len,
+                               padding={"fixed": "fixed", "variable": "longest"}[lengths],
+                               limit=max(512, 4 * batch_size * steps), seed=seed)
 
 
 def _autocast(forward: Callable[..., Any], device: torch.device, dtype: torch.dtype) -> Callable[..., Any]:
@@ -481,11 +480,11 @@ def markdown_table(path: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m qlora_nb_utils.matrix`: run part of the matrix (or all of it) into a JSON file,
+    """`python -m qlora_nb_utils.bench.matrix`: run part of the matrix (or all of it) into a JSON file,
     or merge part files into one (`--merge PART.json ... --out ALL.json`)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m qlora_nb_utils.matrix", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m qlora_nb_utils.bench.matrix", description=main.__doc__)
     p.add_argument("--model", default="tiny")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--grad-ckpt", default="off,on", help="comma-separated: off, on")

@@ -75,7 +75,7 @@ from typing import Iterable
 
 import torch
 
-from .patches._base import PatchHandle
+from ..compile.patches._base import PatchHandle
 
 __all__ = ["CAUSAL_SDPA", "CAUSAL_FLEX", "KERNELS", "register_causal", "register_causal_sdpa", "use_causal_attention",
            "use_causal_sdpa", "use_causal_flex", "causal_masks_for", "check_right_padded", "causal_block_mask",

@@ -2,13 +2,13 @@
 
 Unsloth patches transformers, peft and trl when it is imported, so it must be imported before
 any of them, and its patches must not leak into the process that measures our own code. The
-benchmark therefore runs it as a subprocess (`qlora_nb_utils.peers` calls this module with the
+benchmark therefore runs it as a subprocess (`qlora_nb_utils.bench.peers` calls this module with the
 CLI below) and reads back one JSON file. The GPU machine has no network and its own package set:
 Unsloth and the few packages it needs beyond that machine travel as one archive made by
 `tools/unsloth_bundle.sh` and sit first on PYTHONPATH (see docs/unsloth_peer.md).
 
 Nothing here imports transformers: the package's ``__init__`` imports nothing heavy either, so
-``python -m qlora_nb_utils.peer_unsloth`` reaches `import unsloth` with transformers unloaded.
+``python -m qlora_nb_utils.bench.peers.unsloth`` reaches `import unsloth` with transformers unloaded.
 
 The training loop is deliberately plain (no Trainer): AdamW over the trainable parameters at a
 constant learning rate, weight decay 0, no clipping, one synchronised `perf_counter` pair around
@@ -16,7 +16,7 @@ each step (host-to-device copy of the batch excluded). Any failure after the arg
 is written to the JSON file as ``{"name": "unsloth", "error": ...}`` and the exit status is 0, so
 the caller can put a failed peer in its table without parsing stderr; bad arguments exit 2.
 
-    python -m qlora_nb_utils.peer_unsloth --model-dir DIR --batches FILE.pt --steps N \
+    python -m qlora_nb_utils.bench.peers.unsloth --model-dir DIR --batches FILE.pt --steps N \
         --warmup W --lr LR --seed S --lora-r 16 --lora-alpha 32 --out RUN.json [--grad-ckpt]
 """
 
@@ -88,9 +88,9 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI that `qlora_nb_utils.peers` calls."""
+    """The CLI that `qlora_nb_utils.bench.peers` calls."""
     p = argparse.ArgumentParser(
-        prog="python -m qlora_nb_utils.peer_unsloth",
+        prog="python -m qlora_nb_utils.bench.peers.unsloth",
         description="Train the benchmark's batches with Unsloth (QLoRA) and write one RUN.json.",
     )
     p.add_argument("--model-dir", required=True, type=Path, help="local HF checkpoint folder (config.json inside)")

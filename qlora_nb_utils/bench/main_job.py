@@ -23,10 +23,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import data as qdata
-from . import diagnostics, env, models
-from .markdown import table_header
-from .train import TrainConfig, load_trainable_state, summarize, train, trainable_state
+from .. import data as qdata
+from .. import diagnostics, env, models
+from ..env import default_dtype, resolve_device_dtype  # re-exported: bench.resolve_device_dtype
+from ..report.markdown import table_header
+from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
 
 __all__ = [
     "DEFAULTS",
@@ -43,23 +44,6 @@ __all__ = [
 ]
 
 PADDING_POLICIES = ("fixed", "multiple", "longest")
-
-
-def default_dtype(device: torch.device) -> str:
-    """bf16 on SM80+ GPUs, fp16 on older ones, fp32 on a CPU (exact parity, no slow bf16 emulation)."""
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.get_device_capability(device) >= (8, 0) else "float16"
-    return "float32"
-
-
-def resolve_device_dtype(device: Any = "auto", dtype: Any = "auto") -> tuple[torch.device, torch.dtype]:
-    """(device, dtype) from names: ``"auto"`` (or None) dtype is :func:`default_dtype` of the device.
-
-    Raises:
-        ValueError: an unknown device or dtype name (from ``env.resolve_device``/``resolve_dtype``).
-    """
-    dev = env.resolve_device(device)
-    return dev, env.resolve_dtype(default_dtype(dev) if dtype in (None, "auto") else dtype, dev)
 
 
 DEFAULTS: dict[str, Any] = {
@@ -102,19 +86,8 @@ def make_bench_batches(tokenizer, *, batch_size: int, seq_len: int, steps: int, 
     Returns:
         (batches, padding_stats) where batches is a list of `steps` dicts of CPU tensors.
     """
-    examples = qdata.load_examples(data)
-    tokenized = qdata.tokenize_examples(examples, tokenizer, max_len=seq_len)
-    collator = qdata.PaddingCollator(
-        pad_token_id=tokenizer.pad_token_id, policy=padding, max_length=seq_len if padding == "fixed" else None
-    )
-    loader = qdata.make_batches(tokenized, batch_size, collator, seed=seed)
-    batches = []
-    for batch in loader:
-        batches.append(batch)
-        if len(batches) == steps:
-            break
-    if len(batches) < steps:
-        raise ValueError(f"the data gives {len(batches)} batches of {batch_size}; fewer than steps={steps}")
+    batches = qdata.build_batches(tokenizer, batch_size=batch_size, steps=steps, max_len=seq_len,
+                                  padding=padding, data=data, seed=seed, require_all=True)
     return batches, qdata.padding_stats(batches)
 
 
@@ -332,7 +305,7 @@ def write_results(results: dict[str, Any], out_dir: str | Path, plot: bool = Tru
         import matplotlib
 
         matplotlib.use("Agg", force=False)
-        from . import plots
+        from ..report import plots
 
         paths["loss_png"] = out / "loss_curves.png"
         fig = plots.plot_loss_curves(results, path=paths["loss_png"])

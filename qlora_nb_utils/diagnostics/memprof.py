@@ -71,7 +71,7 @@ def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth
     traces = snapshot.get("device_traces") or []
     if device >= len(traces) or not traces[device]:
         raise ValueError(f"no allocation trace for device {device}: record with "
-                         "torch.cuda.memory._record_memory_history() (qlora_nb_utils.memprof.recording) first")
+                         "torch.cuda.memory._record_memory_history() (qlora_nb_utils.diagnostics.memprof.recording) first")
     events = traces[device]
     level, best, best_at = 0, 0, -1
     for i, e in enumerate(events):

@@ -9,13 +9,13 @@ users set it up. Each peer here builds its model its library's way and trains fo
 * ``ours-default-compile``: the same model under plain ``torch.compile``.
 * ``trl-sft-compile``: the same model through TRL ``SFTTrainer(torch_compile=True)``.
 * ``torchao-nf4``: torchtune's recipe (torchao ``NF4Tensor`` + LoRA, bf16, compiled), see
-  :mod:`qlora_nb_utils.peer_torchao`.
-* ``unsloth``: Unsloth's ``FastLanguageModel``, run by ``qlora_nb_utils.peer_unsloth`` in its
+  :mod:`qlora_nb_utils.bench.peers.torchao`.
+* ``unsloth``: Unsloth's ``FastLanguageModel``, run by ``qlora_nb_utils.bench.peers.unsloth`` in its
   own process (Unsloth patches transformers on import).
 * ``ours``: the HF recipe, then every non-LoRA float weight cast back to the compute dtype
   (``prepare_model_for_kbit_training`` upcasts embeddings, the tied head and the norms to
   fp32, which turns the whole residual stream fp32), the loss computed by
-  :func:`qlora_nb_utils.losses.chunked_cross_entropy` (no full fp32 logits), and the whole
+  :func:`qlora_nb_utils.ops.losses.chunked_cross_entropy` (no full fp32 logits), and the whole
   model compiled with :func:`qlora_nb_utils.compile.prepare_for_compile`; optional gradient
   checkpointing (the package's must-recompute policy) and Inductor's
   ``activation_memory_budget``. Variants (:data:`OURS_VARIANTS`) are named ``ours-<variant>``;
@@ -30,7 +30,7 @@ run with an ``error`` string, never a missing row.
 
 Each run dict: ``name``, ``batch_size``, ``seq_len``, ``steps``, ``warmup``, ``median_step_ms``,
 ``tokens_per_s`` (real, non-padding tokens, median), ``mfu`` (model FLOPs of
-:func:`qlora_nb_utils.flops.train_step_flops`, the same for every peer, over the measured
+:func:`qlora_nb_utils.bench.flops.train_step_flops`, the same for every peer, over the measured
 matmul rate), ``peak_mem_gib``, ``compile_s`` (first step minus the median step: compilation
 and first-call costs), ``losses``, ``step_ms``, ``notes``, ``options``; or ``error``.
 """
@@ -55,8 +55,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import env, models
-from .bench import resolve_device_dtype as _resolve_device_dtype
+from ... import env, models
+from ...env import resolve_device_dtype as _resolve_device_dtype
 
 __all__ = [
     "PEERS",
@@ -87,7 +87,7 @@ OURS_OPTIONS: dict[str, Any] = {
     "mode": None,           # inductor mode
     "backend": "inductor",
     "autocast": False,      # run the step under torch.autocast(compute dtype): LoRA matmuls in bf16, fp32 master weights
-    "causal_attn": False,   # causal-only SDPA (qlora_nb_utils.attention): flash kernel + GQA; right padding only
+    "causal_attn": False,   # causal-only SDPA (qlora_nb_utils.ops.attention): flash kernel + GQA; right padding only
     "ckpt_layers": None,    # with grad_ckpt: checkpoint only the first N decoder layers (None = all)
 }
 _FAST = {"autocast": True, "causal_attn": True}
@@ -140,7 +140,7 @@ def validate_ours_options(options: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: an unknown key or a bad value; the message lists the valid ones.
     """
-    from .compile import valid_backends, valid_modes
+    from ...compile import valid_backends, valid_modes
 
     unknown = set(options) - set(OURS_OPTIONS)
     if unknown:
@@ -196,11 +196,11 @@ def cast_non_lora(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 class ChunkedLossLM(torch.nn.Module):
-    """A PEFT causal LM whose loss is :func:`~qlora_nb_utils.losses.chunked_cross_entropy`.
+    """A PEFT causal LM whose loss is :func:`~qlora_nb_utils.ops.losses.chunked_cross_entropy`.
 
     ``forward(input_ids, attention_mask, labels)`` runs the decoder stack, then the chunked
     head + loss; it returns a ``CausalLMOutputWithPast`` holding only ``loss``, so it drops into
-    :func:`qlora_nb_utils.train.train` and :func:`qlora_nb_utils.compile.prepare_for_compile`.
+    :func:`qlora_nb_utils.training.train` and :func:`qlora_nb_utils.compile.prepare_for_compile`.
     """
 
     def __init__(self, model: torch.nn.Module, chunks: int = 4) -> None:
@@ -211,7 +211,7 @@ class ChunkedLossLM(torch.nn.Module):
     def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        from .losses import chunked_cross_entropy
+        from ...ops.losses import chunked_cross_entropy
 
         causal_lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
@@ -237,7 +237,7 @@ def summarize_run(name: str, *, losses: Sequence[float], step_ms: Sequence[float
     tps = statistics.median(t / (ms / 1e3) for t, ms in list(zip(tokens, step_ms))[warmup:])
     mfu = None
     if flops_per_step and peak_tflops:
-        from .flops import mfu as _mfu
+        from ..flops import mfu as _mfu
 
         mfu = _mfu(flops_per_step, median_ms / 1e3, peak_tflops * 1e12)
     return {
@@ -271,14 +271,14 @@ def _hf_model(ctx: dict):
 
 
 def _train_cfg(ctx: dict):
-    from .train import TrainConfig
+    from ...training.loop import TrainConfig
 
     return TrainConfig(steps=ctx["steps"], lr=ctx["lr"], seed=ctx["seed"], progress=ctx.get("progress", False))
 
 
 # ----------------------------------------------------------------------------- the peers
 def _peer_hf(ctx: dict, batches: list, compiled: bool) -> dict[str, Any]:
-    from .train import train
+    from ...training.loop import train
 
     model, _ = _hf_model(ctx)
     forward, notes = model, "prepare_model_for_kbit_training + get_peft_model, eager"
@@ -290,9 +290,9 @@ def _peer_hf(ctx: dict, batches: list, compiled: bool) -> dict[str, Any]:
 
 
 def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, Any]:
-    from .attention import check_right_padded, use_causal_sdpa
-    from .compile import decoder_layers, prepare_for_compile
-    from .train import train
+    from ...ops.attention import check_right_padded, use_causal_sdpa
+    from ...compile import decoder_layers, prepare_for_compile
+    from ...training.loop import train
 
     grad_ckpt = opts["grad_ckpt"] or ctx["grad_ckpt"]
     model, _ = models.load_model(
@@ -344,8 +344,8 @@ def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, 
 
 
 def _peer_torchao(ctx: dict, batches: list) -> dict[str, Any]:
-    from .peer_torchao import build_torchao_qlora, torchao_status
-    from .train import train
+    from .torchao import build_torchao_qlora, torchao_status
+    from ...training.loop import train
 
     ok, why = torchao_status()
     if not ok:
@@ -367,8 +367,8 @@ def _peer_trl(ctx: dict, batches: list) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from .hf_trainer import trainer_patches
-    from .train import _peak_mem_gib, _reset_peak, _sync
+    from ...training.hf_trainer import trainer_patches
+    from ...training.loop import _peak_mem_gib, _reset_peak, _sync
 
     device, dtype = _resolve_device_dtype(ctx["device"], ctx["dtype"])
     model, tok = _hf_model(ctx)
@@ -440,19 +440,19 @@ def _model_dir(model: str) -> str:
 
 def _peer_unsloth(ctx: dict, batches: list | None, batches_path: str | None = None,
                   timeout_s: float | None = None) -> dict[str, Any]:
-    """Run ``python -m qlora_nb_utils.peer_unsloth`` (always a subprocess) and read its run."""
+    """Run ``python -m qlora_nb_utils.bench.peers.unsloth`` (always a subprocess) and read its run."""
     shape = {"batch_size": ctx["batch_size"], "seq_len": ctx["seq_len"]}
     site = os.environ.get(UNSLOTH_SITE_ENV, "").strip()
     if site and not Path(site).is_dir():
         return error_run("unsloth", f"${UNSLOTH_SITE_ENV}={site} is not a folder", **shape)
-    if importlib.util.find_spec("qlora_nb_utils.peer_unsloth") is None:
-        return error_run("unsloth", "module qlora_nb_utils.peer_unsloth is missing", **shape)
+    if importlib.util.find_spec("qlora_nb_utils.bench.peers.unsloth") is None:
+        return error_run("unsloth", "module qlora_nb_utils.bench.peers.unsloth is missing", **shape)
     with tempfile.TemporaryDirectory() as tmp:
         if batches_path is None:
             batches_path = str(Path(tmp) / "batches.pt")
             torch.save(batches, batches_path)
         out = Path(tmp) / "run.json"
-        cmd = [sys.executable, "-m", "qlora_nb_utils.peer_unsloth", "--model-dir", _model_dir(ctx["model"]),
+        cmd = [sys.executable, "-m", "qlora_nb_utils.bench.peers.unsloth", "--model-dir", _model_dir(ctx["model"]),
                "--batches", batches_path, "--steps", str(ctx["steps"]), "--warmup", str(ctx["warmup"]),
                "--lr", str(ctx["lr"]), "--seed", str(ctx["seed"]), "--lora-r", str(ctx["lora_r"]),
                "--lora-alpha", str(ctx["lora_alpha"]), "--out", str(out)]
@@ -467,7 +467,7 @@ def _peer_unsloth(ctx: dict, batches: list | None, batches_path: str | None = No
     run.setdefault("name", "unsloth")
     run.update(shape)
     if "error" not in run and ctx.get("flops_per_step") and ctx.get("peak_tflops") and run.get("median_step_ms"):
-        from .flops import mfu
+        from ..flops import mfu
 
         run["mfu"] = mfu(ctx["flops_per_step"], run["median_step_ms"] / 1e3, ctx["peak_tflops"] * 1e12)
     return run
@@ -545,7 +545,7 @@ def run_peer(name: str, batches: list, *, model: str = "tiny", steps: int | None
 def _flops_per_step(model: str, batch_size: int, seq_len: int, lora_r: int) -> int | None:
     from transformers import AutoConfig
 
-    from .flops import train_step_flops
+    from ..flops import train_step_flops
 
     try:
         config = AutoConfig.from_pretrained(_model_dir(model))
@@ -677,8 +677,8 @@ def run_peers(model_name: str, peers: Sequence[str], batch_size: int, seq_len: i
     """
     from transformers import AutoConfig
 
-    from . import bench
-    from .flops import measure_matmul_tflops, train_step_flops
+    from .. import main_job as bench
+    from ..flops import measure_matmul_tflops, train_step_flops
 
     peers = peer_names(peers, variants)
     for p in peers:
@@ -712,7 +712,7 @@ def run_peers(model_name: str, peers: Sequence[str], batch_size: int, seq_len: i
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "model": model_name,
         "dtype": str(dt).replace("torch.", ""), "peak_tflops": peak_tflops,
         "peak_tflops_how": f"median of 3 rounds of n x n matmuls in {str(dt).replace('torch.', '')} "
-                           "(qlora_nb_utils.flops.measure_matmul_tflops)",
+                           "(qlora_nb_utils.bench.flops.measure_matmul_tflops)",
         "options": {"lr": lr, "seed": seed, "lora_r": lora_r, "lora_alpha": lora_alpha, "grad_ckpt": grad_ckpt,
                     "padding": "fixed", "variants": {**OURS_VARIANTS, **(variants or {})}},
     })
@@ -758,7 +758,7 @@ def _run_peer_process(peer: str, ctx: dict, batches: list, batches_path: Path, l
     run_path = spec.with_name(spec.name.replace("spec_", "run_"))
     run_path.unlink(missing_ok=True)
     _write_json(spec, {**ctx, "name": peer, "batches": str(batches_path)})
-    cmd = [sys.executable, "-m", "qlora_nb_utils.peers", "--spec", str(spec), "--out", str(run_path)]
+    cmd = [sys.executable, "-m", "qlora_nb_utils.bench.peers", "--spec", str(spec), "--out", str(run_path)]
     tag = f"{peer}_{ctx['batch_size']}x{ctx['seq_len']}"
     cache = Path(tempfile.mkdtemp(prefix=f"inductor_{tag}_", dir=work))
     code, tail = _run_child(cmd, _child_env(peer, cache), limit, work / f"log_{tag}.txt")
@@ -769,7 +769,7 @@ def _run_peer_process(peer: str, ctx: dict, batches: list, batches_path: Path, l
 
 
 def _child_main(argv: Sequence[str] | None = None) -> int:
-    """``python -m qlora_nb_utils.peers --spec SPEC.json --out RUN.json``: one peer, one process."""
+    """``python -m qlora_nb_utils.bench.peers --spec SPEC.json --out RUN.json``: one peer, one process."""
     parser = argparse.ArgumentParser(description=_child_main.__doc__)
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)

@@ -14,47 +14,13 @@ from typing import Any, Sequence
 
 import torch
 
-from . import data as qdata
-from . import diagnostics, env, models
+from ..data import make_length_batcher
+from .. import diagnostics, env, models
 
 __all__ = ["FLEX_BLOCK_MASKS", "diagnose", "problems", "make_length_batcher"]
 
 #: Where a flex_attention model's BlockMask comes from in `diagnose` (see its docstring).
 FLEX_BLOCK_MASKS = ("graph", "precomputed")
-
-
-def make_length_batcher(tokenizer, batch_size: int, *, data=None, seed: int = 0):
-    """A `make_batch(seq_len)` that cuts real examples from the shipped data to `seq_len`.
-
-    Each call returns `batch_size` examples tokenized without truncation, then truncated
-    or right-padded to exactly `seq_len` tokens, so a run over many lengths sees real text
-    at every length.
-
-    Args:
-        tokenizer: the model's tokenizer (with a pad token).
-        batch_size: examples per batch.
-        data: a JSONL path; defaults to the shipped training set.
-        seed: which examples are drawn.
-
-    Returns:
-        A function `seq_len -> batch dict` (CPU tensors).
-    """
-    examples = qdata.load_examples(data, limit=max(64, 4 * batch_size))
-    tokenized = qdata.tokenize_examples(examples, tokenizer, max_len=4096)
-    collator = qdata.PaddingCollator(pad_token_id=tokenizer.pad_token_id, policy="longest")
-    gen = torch.Generator().manual_seed(seed)
-
-    def make_batch(seq_len: int) -> dict[str, torch.Tensor]:
-        idx = torch.randperm(len(tokenized), generator=gen)[:batch_size].tolist()
-        batch = collator([tokenized[i] for i in idx])
-        width = batch["input_ids"].shape[1]
-        if width >= seq_len:
-            return {k: v[:, :seq_len].contiguous() for k, v in batch.items()}
-        pad = seq_len - width
-        fill = {"input_ids": tokenizer.pad_token_id, "attention_mask": 0, "labels": -100}
-        return {k: torch.nn.functional.pad(v, (0, pad), value=fill[k]) for k, v in batch.items()}
-
-    return make_batch
 
 
 def diagnose(
@@ -103,7 +69,7 @@ def diagnose(
         The `diagnostics.diagnose_model` keys plus the configuration, patches applied,
         device, versions and date.
     """
-    from .bench import resolve_device_dtype
+    from ..env import resolve_device_dtype
 
     if flex_block_mask not in FLEX_BLOCK_MASKS:
         raise ValueError(f"flex_block_mask must be one of {FLEX_BLOCK_MASKS}, got {flex_block_mask!r}")
@@ -120,7 +86,7 @@ def diagnose(
     def to_dev(b: dict) -> dict:
         b = {k: v.to(dev) for k, v in b.items()}
         if flex_block_mask == "precomputed":  # the causal BlockMask in place of the 2-D padding mask
-            from .attention import with_causal_block_mask
+            from ..ops.attention import with_causal_block_mask
 
             b = with_causal_block_mask(dict)(**b)
         return b
@@ -151,7 +117,7 @@ def _describe(err: BaseException) -> str:
 
 
 def _diagnose_prepared(net, make_batch, seq_lens, scope, grad_ckpt, kwargs) -> dict[str, Any]:
-    from .compile import prepare_for_compile
+    from ..compile import prepare_for_compile
 
     prepared = prepare_for_compile(
         net, scope=scope, grad_ckpt=True if grad_ckpt else None, fullgraph=False,

@@ -13,7 +13,7 @@ and autotuning; a Colab user pays it again after every reconnect. Three levers, 
   reconnected Colab runtime, with an empty cache directory) starts warm.
 
 An honest cold start needs a new process (Dynamo and Inductor keep in-memory caches), so
-:func:`measure` runs ``python -m qlora_nb_utils.compile_time`` with its own cache folder and
+:func:`measure` runs ``python -m qlora_nb_utils.bench.compile_time`` with its own cache folder and
 reads back the JSON it writes. What is timed: ``first_step_s`` (the first training step,
 compile included), the steady ``median_step_ms``, ``compile_s`` (first step minus the steady
 step), and the process's whole wall time (imports and model load included) for context.
@@ -65,7 +65,7 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
         raise ValueError(f"steps must be >= 2 (one compiling step, then steady ones), got {steps}")
     out = Path(cache_dir) / "result.json"
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "qlora_nb_utils.compile_time", "--model", model, "--scope", scope,
+    cmd = [sys.executable, "-m", "qlora_nb_utils.bench.compile_time", "--model", model, "--scope", scope,
            "--device", device, "--dtype", dtype, "--batch-size", str(batch_size), "--seq-len", str(seq_len),
            "--steps", str(steps), "--out", str(out)]
     if save_artifacts:
@@ -90,9 +90,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from . import bench, models
-    from .compile import prepare_for_compile
-    from .train import TrainConfig, train
+    from . import main_job as bench
+    from .. import models
+    from ..compile import prepare_for_compile
+    from ..training.loop import TrainConfig, train
 
     loaded = 0
     if args.load_artifacts:
@@ -124,7 +125,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_main(argv: Sequence[str] | None = None) -> int:
-    """``python -m qlora_nb_utils.compile_time ...``: one measured cold (or warm) start."""
+    """``python -m qlora_nb_utils.bench.compile_time ...``: one measured cold (or warm) start."""
     p = argparse.ArgumentParser(description=child_main.__doc__)
     p.add_argument("--model", default="tiny")
     p.add_argument("--scope", choices=("whole", "regional"), default="whole")

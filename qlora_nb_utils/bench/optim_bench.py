@@ -18,7 +18,7 @@ step. It also times ``opt.step()`` alone: the same gradients are stepped ``repea
 with CUDA events, after a warm-up, and the median is kept. The training step is mostly
 forward and backward, so the optimizer's share shows only in the isolated timing.
 
-Usage: ``python -m qlora_nb_utils.optim_bench --model llama-3.2-1b-shape --out optim.json``
+Usage: ``python -m qlora_nb_utils.bench.optim_bench --model llama-3.2-1b-shape --out optim.json``
 (defaults: the tiny model on the CPU, so it runs anywhere).
 """
 
@@ -36,11 +36,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import env, models
-from .bench import resolve_device_dtype
-from .compile import compiled_optimizer, prepare_for_compile
+from .. import env, models
+from ..env import resolve_device_dtype
+from ..compile import compiled_optimizer, prepare_for_compile
 from .matrix import _batches
-from .train import TrainConfig, _sync, load_trainable_state, summarize, train, trainable_state
+from ..training.loop import TrainConfig, _sync, load_trainable_state, summarize, train, trainable_state
 
 __all__ = ["OPTIMIZERS", "compare_optimizers", "time_optimizer_step", "main"]
 
@@ -174,8 +174,8 @@ def compare_optimizers(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m qlora_nb_utils.optim_bench``: :func:`compare_optimizers` into a JSON file."""
-    p = argparse.ArgumentParser(prog="python -m qlora_nb_utils.optim_bench", description=main.__doc__)
+    """``python -m qlora_nb_utils.bench.optim_bench``: :func:`compare_optimizers` into a JSON file."""
+    p = argparse.ArgumentParser(prog="python -m qlora_nb_utils.bench.optim_bench", description=main.__doc__)
     p.add_argument("--model", default="tiny")
     p.add_argument("--quant", default="nf4", choices=models.QUANT_CHOICES)
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help=f"comma-separated, from {list(OPTIMIZERS)}")

@@ -91,7 +91,6 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
-    "pack_rows",
 ]
 
 NF4_MODES = ("shard", "replicate")
@@ -138,7 +137,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("not launched by torchrun: run `torchrun --nproc-per-node N -m "
-                           "qlora_nb_utils.fsdp_train ...` (RANK/WORLD_SIZE are unset)")
+                           "qlora_nb_utils.distributed.fsdp_train ...` (RANK/WORLD_SIZE are unset)")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
@@ -220,7 +219,7 @@ def load_qlora(name: str, *, quant: str = "nf4", dtype: str | torch.dtype = "bfl
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from . import env, models
+    from .. import env, models
 
     if quant == "none" or quant_storage == torch.uint8:
         return models.load_model(name, quant=quant, dtype=dtype, device=device, lora_r=lora_r,
@@ -373,7 +372,7 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from .compile import decoder_layers, prepare_for_compile
+    from ..compile import decoder_layers, prepare_for_compile
 
     if nf4 not in NF4_MODES:
         raise ValueError(f"nf4 must be one of {list(NF4_MODES)}; got {nf4!r}")
@@ -627,35 +626,3 @@ def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
         if "cuda" in rng and info.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], info.device)
     return meta
-
-
-# ----------------------------------------------------------------------------- data
-def pack_rows(rows: Sequence[dict], seq_len: int, pad_id: int, ignore_index: int = -100) -> list[dict]:
-    """Concatenate tokenized rows into full ``seq_len`` windows (greedy, in order).
-
-    Short chat examples padded to 2048 would be >90% padding, so throughput at a long
-    sequence length is measured on packed windows: rows are appended (their labels kept,
-    prompts still masked) until the next would not fit; the rest of a window is padding.
-    Attention is not masked between packed rows (plain packing), which does not matter for
-    speed and memory; the loss comparisons use the same windows on every world size.
-
-    Returns:
-        A list of ``{"input_ids", "labels", "length"}`` rows, each of length <= ``seq_len``.
-
-    Raises:
-        ValueError: ``seq_len`` < 2 or no rows.
-    """
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2; got {seq_len}")
-    if not rows:
-        raise ValueError("no rows to pack")
-    out, ids, labels = [], [], []
-    for row in rows:
-        r_ids, r_labels = list(row["input_ids"])[:seq_len], list(row["labels"])[:seq_len]
-        if ids and len(ids) + len(r_ids) > seq_len:
-            out.append({"input_ids": ids, "labels": labels, "length": len(ids)})
-            ids, labels = [], []
-        ids, labels = ids + r_ids, labels + r_labels
-    if ids:
-        out.append({"input_ids": ids, "labels": labels, "length": len(ids)})
-    return out

@@ -17,7 +17,7 @@ __all__ = ["is_peers_file", "markdown_table", "write_plots", "loss_diff"]
 
 
 def is_peers_file(results: dict) -> bool:
-    """True for a results dict written by :func:`qlora_nb_utils.peers.run_peers`."""
+    """True for a results dict written by :func:`qlora_nb_utils.bench.peers.run_peers`."""
     return isinstance(results.get("runs"), list)
 
 

@@ -4,7 +4,7 @@ Why it exists: the README's numbers must be the file's numbers. ``qlora-nb repor
 results/fsdp2_h200.json`` prints the table and writes the loss plot next to the JSON; nothing
 here measures or recomputes a figure except the ratio of tokens/s against 1 GPU (the file's
 ``scaling``). The file is written by ``tools/gpu_fsdp.sh`` from
-:func:`qlora_nb_utils.fsdp_train.compare_runs`; its companion ``fsdp2_*_diag.json`` explains a
+:func:`qlora_nb_utils.distributed.fsdp_train.compare_runs`; its companion ``fsdp2_*_diag.json`` explains a
 past failure and is not a results file, so it is recognised and kept apart.
 """
 
@@ -19,7 +19,7 @@ __all__ = ["is_fsdp2_file", "is_fsdp2_diag_file", "markdown_table", "write_plot"
 
 
 def is_fsdp2_file(results: dict) -> bool:
-    """True for a results dict written by :func:`qlora_nb_utils.fsdp_train.compare_runs`."""
+    """True for a results dict written by :func:`qlora_nb_utils.distributed.fsdp_train.compare_runs`."""
     return ("world_size" in results and isinstance(results.get("tokens_per_s"), dict)
             and isinstance(results.get("losses"), dict))
 
@@ -75,7 +75,7 @@ def markdown_table(results: dict, name: str = "") -> str:
 def write_plot(results: dict, json_path: str | Path) -> list[Path]:
     """Write ``<stem>_loss.png`` next to the JSON: the loss per step of each world size, |diff| beneath.
 
-    The same figure ``tools/gpu_fsdp.sh`` draws (:func:`qlora_nb_utils.plots.plot_loss_curves`).
+    The same figure ``tools/gpu_fsdp.sh`` draws (:func:`qlora_nb_utils.report.plots.plot_loss_curves`).
 
     Returns:
         The paths written (none when the file holds no losses).

@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from . import env
+from .. import env
 
 MODEL_NAMES = ("tiny", "smollm2-135m", "llama-3.2-1b-shape", "llama-3.2-1b-shape-4l",
                "llama-3.1-8b-shape")

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from .patches import input_require_grads, use_cache_warning
+from ..compile.patches import input_require_grads, use_cache_warning
 
 __all__ = ["BreakCount", "count_graph_breaks", "trainer_patches"]
 

@@ -1,9 +1,9 @@
 """The ``torchrun`` entry point: QLoRA fine-tuning sharded with FSDP2, compiled per layer.
 
-    torchrun --nproc-per-node N -m qlora_nb_utils.fsdp_train --model tiny --steps 8 \\
+    torchrun --nproc-per-node N -m qlora_nb_utils.distributed.fsdp_train --model tiny --steps 8 \\
         --global-batch-size 4 --seq-len 128 --out runs/fsdp2
 
-Why a script of its own and not :func:`qlora_nb_utils.train.train`: a sharded run is N
+Why a script of its own and not :func:`qlora_nb_utils.training.train`: a sharded run is N
 processes that must agree on every batch, every loss normalisation and every checkpoint, and
 the comparison that matters ("N ranks give the loss of one") only holds when the loop is
 written for it:
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line options (see ``--help``)."""
     from .fsdp import FROZEN_MODES, NF4_MODES, QUANT_STORAGE_CHOICES
 
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m qlora_nb_utils.fsdp_train",
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m qlora_nb_utils.distributed.fsdp_train",
                                 description="QLoRA + FSDP2 + per-layer torch.compile.")
     p.add_argument("--model", default="tiny", help="a named model (models.MODEL_NAMES), a folder or a hub id")
     p.add_argument("--quant", default="nf4", choices=("nf4", "none"))
@@ -145,22 +145,11 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- data
 def make_global_batches(tok, args) -> list[dict]:
     """The list of global batches every rank builds identically (shipped data, fixed padding)."""
-    from . import data as qdata
-    from .fsdp import pack_rows
+    from ..data import build_batches
 
     need = args.steps * args.global_batch_size * (max(1, args.seq_len // 64) if args.pack else 1)
-    examples = qdata.load_examples(limit=min(4000, max(64, need)))
-    rows = list(qdata.tokenize_examples(examples, tok, max_len=args.seq_len))
-    if args.pack:
-        rows = pack_rows(rows, args.seq_len, tok.pad_token_id)
-    collator = qdata.PaddingCollator(pad_token_id=tok.pad_token_id, policy="fixed", max_length=args.seq_len)
-    loader = qdata.make_batches(rows, args.global_batch_size, collator, seed=args.seed)
-    batches = []
-    for batch in loader:
-        batches.append(batch)
-        if len(batches) == args.steps:
-            break
-    return batches
+    return build_batches(tok, batch_size=args.global_batch_size, steps=args.steps, max_len=args.seq_len,
+                         padding="fixed", limit=min(4000, max(64, need)), pack=args.pack, seed=args.seed)
 
 
 def _target_count(batch: dict) -> int:
@@ -240,7 +229,7 @@ def resolve_nf4_mode(mode: str, backend: str) -> str:
     0.07% of the 16-bit words: every word that reads as a bf16 NaN came back as the canonical
     NaN 0x7fff (tools/fsdp_diag.py, results/fsdp2_h200_diag.json), so the 2-GPU model computed
     with different weights. Replicated 4-bit weights were bit-exact. On CPU/gloo sharding is exact
-    (tests/test_fsdp.py), and :func:`qlora_nb_utils.fsdp.apply_fsdp2` checks it on every run.
+    (tests/test_fsdp.py), and :func:`qlora_nb_utils.distributed.fsdp.apply_fsdp2` checks it on every run.
     """
     if mode == "auto":
         return "replicate" if backend == "nccl" else "shard"
@@ -259,7 +248,7 @@ def _train_step(model, params, opt, sched, batch, info, args) -> dict:
     import torch.distributed as dist
 
     from .fsdp import clip_grad_norm
-    from .train import _sync
+    from ..training.loop import _sync
 
     _sync(info.device)
     t0 = time.perf_counter()
@@ -290,7 +279,7 @@ def _train_step(model, params, opt, sched, batch, info, args) -> dict:
 
 def _summary(args, info, records, sharded, storage, dtype, start_step, breaks_before,
              peak) -> dict:
-    from . import env
+    from .. import env
     from .fsdp import sharding_report
 
     breaks_after, reasons = _graph_break_total()
@@ -340,7 +329,7 @@ def _summary(args, info, records, sharded, storage, dtype, start_step, breaks_be
         "sharding": kinds,
         "device": env.device_info(info.device),
         "versions": env.versions(),
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "qlora_nb_utils.fsdp_train", *sys.argv[1:]]),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "qlora_nb_utils.distributed.fsdp_train", *sys.argv[1:]]),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
     }
 
@@ -354,7 +343,7 @@ def run(args: argparse.Namespace) -> dict | None:
     import torch.distributed as dist
 
     from .fsdp import init_distributed, latest_checkpoint, load_checkpoint, save_adapter, save_checkpoint
-    from .train import _peak_mem_gib
+    from ..training.loop import _peak_mem_gib
 
     info = init_distributed(args.device)
     out = Path(args.out)
@@ -469,7 +458,7 @@ def run_trainer(args: argparse.Namespace) -> dict | None:
     Returns:
         The summary on rank 0 (also written to ``OUT/summary.json``), None elsewhere.
     """
-    from . import env
+    from .. import env
     from .fsdp import init_distributed, load_qlora, mixed_precision, resolve_quant_storage
 
     info = init_distributed(args.device)
@@ -529,7 +518,7 @@ def _build_trainer(args, info, model, tok, rows, dtype, out: Path):
                                         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                         "cpu_offload": args.cpu_offload},
     )
-    from .data import PaddingCollator
+    from ..data import PaddingCollator
 
     collator = PaddingCollator(pad_token_id=tok.pad_token_id, policy="fixed", max_length=args.seq_len)
     from datasets import Dataset
@@ -559,7 +548,7 @@ class _RegionalCompileCallback(_regional_callback_base()):
         self.backend, self.fullgraph, self.prepared = backend, fullgraph, None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        from .compile import prepare_for_compile
+        from ..compile import prepare_for_compile
 
         if model is not None and self.prepared is None:
             self.prepared = prepare_for_compile(model, grad_ckpt=None, scope="regional",
@@ -569,7 +558,7 @@ class _RegionalCompileCallback(_regional_callback_base()):
 
 # ----------------------------------------------------------------------------- driving runs
 def launch(nproc: int, args: Sequence[str], *, timeout: float | None = None, echo: bool = True):
-    """Run ``torchrun --standalone --nproc-per-node nproc -m qlora_nb_utils.fsdp_train args``.
+    """Run ``torchrun --standalone --nproc-per-node nproc -m qlora_nb_utils.distributed.fsdp_train args``.
 
     What the notebook and ``tools/gpu_fsdp.sh`` call. ``OMP_NUM_THREADS`` is left to torchrun
     (1 per process when nproc > 1) unless already set.
@@ -585,7 +574,7 @@ def launch(nproc: int, args: Sequence[str], *, timeout: float | None = None, ech
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "qlora_nb_utils.fsdp_train", *map(str, args)]
+           "-m", "qlora_nb_utils.distributed.fsdp_train", *map(str, args)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if echo:
         for line in result.stdout.splitlines():

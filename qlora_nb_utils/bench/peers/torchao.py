@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from .flops import LINEARS
+from ..flops import LINEARS
 
 __all__ = ["torchao_status", "NF4LoRALinear", "build_torchao_qlora"]
 

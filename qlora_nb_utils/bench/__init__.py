@@ -1,0 +1,24 @@
+"""The lab: what measures the product. Nothing in the product imports it.
+
+- ``main_job``: eager vs compiled on the same batches, the results JSON and loss-curve PNG of
+  ``qlora-nb bench`` (``run_bench``, ``side_by_side``, ``compiled_run``, ``compare``,
+  ``write_results``, ``markdown_table``), and the shape helpers of variable-length runs
+  (``mark_dynamic``, ``warm_shapes``: a GPU's first step at a new length costs ~100 ms more).
+- ``peers``: ours against HF eager, plain compile, TRL, torchao NF4 and Unsloth, one process
+  per library (``run_peer``, ``run_peers``, ``pick_ours``).
+- ``matrix``: {base, LoRA, QLoRA} x checkpointing x lengths x scope, eager vs compiled
+  (``run_matrix``, ``parity_table``), ``python -m qlora_nb_utils.bench.matrix``.
+- ``compile_time``: cold, regional, cached and artifact starts, each in a new process.
+- ``optim_bench``: the AdamW step eager (foreach, fused) against compiled.
+- ``flops``: model FLOPs of a (Q)LoRA step, the measured matmul rate, MFU.
+
+This ``__init__`` imports nothing heavy: ``python -m qlora_nb_utils.bench.peers.unsloth``
+must reach ``import unsloth`` before transformers is loaded.
+"""
+
+from .._lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {name: "main_job" for name in (
+    "run_bench", "side_by_side", "compiled_run", "compare", "write_results", "markdown_table",
+    "make_bench_batches", "mark_dynamic", "warm_shapes", "resolve_device_dtype", "DEFAULTS",
+)})

@@ -1,0 +1,25 @@
+"""The data a run trains on: loading, tokenizing, padding and batching.
+
+- ``examples``: the shipped prompt/response JSONL (``default_data_path``), validated line by
+  line (``validate_file``, ``DataFormatError`` naming the file and line), loaded with
+  ``datasets`` (``load_examples``), rendered with the chat template and tokenized with the
+  prompt masked out of the loss (``format_example``, ``tokenize_examples``).
+- ``collate``: the padding policy that decides batch shapes under ``torch.compile``
+  (``PaddingCollator``: ``longest``, ``multiple`` or ``fixed``), a seeded ``DataLoader``
+  (``make_batches``) and what the padding costs (``padding_stats``).
+- ``batches``: the one builder every caller uses (``build_batches``), real text cut to any
+  length (``make_length_batcher``) and greedy packing (``pack_rows``).
+
+Importing it is cheap: torch and datasets are imported by the functions that need them.
+"""
+
+from .._lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    **{name: "examples" for name in (
+        "SPLITS", "FILE_TEMPLATE", "PADDING_POLICIES", "IGNORE_INDEX", "REQUIRED_FIELDS",
+        "OPTIONAL_STR_FIELDS", "DataFormatError", "default_data_path", "validate_file",
+        "load_examples", "format_example", "tokenize_examples")},
+    **{name: "collate" for name in ("PaddingCollator", "make_batches", "padding_stats")},
+    **{name: "batches" for name in ("build_batches", "make_length_batcher", "pack_rows")},
+})

@@ -1,0 +1,129 @@
+"""From the data file to the list of batches a run trains on: one builder for every caller.
+
+Why one: the main job, the compile matrix, the optimizer bench and the FSDP2 entry each need
+"``steps`` batches of ``batch_size`` rows, padded by one policy, in an order fixed by a seed",
+and they differ only in how many examples they read, the padding policy and whether rows are
+packed. Two runs that are compared (eager and compiled, one rank and N ranks) must see the
+same batches; building them in one place keeps that true.
+
+Also here: :func:`make_length_batcher`, real text cut to any requested length (the diagnosis
+over a list of sequence lengths), and :func:`pack_rows`, greedy packing of short rows into
+full windows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .collate import PaddingCollator, make_batches
+from .examples import IGNORE_INDEX, load_examples, tokenize_examples
+
+__all__ = ["build_batches", "make_length_batcher", "pack_rows"]
+
+
+def build_batches(tokenizer: Any, *, batch_size: int, steps: int, max_len: int, padding: str = "fixed",
+                  data: str | Path | None = None, limit: int | None = None, pack: bool = False,
+                  seed: int = 0, require_all: bool = False) -> list[dict]:
+    """The first ``steps`` batches of the data, tokenized, padded and shuffled by ``seed``.
+
+    Args:
+        tokenizer: the model's tokenizer (with a pad token).
+        batch_size: rows per batch.
+        steps: how many batches.
+        max_len: the longest row kept (tokenization truncates there); ``"fixed"`` pads to it.
+        padding: ``"fixed"``, ``"multiple"`` or ``"longest"`` (see :class:`PaddingCollator`).
+        data: a JSONL file with prompt/response; default, the shipped training set.
+        limit: read only the first ``limit`` examples (default: all).
+        pack: concatenate rows into full ``max_len`` windows first (:func:`pack_rows`).
+        seed: the shuffling seed.
+        require_all: raise when the data gives fewer than ``steps`` batches (else return fewer).
+
+    Returns:
+        A list of at most ``steps`` dicts of CPU tensors (``input_ids``, ``attention_mask``,
+        ``labels``).
+
+    Raises:
+        ValueError: ``require_all`` and too few batches; bad padding or sizes (from the collator).
+    """
+    rows = tokenize_examples(load_examples(data, limit=limit), tokenizer, max_len=max_len)
+    if pack:
+        rows = pack_rows(list(rows), max_len, tokenizer.pad_token_id)
+    collator = PaddingCollator(pad_token_id=tokenizer.pad_token_id, policy=padding,
+                               max_length=max_len if padding == "fixed" else None)
+    batches = []
+    for batch in make_batches(rows, batch_size, collator, seed=seed):
+        batches.append(batch)
+        if len(batches) == steps:
+            break
+    if require_all and len(batches) < steps:
+        raise ValueError(f"the data gives {len(batches)} batches of {batch_size}; fewer than steps={steps}")
+    return batches
+
+
+def make_length_batcher(tokenizer: Any, batch_size: int, *, data: str | Path | None = None,
+                        seed: int = 0) -> Callable[[int], dict]:
+    """A `make_batch(seq_len)` that cuts real examples from the shipped data to `seq_len`.
+
+    Each call returns `batch_size` examples tokenized without truncation, then truncated
+    or right-padded to exactly `seq_len` tokens, so a run over many lengths sees real text
+    at every length.
+
+    Args:
+        tokenizer: the model's tokenizer (with a pad token).
+        batch_size: examples per batch.
+        data: a JSONL path; defaults to the shipped training set.
+        seed: which examples are drawn.
+
+    Returns:
+        A function `seq_len -> batch dict` (CPU tensors).
+    """
+    import torch
+
+    examples = load_examples(data, limit=max(64, 4 * batch_size))
+    tokenized = tokenize_examples(examples, tokenizer, max_len=4096)
+    collator = PaddingCollator(pad_token_id=tokenizer.pad_token_id, policy="longest")
+    gen = torch.Generator().manual_seed(seed)
+
+    def make_batch(seq_len: int) -> dict[str, torch.Tensor]:
+        idx = torch.randperm(len(tokenized), generator=gen)[:batch_size].tolist()
+        batch = collator([tokenized[i] for i in idx])
+        width = batch["input_ids"].shape[1]
+        if width >= seq_len:
+            return {k: v[:, :seq_len].contiguous() for k, v in batch.items()}
+        pad = seq_len - width
+        fill = {"input_ids": tokenizer.pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX}
+        return {k: torch.nn.functional.pad(v, (0, pad), value=fill[k]) for k, v in batch.items()}
+
+    return make_batch
+
+
+def pack_rows(rows: Sequence[dict], seq_len: int, pad_id: int, ignore_index: int = -100) -> list[dict]:
+    """Concatenate tokenized rows into full ``seq_len`` windows (greedy, in order).
+
+    Short chat examples padded to 2048 would be >90% padding, so throughput at a long
+    sequence length is measured on packed windows: rows are appended (their labels kept,
+    prompts still masked) until the next would not fit; the rest of a window is padding.
+    Attention is not masked between packed rows (plain packing), which does not matter for
+    speed and memory; the loss comparisons use the same windows on every world size.
+
+    Returns:
+        A list of ``{"input_ids", "labels", "length"}`` rows, each of length <= ``seq_len``.
+
+    Raises:
+        ValueError: ``seq_len`` < 2 or no rows.
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2; got {seq_len}")
+    if not rows:
+        raise ValueError("no rows to pack")
+    out, ids, labels = [], [], []
+    for row in rows:
+        r_ids, r_labels = list(row["input_ids"])[:seq_len], list(row["labels"])[:seq_len]
+        if ids and len(ids) + len(r_ids) > seq_len:
+            out.append({"input_ids": ids, "labels": labels, "length": len(ids)})
+            ids, labels = [], []
+        ids, labels = ids + r_ids, labels + r_labels
+    if ids:
+        out.append({"input_ids": ids, "labels": labels, "length": len(ids)})
+    return out

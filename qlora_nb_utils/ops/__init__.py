@@ -1,0 +1,24 @@
+"""Code that computes, each piece testable on its own against a reference.
+
+- ``nf4``: an NF4 dequantize as a ``torch.library.custom_op`` with a fake kernel
+  (``dequantize_nf4``), checked with ``torch.library.opcheck``.
+- ``losses``: linear + cross-entropy in chunks that never holds the full fp32 logits
+  (``chunked_cross_entropy``, ``ChunkedLossLM``).
+- ``attention``: causal-only SDPA and flex attention for right-padded training batches,
+  registered through transformers' ``AttentionInterface`` and reversible
+  (``use_causal_sdpa``, ``use_causal_flex``, ``use_causal_attention``, ``causal_block_mask``).
+
+Nothing here imports the rest of the package except ``reversible`` (the undo handle).
+"""
+
+from .._lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "dequantize_nf4": "nf4",
+    "chunked_cross_entropy": "losses",
+    "use_causal_sdpa": "attention",
+    "use_causal_flex": "attention",
+    "use_causal_attention": "attention",
+    "causal_block_mask": "attention",
+    "check_right_padded": "attention",
+})

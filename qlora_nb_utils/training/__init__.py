@@ -1,0 +1,26 @@
+"""The training loop: one explicit loop, eager or compiled, and what it needs around it.
+
+- ``loop``: ``TrainConfig`` and ``train(model, batches, cfg, forward=...) -> DataFrame``
+  (one row per step: loss, step time, tokens, peak memory), ``summarize``,
+  ``trainable_state`` / ``load_trainable_state``, ``save_adapter``, and
+  ``TrainingInterrupted`` (Ctrl-C keeps what was trained).
+- ``gpulock``: a per-step file lock for benchmark processes that share one GPU, let go while
+  torch compiles. It lives here, not in ``bench``, because the loop takes it at every step
+  (a no-op unless ``$QLORA_NB_GPU_LOCK`` names a file).
+- ``hf_trainer``: the HF ``Trainer`` / TRL ``SFTTrainer`` with ``torch_compile=True``
+  (``trainer_patches(model)``, ``count_graph_breaks()``).
+"""
+
+from .._lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "TrainConfig": "loop",
+    "TrainingInterrupted": "loop",
+    "train": "loop",
+    "summarize": "loop",
+    "trainable_state": "loop",
+    "load_trainable_state": "loop",
+    "save_adapter": "loop",
+    "step_lock": "gpulock",
+    "trainer_patches": "hf_trainer",
+})
