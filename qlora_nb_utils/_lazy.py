@@ -20,8 +20,11 @@ def lazy_exports(package: str, table: dict[str, str]) -> tuple[Callable[[str], A
 
     Args:
         package: the package's ``__name__``.
-        table: public name -> the module (relative to ``package``) that defines it, with
-            ``:attr`` when the attribute's name differs from the public one.
+        table: public name -> the module that defines it, relative to ``package`` as in a
+            relative import (``"loop"`` is ``package.loop``; each extra leading dot climbs one
+            package: ``".compile.counting"`` from ``qlora_nb_utils.diagnostics`` is
+            ``qlora_nb_utils.compile.counting``), with ``:attr`` when the attribute's name
+            differs from the public one.
 
     Returns:
         ``(__getattr__, __dir__)`` to assign at the package's module level.

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="Markdown tables of bench, matrix, peers and FSDP2 results files (peers, FSDP2: "
                        "plots too)")
     r.add_argument("files", nargs="+", help="results files written by qlora-nb bench, matrix.run_matrix, peers.run_peers "
-                   "or tools/gpu_fsdp.sh (for a peers or FSDP2 file the PNG plots are written next to it; an FSDP2 "
+                   "or scripts/gpu/gpu_fsdp.sh (for a peers or FSDP2 file the PNG plots are written next to it; an FSDP2 "
                    "diagnostic file is skipped with a note)")
     return parser
 
@@ -102,7 +102,8 @@ def _kind(path: str, results: dict) -> str | None:
     Raises:
         ValueError: for a JSON that is none of these, naming the file (rather than a KeyError later).
     """
-    from .report import fsdp as fsdp_report, peers as peers_report
+    from .report import fsdp as fsdp_report
+    from .report import peers as peers_report
 
     if not isinstance(results, dict):
         raise ValueError(f"{path}: not a results file (a JSON {type(results).__name__}, expected an object)")
@@ -120,12 +121,14 @@ def _kind(path: str, results: dict) -> str | None:
         raise ValueError(f"{path}: a partial FSDP2 results file (finished runs: {results.get('finished_runs')}, "
                          f"missing: {results.get('missing_runs')}); nothing to compare")
     raise ValueError(f"{path}: not a results file of qlora-nb bench, matrix.run_matrix, peers.run_peers or "
-                     f"tools/gpu_fsdp.sh (FSDP2); its keys are {sorted(results)[:8]}")
+                     f"scripts/gpu/gpu_fsdp.sh (FSDP2); its keys are {sorted(results)[:8]}")
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .bench import main_job as bench, matrix
-    from .report import fsdp as fsdp_report, peers as peers_report
+    from .bench import main_job as bench
+    from .bench import matrix
+    from .report import fsdp as fsdp_report
+    from .report import peers as peers_report
     from .report.plots import load_results
 
     missing = [f for f in args.files if not Path(f).is_file()]
@@ -162,7 +165,7 @@ def _bench(args: argparse.Namespace) -> int:
     )
     paths = bench.write_results(results, args.out)
     print_bench_table(results)
-    for name, path in paths.items():
+    for path in paths.values():
         print(f"wrote {path}")
     return 0
 
@@ -192,9 +195,9 @@ def print_bench_table(results: dict) -> None:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from .ops import attention
-    from .diagnostics import checks
     from . import diagnostics
+    from .diagnostics import checks
+    from .ops import attention
 
     # --causal-attn: the model is loaded inside checks.diagnose, so the stock mask function is
     # swapped for the run (make_length_batcher pads on the right, as the causal mask needs)

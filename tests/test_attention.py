@@ -5,8 +5,8 @@ import torch
 from tiny_lora import build, save_tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from qlora_nb_utils.ops import attention
 from qlora_nb_utils import diagnostics
+from qlora_nb_utils.ops import attention
 
 
 def _model(attn="sdpa"):
@@ -294,8 +294,8 @@ def test_stock_flex_with_the_precomputed_mask_is_one_graph_and_compiles_twice(ti
 
 
 def test_diagnose_refuses_a_precomputed_mask_without_flex(capsys):
-    from qlora_nb_utils.diagnostics import checks
     from qlora_nb_utils import cli
+    from qlora_nb_utils.diagnostics import checks
 
     with pytest.raises(ValueError, match="needs attn='flex_attention'"):
         checks.diagnose("tiny", attn="sdpa", flex_block_mask="precomputed", device="cpu")

@@ -23,6 +23,7 @@ from qlora_nb_utils.compile import (
 from qlora_nb_utils.compile.patches import input_require_grads
 from qlora_nb_utils.training.loop import TrainConfig, load_trainable_state, train, trainable_state
 
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), layers=3)
@@ -160,7 +161,7 @@ def test_compiled_checkpoint_obeys_the_recompute_policy():
     for name, context_fn in (("must_recompute", must_recompute_context), ("save_all", save_all)):
         ckpt = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, context_fn=context_fn)
         torch.compiler.reset()
-        step = torch.compile(lambda x: ckpt(mlp, ckpt(mlp, x)).pow(2).sum(), backend="aot_eager", fullgraph=True)
+        step = torch.compile(lambda x: ckpt(mlp, ckpt(mlp, x)).pow(2).sum(), backend="aot_eager", fullgraph=True)  # noqa: B023
         saved[name] = _saved_activations(step(torch.randn(2, 8, 16)))
     assert saved["must_recompute"] == [(2, 8, 16)] * 2  # the two checkpoint inputs, nothing else
     assert sum(s == (2, 8, 64) for s in saved["save_all"]) >= 4
@@ -225,7 +226,7 @@ def test_compiled_optimizer_matches_adamw_without_recompiling_for_the_schedule()
     assert isinstance(compiled, CompiledOptimizer) and torch.is_tensor(compiled.param_groups[0]["lr"])
     warmup = functools.partial(lambda s: min(1.0, (s + 1) / 4))
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in (eager, compiled)]
-    for step in range(5):
+    for _ in range(5):
         grads = [torch.randn(8, 8) for _ in params]
         for group, g in ((params, grads), (twins, grads)):
             for p, gi in zip(group, g):
@@ -415,7 +416,7 @@ def test_eager_numerics_tiny_llama_bf16_forward_losses_match_eager(tmp_path):
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="torch 2.11 (H200): a forward traced by Dynamo with selective activation checkpointing "
                           "(our recompute-everything policy) and no backward leaves memory allocated that "
-                          "gc.collect() does not free (tools/ckpt_leak_probe.py: 0.64 MiB tiny, 20 MiB on the "
+                          "gc.collect() does not free (results/ckpt_leak_h200.json: 0.64 MiB tiny, 20 MiB on the "
                           "4-layer 1B shape, 0.13 GiB on the 1B shape; none without the policy); compare "
                           "pytorch#154642. Training runs backward and is unaffected; passes once upstream frees it")
 def test_a_forward_with_the_recompute_policy_and_no_backward_frees_its_memory_on_gpu():

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from qlora_nb_utils import diagnostics as dg
+from qlora_nb_utils.compile import counting
 from qlora_nb_utils.diagnostics import (
     CompileCounter,
     check_fullgraph,
@@ -226,7 +226,7 @@ def test_bad_arguments_raise_value_error():
 def test_log_capture_restores_logging_state_and_prints_nothing(capfd):
     from torch._logging import _internal
 
-    log = dg._RecompileLogCapture._logger()
+    log = counting._RecompileLogCapture._logger()
     before = (log.level, log.propagate, list(log.handlers), set(_internal._get_log_state().artifact_names))
     with CompileCounter(backend="eager", reasons_from="logs") as counter:
         assert any(isinstance(h, logging.Handler) and h is counter._capture for h in log.handlers)
@@ -297,7 +297,7 @@ def test_counter_still_counts_when_log_capture_cannot_install(monkeypatch):
     def broken(self):
         raise AttributeError("log_state moved")
 
-    monkeypatch.setattr(dg._RecompileLogCapture, "__enter__", broken)
+    monkeypatch.setattr(counting._RecompileLogCapture, "__enter__", broken)
     with pytest.warns(RuntimeWarning, match="recompile reasons unavailable"):
         with CompileCounter(backend="eager", reasons_from="logs") as counter:
             fn = counter.compile(torch.sin, dynamic=False)

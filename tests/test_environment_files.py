@@ -27,8 +27,9 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_COMMAND_PREFIX = ".venv/bin/python -m pytest"
+TEST_COMMAND_PREFIX = ".venv/bin/lint-imports"
 TEST_COMMAND = (
+    ".venv/bin/lint-imports && .venv/bin/ruff check && "
     ".venv/bin/python -m pytest tests notebooks --nbval-lax --nbval-current-env "
     "--sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider"
 )
@@ -304,6 +305,10 @@ def test_ci_run_is_executable_and_calls_setup_then_the_test_command():
         assert re.search(rf"export\b[^\n]*\b{var}={value}\b", text), f".ci/run must export {var}={value}"
     assert command_lines(ci) == [TEST_COMMAND]
     assert text.index("bash setup.sh") < text.index(TEST_COMMAND)
+    # a failed lint-imports or ruff inside the && list does not stop a `set -e` script: the list
+    # must be the last command, so that its status is the script's
+    commands = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-1].strip() == TEST_COMMAND, ".ci/run must end with the test command"
 
 
 def test_setup_prints_the_same_test_command():

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from qlora_nb_utils.bench import flops
 from qlora_nb_utils import models
+from qlora_nb_utils.bench import flops
 
 # d=8, 2 heads of 4, 1 KV head, MLP 16, one layer, vocab 32
 TINY = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from qlora_nb_utils.distributed import fsdp_train
-from qlora_nb_utils.distributed.fsdp_train import read_log
+from qlora_nb_utils.distributed.runs import read_log
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--model", "tiny", "--steps", "6", "--global-batch-size", "4", "--seq-len", "192",
@@ -119,7 +119,7 @@ def test_adapter_from_the_sharded_model_loads_in_one_process_with_the_same_logit
     probe = torch.load(runs[2] / "probe.pt", weights_only=True)
     base, _ = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu", lora=False)
     model = PeftModel.from_pretrained(base, str(runs[2] / "adapter"))
-    model.train()  # same bitsandbytes kernel path as the probe (see fsdp.py on CPU eval)
+    model.train()  # same bitsandbytes kernel path as the probe (see distributed/fsdp.py on CPU eval)
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     k = probe["logits"].shape[1]
@@ -206,7 +206,7 @@ def one_rank_group(monkeypatch):
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
-    from qlora_nb_utils.distributed.fsdp import init_distributed
+    from qlora_nb_utils.distributed.setup import init_distributed
 
     info = init_distributed("cpu")
     yield info
@@ -252,7 +252,8 @@ def test_frozen_replicate_shards_only_the_trainable_weights(one_rank_group):
 
 
 def test_a_mixed_precision_cast_of_the_packed_weights_is_refused(one_rank_group):
-    from qlora_nb_utils.distributed.fsdp import apply_fsdp2, load_qlora, mixed_precision
+    from qlora_nb_utils.distributed.fsdp import apply_fsdp2
+    from qlora_nb_utils.distributed.setup import load_qlora, mixed_precision
 
     # float32 quant storage under a bf16 policy: FSDP2 would all-gather the packed bytes as bf16
     model, _ = load_qlora("tiny", dtype="float32", device="cpu", quant_storage=torch.float32)
@@ -261,7 +262,8 @@ def test_a_mixed_precision_cast_of_the_packed_weights_is_refused(one_rank_group)
 
 
 def test_unknown_nf4_mode_and_storage_are_value_errors():
-    from qlora_nb_utils.distributed.fsdp import apply_fsdp2, resolve_quant_storage
+    from qlora_nb_utils.distributed.fsdp import apply_fsdp2
+    from qlora_nb_utils.distributed.setup import resolve_quant_storage
 
     with pytest.raises(ValueError, match="nf4 must be one of"):
         apply_fsdp2(torch.nn.Linear(2, 2), nf4="split")
@@ -321,6 +323,7 @@ def test_nf4_auto_mode_shards_on_gloo_and_replicates_on_nccl():
 def test_apply_fsdp2_refuses_packed_bytes_changed_by_the_round_trip(one_rank_group, monkeypatch):
     """The verify checksum fires when the all-gathered bytes differ (simulated: one word changed)."""
     import qlora_nb_utils.distributed.fsdp as F
+    from qlora_nb_utils.distributed.setup import load_qlora
 
     real = F.packed_checksums
     calls = []
@@ -334,6 +337,6 @@ def test_apply_fsdp2_refuses_packed_bytes_changed_by_the_round_trip(one_rank_gro
         return sums
 
     monkeypatch.setattr(F, "packed_checksums", fake)
-    model, _ = F.load_qlora("tiny", dtype="float32", device="cpu", quant_storage=torch.float32)
+    model, _ = load_qlora("tiny", dtype="float32", device="cpu", quant_storage=torch.float32)
     with pytest.raises(RuntimeError, match="changed the packed 4-bit bytes.*replicate"):
         F.apply_fsdp2(model, nf4="shard")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qlora_nb_utils import models
+from qlora_nb_utils.models import build
 
 SENTENCE = ("The capital of France is Paris. It is known for the Eiffel Tower, its museums "
             "and its cafes, and millions of people visit it every year.")
@@ -89,7 +90,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
         (folder / "model-00001-of-00009.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "_write_random_checkpoint", interrupted)
+    monkeypatch.setattr(build, "_write_random_checkpoint", interrupted)
     with pytest.raises(KeyboardInterrupt):
         models.materialize("llama-3.1-8b-shape", cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -99,8 +100,8 @@ def test_stale_folder_is_replaced(tmp_path):
     stale = tmp_path / "thing"
     stale.mkdir()
     (stale / "half.safetensors").write_bytes(b"junk")  # no completion marker
-    built = models._build_once(stale, lambda folder: (folder / "ok.txt").write_text("ok"))
-    assert sorted(p.name for p in built.iterdir()) == [models._MARKER, "ok.txt"]
+    built = build._build_once(stale, lambda folder: (folder / "ok.txt").write_text("ok"))
+    assert sorted(p.name for p in built.iterdir()) == [build._MARKER, "ok.txt"]
 
 
 def test_random_checkpoint_is_deterministic_sharded_and_loadable(tmp_path):
@@ -111,9 +112,9 @@ def test_random_checkpoint_is_deterministic_sharded_and_loadable(tmp_path):
     config.tie_word_embeddings = True  # the 1B shape is tied: check tied weights are saved once
     for name, shard_bytes in (("a", 10**9), ("b", 10**9), ("sharded", 2 * 10**6)):
         (tmp_path / name).mkdir()
-        models._write_random_checkpoint(config, tmp_path / name, seed=0, dtype=torch.float32,
-                                        init_device=torch.device("cpu"),
-                                        max_shard_bytes=shard_bytes)
+        build._write_random_checkpoint(config, tmp_path / name, seed=0, dtype=torch.float32,
+                                       init_device=torch.device("cpu"),
+                                       max_shard_bytes=shard_bytes)
     first, second = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
     assert first.keys() == second.keys() and "lm_head.weight" not in first
     assert all(torch.equal(first[k], second[k]) for k in first)
@@ -242,11 +243,11 @@ def test_four_layer_1b_shape_differs_only_in_depth():
 
 def test_four_layer_1b_shape_builds_into_its_own_folder(tmp_path, monkeypatch):
     layers = []  # what the (stubbed) writer was asked to build; nothing is materialized
-    monkeypatch.setattr(models, "_write_random_checkpoint",
+    monkeypatch.setattr(build, "_write_random_checkpoint",
                         lambda config, folder, **kw: layers.append(config.num_hidden_layers))
-    monkeypatch.setattr(models, "_copy_tokenizer", lambda cache, folder: None)
+    monkeypatch.setattr(build, "_copy_tokenizer", lambda cache, folder: None)
     folder = models.materialize("llama-3.2-1b-shape-4l", cache_dir=tmp_path)
-    assert folder == tmp_path / "llama-3.2-1b-shape-4l" and models._is_complete(folder)
+    assert folder == tmp_path / "llama-3.2-1b-shape-4l" and build._is_complete(folder)
     assert layers == [4]
 
 

@@ -10,8 +10,8 @@ absmax, of the original). Compiling a function that calls the op must give one g
 import pytest
 import torch
 
-from qlora_nb_utils.ops import nf4 as nf4_op
 from qlora_nb_utils.diagnostics import CompileCounter, check_fullgraph, graph_breaks
+from qlora_nb_utils.ops import nf4 as nf4_op
 
 bnbF = pytest.importorskip("bitsandbytes.functional")
 

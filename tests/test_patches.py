@@ -15,9 +15,10 @@ import torch
 from tiny_lora import batch, build, save_tiny_llama
 from transformers.modeling_utils import PreTrainedModel
 
-from qlora_nb_utils.diagnostics import check_fullgraph, graph_breaks
 from qlora_nb_utils.compile.patches import PATCHES, PatchHandle, input_require_grads, use_cache_warning
-from qlora_nb_utils.compile.patches._base import check_versions, set_attribute
+from qlora_nb_utils.diagnostics import check_fullgraph, graph_breaks
+from qlora_nb_utils.reversible import check_versions, set_attribute
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):

@@ -6,10 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qlora_nb_utils.bench import main_job as bench
 from qlora_nb_utils import cli, models
+from qlora_nb_utils.bench import main_job as bench
+from qlora_nb_utils.bench import peers
+from qlora_nb_utils.bench.peers import runner
+from qlora_nb_utils.compile.recipe import cast_non_lora
 from qlora_nb_utils.ops import losses
-from qlora_nb_utils.bench.peers import run as peers
 
 SCHEMA = {"name", "batch_size", "seq_len", "median_step_ms", "tokens_per_s", "mfu", "peak_mem_gib", "compile_s",
           "losses", "step_ms", "notes"}
@@ -52,7 +54,7 @@ def test_cast_keeps_lora_fp32_trainable_and_base_frozen():
     model, _ = models.load_model("tiny", quant="nf4", dtype="bfloat16", device="cpu", prepare_kbit=True)
     upcast = {n for n, p in model.named_parameters() if p.dtype == torch.float32 and "lora_" not in n}
     assert upcast, "prepare_model_for_kbit_training upcasts the norms and embeddings to fp32"
-    assert peers.cast_non_lora(model, torch.bfloat16) == len(upcast)
+    assert cast_non_lora(model, torch.bfloat16) == len(upcast)
     for name, p in model.named_parameters():
         if "lora_" in name:
             assert p.dtype == torch.float32 and p.requires_grad, name
@@ -108,7 +110,7 @@ def test_a_peer_that_raises_is_an_error_run(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("no GPU kernel for this")
 
-    monkeypatch.setattr(peers, "_peer_hf", boom)
+    monkeypatch.setattr(runner, "_peer_hf", boom)  # where run_peer looks it up
     run = peers.run_peer("hf-eager", batches, model="tiny", warmup=1, device="cpu")
     assert run == {"name": "hf-eager", "batch_size": 2, "seq_len": 64, "error": "RuntimeError: no GPU kernel for this",
                    "notes": ""}

@@ -31,3 +31,20 @@ def test_every_results_file_names_its_device_versions_command_and_date():
 def test_readme_images_exist():
     for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README):
         assert (REPO / target).is_file(), target
+
+
+def test_the_own_code_example_trains_with_the_public_face():
+    """The README's "Compiled training in your own code" block, run on the tiny model for 2 steps."""
+    import math
+
+    block = re.search(r"## Compiled training in your own code\n\n```python\n(.*?)```", README, re.S)
+    assert block, "README lacks the own-code example"
+    code = block.group(1)
+    assert "from qlora_nb_utils import " in code  # the public face, not module paths
+    small = code.replace('"smollm2-135m"', '"tiny"').replace("steps=100", "steps=2")
+    assert small.count('"tiny"') == 1 and small.count("steps=2") == 2, "the example changed: update this test"
+    scope: dict = {}
+    exec(compile(small, "README.md", "exec"), scope)
+    history, prepared = scope["history"], scope["prepared"]
+    assert len(history) == 2 and all(math.isfinite(x) for x in history["loss"])
+    assert prepared.counter.to_dict()["compilations"] >= 1

@@ -90,10 +90,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from . import main_job as bench
     from .. import models
     from ..compile import prepare_for_compile
     from ..training.loop import TrainConfig, train
+    from . import main_job as bench
 
     loaded = 0
     if args.load_artifacts:

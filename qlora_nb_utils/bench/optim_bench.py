@@ -37,10 +37,11 @@ from typing import Any, Callable
 import torch
 
 from .. import env, models
-from ..env import resolve_device_dtype
 from ..compile import compiled_optimizer, prepare_for_compile
+from ..env import resolve_device_dtype
+from ..training.device import sync
+from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
 from .matrix import _batches
-from ..training.loop import TrainConfig, _sync, load_trainable_state, summarize, train, trainable_state
 
 __all__ = ["OPTIMIZERS", "compare_optimizers", "time_optimizer_step", "main"]
 
@@ -77,7 +78,7 @@ def time_optimizer_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parame
     device = params[0].device
     for _ in range(warmup):
         opt.step()
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(repeats):
         if device.type == "cuda":

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..data import make_length_batcher
 from .. import diagnostics, env, models
+from ..data import make_length_batcher
 
 __all__ = ["FLEX_BLOCK_MASKS", "diagnose", "problems", "make_length_batcher"]
 

@@ -1,25 +1,48 @@
 """QLoRA sharded with FSDP2 over several processes, and its ``torchrun`` entry.
 
-- ``fsdp``: ``apply_fsdp2(model, ...)`` (NF4 weights sharded, their quant state attached to
-  FSDP2's all-gathered parameter, or replicated), ``mixed_precision``, ``load_qlora``,
-  ``init_distributed``, adapter gather and save, DCP checkpoints (``save_checkpoint``,
-  ``load_checkpoint``, ``latest_checkpoint``).
-- ``fsdp_train``: ``torchrun --nproc-per-node N -m qlora_nb_utils.distributed.fsdp_train ...``
-  (explicit loop or HF ``Trainer``/TRL), one JSON line per step and a summary; ``launch``,
-  ``read_log`` and ``compare_runs`` for notebook 07.
+One GPU stops being enough for an 8B QLoRA fine-tune before the 4-bit base stops fitting;
+this subpackage shards the run over N processes with FSDP2, compiles each decoder layer, and
+keeps the result comparable with one process (same loss at the same global batch, an adapter
+that loads in a plain ``PeftModel``, checkpoints that resume bit for bit).
 
-See ``docs/fsdp2.md`` for launching on N GPUs.
+- ``setup``: what every rank does first: ``init_distributed`` (-> ``DistInfo``),
+  ``mixed_precision(dtype)``, ``resolve_quant_storage``, ``load_qlora(name, ...)``.
+- ``fsdp``: the sharding: ``apply_fsdp2(model, ...) -> Sharded`` (NF4 weights sharded, their
+  quant state attached to FSDP2's all-gathered parameter and their bytes checked with
+  ``packed_checksums``, or replicated), ``nf4_params``, ``sharding_report``,
+  ``clip_grad_norm`` over all ranks.
+- ``checkpoint``: the adapter gathered to rank 0 (``gather_trainable_state``,
+  ``save_adapter``) and DCP checkpoints (``save_checkpoint``, ``load_checkpoint``,
+  ``latest_checkpoint``).
+- ``fsdp_train``: ``torchrun --nproc-per-node N -m qlora_nb_utils.distributed.fsdp_train ...``
+  (``build_parser``, ``validate``, the explicit loop ``run``, ``main``, ``resolve_nf4_mode``),
+  one JSON line per step and a summary (``summary``).
+- ``global_batches``: the same global batches on every rank (``make_global_batches``), each
+  rank's rows, and the loss normalised to the one-process loss.
+- ``trainer``: the same fine-tune through HF ``Trainer`` / TRL (``run_trainer``,
+  ``--trainer hf|trl``).
+- ``runs``: the parent-process side for notebook 07: ``launch``, ``read_log``,
+  ``compare_runs``.
+
+Importing it is cheap: torch is imported by the modules, on first use of a name. See
+``docs/fsdp2.md`` for launching on N GPUs.
 """
 
 from .._lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "apply_fsdp2": "fsdp",
-    "mixed_precision": "fsdp",
-    "load_qlora": "fsdp",
-    "init_distributed": "fsdp",
-    "save_checkpoint": "fsdp",
-    "load_checkpoint": "fsdp",
-    "launch": "fsdp_train",
-    "compare_runs": "fsdp_train",
+    **{name: "setup" for name in (
+        "QUANT_STORAGE_CHOICES", "DistInfo", "init_distributed", "mixed_precision",
+        "resolve_quant_storage", "load_qlora")},
+    **{name: "fsdp" for name in (
+        "NF4_MODES", "FROZEN_MODES", "Sharded", "nf4_params", "packed_checksums", "apply_fsdp2",
+        "sharding_report", "clip_grad_norm")},
+    **{name: "checkpoint" for name in (
+        "gather_trainable_state", "save_adapter", "latest_checkpoint", "save_checkpoint",
+        "load_checkpoint")},
+    **{name: "fsdp_train" for name in (
+        "DTYPE_CHOICES", "TRAINERS", "build_parser", "validate", "resolve_nf4_mode", "run", "main")},
+    "make_global_batches": "global_batches",
+    "run_trainer": "trainer",
+    **{name: "runs" for name in ("launch", "read_log", "compare_runs")},
 })

@@ -57,17 +57,16 @@ so a break inside a layer is an error, not a silent split). FSDP2's pre/post-for
 ``forward``; ``_call_impl`` and its hooks stay eager), so the FSDP boundary costs no graph
 break either. Two compilations serve all layers: the first layer sees a hidden state that
 does not require grad (the frozen embedding's output), the others one that does.
+
+Joining the process group and loading the model (with the quant storage described above) are
+in :mod:`qlora_nb_utils.distributed.setup`; the adapter gather and the DCP checkpoints are in
+:mod:`qlora_nb_utils.distributed.checkpoint`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
-import json
-import os
-import shutil
-from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -75,175 +74,16 @@ from torch import nn
 __all__ = [
     "NF4_MODES",
     "FROZEN_MODES",
-    "QUANT_STORAGE_CHOICES",
-    "DistInfo",
     "Sharded",
-    "init_distributed",
-    "mixed_precision",
-    "resolve_quant_storage",
-    "load_qlora",
     "nf4_params",
+    "packed_checksums",
     "apply_fsdp2",
     "sharding_report",
     "clip_grad_norm",
-    "gather_trainable_state",
-    "save_adapter",
-    "save_checkpoint",
-    "load_checkpoint",
-    "latest_checkpoint",
 ]
 
 NF4_MODES = ("shard", "replicate")
 FROZEN_MODES = ("shard", "replicate")
-QUANT_STORAGE_CHOICES = ("auto", "uint8", "bfloat16", "float16", "float32")
-_CKPT_PREFIX = "step_"
-_PARTIAL = ".partial"
-
-
-# ----------------------------------------------------------------------------- process group
-@dataclasses.dataclass
-class DistInfo:
-    """Where this process sits: rank, world size, its device and the process-group backend."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-
-    @property
-    def is_main(self) -> bool:
-        """True on rank 0 (the one that writes logs, adapters and summaries)."""
-        return self.rank == 0
-
-
-def init_distributed(device: str = "auto") -> DistInfo:
-    """Join the process group ``torchrun`` set up: gloo on CPU, nccl on CUDA.
-
-    Args:
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
-
-    Returns:
-        A :class:`DistInfo`; the group is initialised (once) and, on CUDA, the rank's GPU is
-        made current.
-
-    Raises:
-        ValueError: an unknown device, or ``"cuda"`` without a GPU for this local rank.
-        RuntimeError: not launched by ``torchrun`` (no ``RANK``/``WORLD_SIZE`` in the env).
-    """
-    import torch.distributed as dist
-
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise RuntimeError("not launched by torchrun: run `torchrun --nproc-per-node N -m "
-                           "qlora_nb_utils.distributed.fsdp_train ...` (RANK/WORLD_SIZE are unset)")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
-        dev = torch.device("cuda", local_rank)
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
-    backend = "nccl" if use_cuda else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=_dt.timedelta(minutes=10))
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
-
-
-# ----------------------------------------------------------------------------- precision, loading
-def mixed_precision(dtype: torch.dtype | str | None):
-    """The FSDP2 mixed-precision policy of a QLoRA run.
-
-    Args:
-        dtype: the compute dtype. ``None`` or ``float32``: no casting (exact parity runs).
-            bf16/fp16: LoRA weights all-gathered and computed in ``dtype``, gradients
-            reduced in fp32 into fp32 LoRA master weights (what torchtune does).
-
-    Returns:
-        A ``torch.distributed.fsdp.MixedPrecisionPolicy``.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if dtype is None or dtype == torch.float32:
-        return MixedPrecisionPolicy()
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"mixed precision dtype must be float32, bfloat16 or float16; got {dtype}")
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-
-
-def resolve_quant_storage(storage: str, param_dtype: torch.dtype | None,
-                          compute_dtype: torch.dtype | None = None) -> torch.dtype:
-    """The ``bnb_4bit_quant_storage`` dtype: ``"auto"`` is the policy's ``param_dtype`` when it
-    casts (so FSDP2 never converts the packed bytes), else the floating ``compute_dtype`` when
-    given, else uint8 (bitsandbytes' default).
-
-    Why a floating storage even without casting: FSDP2 in torch 2.11 wraps each shard in
-    ``nn.Parameter(dtensor)``, which raises "only Tensors of floating point dtype can require
-    gradients" for uint8 (seen on the GPU machine in a float32 run; torch 2.13 on CPU accepts it).
-
-    Raises:
-        ValueError: an unknown storage name.
-    """
-    if storage not in QUANT_STORAGE_CHOICES:
-        raise ValueError(f"quant_storage must be one of {list(QUANT_STORAGE_CHOICES)}; got {storage!r}")
-    if storage == "auto":
-        if param_dtype is not None:
-            return param_dtype
-        if compute_dtype is not None and compute_dtype.is_floating_point:
-            return compute_dtype
-        return torch.uint8
-    return getattr(torch, storage)
-
-
-def load_qlora(name: str, *, quant: str = "nf4", dtype: str | torch.dtype = "bfloat16",
-               device: torch.device | str = "cpu", quant_storage: torch.dtype = torch.uint8,
-               lora_r: int = 16, lora_alpha: float = 32, lora_targets: str = "all-linear",
-               attn_implementation: str = "sdpa", seed: int = 0):
-    """Load a model like :func:`qlora_nb_utils.models.load_model`, with a chosen quant storage.
-
-    ``models.load_model`` fixes ``bnb_4bit_quant_storage`` to bitsandbytes' default (uint8);
-    FSDP2 with a casting mixed-precision policy needs it to be the policy's dtype (see the
-    module docstring). Everything else (named models built once into the cache, the SmolLM2
-    tokenizer, seeded LoRA on all linear layers, fp32 adapters) is the same path.
-
-    Returns:
-        ``(model, tokenizer)``; ``config.use_cache`` is False.
-
-    Raises:
-        ValueError: for bad options (see ``models.load_model``).
-    """
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from .. import env, models
-
-    if quant == "none" or quant_storage == torch.uint8:
-        return models.load_model(name, quant=quant, dtype=dtype, device=device, lora_r=lora_r,
-                                 lora_alpha=lora_alpha, lora_targets=lora_targets,
-                                 attn_implementation=attn_implementation, seed=seed)
-    if quant != "nf4":
-        raise ValueError(f"quant must be one of {list(models.QUANT_CHOICES)}; got {quant!r}")
-    dev = env.resolve_device(device)
-    torch_dtype = env.resolve_dtype(dtype, dev)
-    env.require_bnb(dev)
-    source = str(models.materialize(name)) if name in models.MODEL_NAMES else str(name)
-    tok = models.load_tokenizer(name)
-    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch_dtype,
-                             bnb_4bit_quant_storage=quant_storage)
-    base = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, quantization_config=bnb,
-                                                attn_implementation=attn_implementation,
-                                                device_map={"": dev})
-    base.config.use_cache = False
-    config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0,
-                        target_modules=lora_targets, task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
-        torch.manual_seed(seed)
-        return get_peft_model(base, config), tok
 
 
 def nf4_params(model: nn.Module) -> list[nn.Parameter]:
@@ -360,7 +200,7 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
         verify: with ``nf4="shard"``, checksum every packed 4-bit weight before sharding and
             after the first all-gather, and refuse a model whose bytes changed. On 2 H200s
             (NCCL, bf16 quant storage, torch 2.11) the all-gather changed 0.07% of the packed
-            16-bit words, bit-exact on CPU/gloo; tools/fsdp_diag.py shows it.
+            16-bit words, bit-exact on CPU/gloo; results/fsdp2_h200_diag.json shows it.
 
     Returns:
         A :class:`Sharded`.
@@ -472,157 +312,3 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> fl
         for g in grads:
             (g.to_local() if isinstance(g, DTensor) else g).mul_(scale)
     return norm
-
-
-def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full (unsharded) trainable parameters, on the CPU of rank 0 (empty on other ranks).
-
-    A collective: every rank must call it. Uses
-    ``get_model_state_dict(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)``.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    return get_model_state_dict(model, options=options)
-
-
-def save_adapter(model: nn.Module, folder: str | Path, *, is_main: bool) -> Path | None:
-    """Save the LoRA adapter of a sharded PEFT model as a normal PEFT adapter folder.
-
-    The folder loads with ``PeftModel.from_pretrained(base, folder)`` into a single-process
-    model. A collective (every rank calls it); only rank 0 writes.
-
-    Returns:
-        The folder on rank 0, None elsewhere.
-
-    Raises:
-        ValueError: the model carries no PEFT adapter.
-    """
-    if not hasattr(model, "peft_config"):
-        raise ValueError("the model has no PEFT adapter to save")
-    state = gather_trainable_state(model)
-    if not is_main:
-        return None
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, state_dict=state)
-    return folder
-
-
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"{_CKPT_PREFIX}{step:06d}"
-
-
-def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint under ``root`` (``step_NNNNNN`` with a ``meta.json``).
-
-    A save killed half-way leaves only a ``*.partial`` folder, which is never chosen.
-
-    Returns:
-        ``(step, folder)`` or None when there is none.
-    """
-    root = Path(root)
-    found = []
-    for path in root.glob(f"{_CKPT_PREFIX}*"):
-        if path.name.endswith(_PARTIAL) or not (path / "meta.json").is_file():
-            continue
-        try:
-            found.append((int(path.name[len(_CKPT_PREFIX):]), path))
-        except ValueError:
-            continue
-    return max(found) if found else None
-
-
-def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    *, scheduler=None, info: DistInfo, extra: dict | None = None, keep: int = 2) -> Path:
-    """Save a resumable checkpoint: sharded LoRA weights + optimizer state (DCP), step, RNG.
-
-    Every rank writes its own shards with ``torch.distributed.checkpoint`` into
-    ``step_NNNNNN.partial``; rank 0 adds ``meta.json`` and renames the folder when all ranks
-    are done, so a kill during the save never leaves a checkpoint that looks complete. Frozen
-    (4-bit) weights are not saved: they come back from the base checkpoint.
-
-    Args:
-        root: the checkpoints folder.
-        step: optimizer steps done so far (the step to resume at).
-        model, optimizer, scheduler: what to save (the scheduler's state goes into meta.json).
-        info: this rank's :class:`DistInfo`.
-        extra: more JSON-ready facts for meta.json (e.g. the run's options).
-        keep: how many complete checkpoints to keep (older ones are deleted).
-
-    Returns:
-        The checkpoint folder.
-    """
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    root = Path(root)
-    final = _step_dir(root, step)
-    partial = final.with_name(final.name + _PARTIAL)
-    if info.is_main:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
-    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(partial))
-    rng = {"cpu": torch.get_rng_state()}
-    if info.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(info.device)
-    torch.save(rng, partial / f"rng_rank{info.rank}.pt")
-    dist.barrier()
-    if info.is_main:
-        meta = {"step": step, "world_size": info.world_size, "trainable_tensors": len(msd),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(), **(extra or {})}
-        (partial / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        complete = sorted(p for p in root.glob(f"{_CKPT_PREFIX}*")
-                          if not p.name.endswith(_PARTIAL) and p != final)
-        for old in complete[:max(0, len(complete) - (keep - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
-
-
-def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    *, scheduler=None, info: DistInfo) -> dict:
-    """Restore what :func:`save_checkpoint` wrote into the sharded model and its optimizer.
-
-    Returns:
-        The checkpoint's meta.json (``step`` is the step to resume at).
-
-    Raises:
-        FileNotFoundError: no meta.json in ``folder``.
-        RuntimeError: the checkpoint's trainable tensors do not match the model's.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    folder = Path(folder)
-    meta_path = folder / "meta.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"not a complete checkpoint (no meta.json): {folder}")
-    meta = json.loads(meta_path.read_text())
-    options = StateDictOptions(ignore_frozen_params=True)
-    msd, osd = get_state_dict(model, optimizer, options=options)
-    if len(msd) != meta["trainable_tensors"]:
-        raise RuntimeError(f"{folder} holds {meta['trainable_tensors']} trainable tensors; the "
-                           f"model has {len(msd)} (another model or LoRA configuration?)")
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(folder))
-    # strict=False: the frozen weights are deliberately absent (they come from the base);
-    # the trainable ones were counted above and dcp.load fails on any key the files lack.
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    if scheduler is not None and meta.get("scheduler") is not None:
-        scheduler.load_state_dict(meta["scheduler"])
-    rng_file = folder / f"rng_rank{info.rank}.pt"
-    if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and info.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], info.device)
-    return meta

@@ -8,22 +8,20 @@ processes that must agree on every batch, every loss normalisation and every che
 the comparison that matters ("N ranks give the loss of one") only holds when the loop is
 written for it:
 
-* **Same global batch.** Every rank builds the same list of global batches from the shipped
-  data (same seed) and takes rows ``[rank*B/N, (rank+1)*B/N)`` of each. The loss is summed
-  over each rank's target tokens and divided by the *global* count of target tokens (known
-  to every rank without communication), so the all-reduced loss is exactly the one-process
-  loss; the backward uses the same loss times N because FSDP2 averages gradients over ranks.
-* **One log, one summary.** Rank 0 appends one JSON line per step to ``OUT/log.jsonl`` (step,
-  loss, step_ms, tokens, peak_mem_gib: the maximum over ranks) and writes ``OUT/summary.json``
-  with world size, tokens/s (median of the per-step rates after ``--timing-warmup`` steps), peak memory per GPU,
-  graph breaks, compilations, versions, device, command and date.
+* **Same global batch.** Every rank takes its rows of the same global batches, and the loss
+  is normalised so that the all-reduced loss is the one-process loss
+  (:mod:`qlora_nb_utils.distributed.global_batches` says how).
+* **One log, one summary.** Rank 0 appends one JSON line per step to ``OUT/log.jsonl`` and
+  writes ``OUT/summary.json`` (:mod:`qlora_nb_utils.distributed.summary` lists the fields).
 * **Nothing lost.** ``--save-every K`` writes a resumable checkpoint (sharded LoRA weights +
   optimizer state with ``torch.distributed.checkpoint``, step, scheduler, RNG) atomically;
   ``--resume`` continues from the newest complete one with the same subsequent losses. At the
   end the adapter is gathered to rank 0 and saved as a plain PEFT adapter (``OUT/adapter``).
 
 ``--trainer hf|trl`` runs the same fine-tune through ``transformers.Trainer`` /
-``trl.SFTTrainer`` with accelerate's FSDP2 settings instead (see :func:`run_trainer`).
+``trl.SFTTrainer`` with accelerate's FSDP2 settings instead
+(:func:`qlora_nb_utils.distributed.trainer.run_trainer`). The parent-process side, ``launch``,
+``read_log`` and ``compare_runs``, is in :mod:`qlora_nb_utils.distributed.runs`.
 Bad input (a global batch not divisible by the world size, ...) stops every rank before any
 model is loaded, with a message that says what to change.
 """
@@ -31,11 +29,9 @@ model is loaded, with a message that says what to change.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -43,7 +39,11 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["resolve_nf4_mode", "build_parser", "validate", "main", "run", "run_trainer", "read_log", "launch", "compare_runs"]
+from .global_batches import _local_micro_batches, _loss_sum, _target_count, make_global_batches
+from .runs import read_log
+from .summary import _graph_break_total, _max_over_ranks, _summary
+
+__all__ = ["resolve_nf4_mode", "build_parser", "validate", "main", "run"]
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 TRAINERS = ("none", "hf", "trl")
@@ -52,7 +52,8 @@ TRAINERS = ("none", "hf", "trl")
 # ----------------------------------------------------------------------------- arguments
 def build_parser() -> argparse.ArgumentParser:
     """The command-line options (see ``--help``)."""
-    from .fsdp import FROZEN_MODES, NF4_MODES, QUANT_STORAGE_CHOICES
+    from .fsdp import FROZEN_MODES, NF4_MODES
+    from .setup import QUANT_STORAGE_CHOICES
 
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m qlora_nb_utils.distributed.fsdp_train",
                                 description="QLoRA + FSDP2 + per-layer torch.compile.")
@@ -142,61 +143,6 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     return args
 
 
-# ----------------------------------------------------------------------------- data
-def make_global_batches(tok, args) -> list[dict]:
-    """The list of global batches every rank builds identically (shipped data, fixed padding)."""
-    from ..data import build_batches
-
-    need = args.steps * args.global_batch_size * (max(1, args.seq_len // 64) if args.pack else 1)
-    return build_batches(tok, batch_size=args.global_batch_size, steps=args.steps, max_len=args.seq_len,
-                         padding="fixed", limit=min(4000, max(64, need)), pack=args.pack, seed=args.seed)
-
-
-def _target_count(batch: dict) -> int:
-    return int((batch["labels"][:, 1:] != -100).sum())
-
-
-def _loss_sum(model, micro: dict) -> torch.Tensor:
-    """Summed next-token cross-entropy of a micro-batch (HF's shift, fp32 logits)."""
-    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits
-    logits = logits[:, :-1].float()
-    targets = micro["labels"][:, 1:]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                             ignore_index=-100, reduction="sum")
-
-
-# ----------------------------------------------------------------------------- measuring
-def _max_over_ranks(value: float, device: torch.device) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _graph_break_total() -> tuple[int, list[str]]:
-    try:
-        from torch._dynamo.utils import counters
-
-        breaks = counters["graph_break"]
-        return int(sum(breaks.values())), [str(r).splitlines()[0] for r in breaks]
-    except Exception:  # private counters moved: report unknown
-        return -1, []
-
-
-def read_log(path: str | Path) -> list[dict]:
-    """The per-step records of a ``log.jsonl`` (later lines win for a repeated step)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    by_step = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            by_step[rec["step"]] = rec
-    return [by_step[s] for s in sorted(by_step)]
-
-
 def _truncate_log(path: Path, start: int) -> None:
     if path.is_file():
         keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < start]
@@ -206,7 +152,8 @@ def _truncate_log(path: Path, start: int) -> None:
 # ----------------------------------------------------------------------------- the run
 def _setup(args, info):
     """Load, shard and (optionally) compile the model; returns (sharded, tok, dtype, mp, storage)."""
-    from .fsdp import apply_fsdp2, load_qlora, mixed_precision, resolve_quant_storage
+    from .fsdp import apply_fsdp2
+    from .setup import load_qlora, mixed_precision, resolve_quant_storage
 
     dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
         else getattr(torch, args.dtype)
@@ -227,7 +174,7 @@ def resolve_nf4_mode(mode: str, backend: str) -> str:
 
     Why: on 2 H200s (torch 2.11, NCCL) sharding the packed NF4 bytes in bf16 storage changed
     0.07% of the 16-bit words: every word that reads as a bf16 NaN came back as the canonical
-    NaN 0x7fff (tools/fsdp_diag.py, results/fsdp2_h200_diag.json), so the 2-GPU model computed
+    NaN 0x7fff (results/fsdp2_h200_diag.json), so the 2-GPU model computed
     with different weights. Replicated 4-bit weights were bit-exact. On CPU/gloo sharding is exact
     (tests/test_fsdp.py), and :func:`qlora_nb_utils.distributed.fsdp.apply_fsdp2` checks it on every run.
     """
@@ -236,21 +183,13 @@ def resolve_nf4_mode(mode: str, backend: str) -> str:
     return mode
 
 
-def _local_micro_batches(batch: dict, info, args) -> list[dict]:
-    local = args.global_batch_size // info.world_size
-    lo = info.rank * local
-    rows = {k: v[lo:lo + local] for k, v in batch.items()}
-    m = args.micro_batch_size
-    return [{k: v[i:i + m].to(info.device) for k, v in rows.items()} for i in range(0, local, m)]
-
-
 def _train_step(model, params, opt, sched, batch, info, args) -> dict:
     import torch.distributed as dist
 
+    from ..training.device import sync
     from .fsdp import clip_grad_norm
-    from ..training.loop import _sync
 
-    _sync(info.device)
+    sync(info.device)
     t0 = time.perf_counter()
     n_targets = max(1, _target_count(batch))
     loss_sum = torch.zeros((), device=info.device)
@@ -269,69 +208,12 @@ def _train_step(model, params, opt, sched, batch, info, args) -> dict:
     sched.step()
     opt.zero_grad(set_to_none=True)
     loss_value = float(loss_sum)
-    _sync(info.device)
+    sync(info.device)
     elapsed = time.perf_counter() - t0
     if not math.isfinite(loss_value):
         raise FloatingPointError(f"loss is {loss_value}")
     return {"loss": loss_value, "step_ms": elapsed * 1e3, "grad_norm": grad_norm, "lr": lr,
             "tokens": int(batch["attention_mask"].sum()), "tokens_padded": int(batch["attention_mask"].numel())}
-
-
-def _summary(args, info, records, sharded, storage, dtype, start_step, breaks_before,
-             peak) -> dict:
-    from .. import env
-    from .fsdp import sharding_report
-
-    breaks_after, reasons = _graph_break_total()
-    timed = [r for r in records if r["step"] >= start_step + args.timing_warmup and r.get("run_start") == start_step]
-    med = lambda xs: float(sorted(xs)[len(xs) // 2]) if xs else None  # noqa: E731
-    step_ms = med([r["step_ms"] for r in timed])
-    # Medians of per-step rates, not total tokens / total time: one late recompilation (an
-    # 8.9 s step among 0.3 s ones on the GPU) must not set the throughput.
-    rate = med([r["tokens"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0])
-    rate_padded = med([r["tokens_padded"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0])
-    report = sharding_report(sharded.model)
-    kinds: dict[str, dict[str, int]] = {}
-    for row in report:
-        key = "+".join(row["placements"]) or "not sharded"
-        kinds.setdefault(row["kind"], {}).setdefault(key, 0)
-        kinds[row["kind"]][key] += 1
-    compile_stats = sharded.compile_stats()
-    return {
-        "world_size": info.world_size,
-        "backend": info.backend,
-        "model": args.model,
-        "options": {k: v for k, v in vars(args).items()},
-        "dtype": str(dtype).replace("torch.", ""),
-        "quant_storage": str(storage).replace("torch.", ""),
-        "nf4": sharded.nf4,
-        "steps": len(records),
-        "resumed_from": start_step or None,
-        "losses": [r["loss"] for r in records],
-        "tokens_per_s": rate,
-        "tokens_per_s_padded": rate_padded,
-        "step_ms": [r["step_ms"] for r in records],
-        "median_step_ms": step_ms,
-        "timed_steps": len(timed),
-        "first_step_s": next((r["step_ms"] / 1e3 for r in records if r["step"] == start_step), None),
-        "peak_mem_gib_per_gpu": peak,
-        "graph_breaks": {
-            "total": breaks_after - breaks_before if breaks_after >= 0 else None,
-            "reasons": reasons,
-            "compiled_layers": len(sharded.layers) if args.compile else 0,
-            "fullgraph": bool(args.compile and args.fullgraph),
-            "fsdp_boundary": 0 if args.compile else None,
-            "fsdp_boundary_note": ("FSDP2's pre/post-forward hooks are torch._dynamo.disable'd and run "
-                                   "eagerly around each compiled layer's forward frame: no break "
-                                   "is taken there"),
-        },
-        "compile": compile_stats,
-        "sharding": kinds,
-        "device": env.device_info(info.device),
-        "versions": env.versions(),
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "qlora_nb_utils.distributed.fsdp_train", *sys.argv[1:]]),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-    }
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -342,8 +224,9 @@ def run(args: argparse.Namespace) -> dict | None:
     """
     import torch.distributed as dist
 
-    from .fsdp import init_distributed, latest_checkpoint, load_checkpoint, save_adapter, save_checkpoint
-    from ..training.loop import _peak_mem_gib
+    from ..training.device import peak_mem_gib
+    from .checkpoint import latest_checkpoint, load_checkpoint, save_adapter, save_checkpoint
+    from .setup import init_distributed
 
     info = init_distributed(args.device)
     out = Path(args.out)
@@ -385,7 +268,7 @@ def run(args: argparse.Namespace) -> dict | None:
     peak = 0.0
     for step in range(start, args.steps):
         rec = _train_step(model, params, opt, sched, batches[step % len(batches)], info, args)
-        peak = max(peak, _max_over_ranks(_peak_mem_gib(info.device), info.device))
+        peak = max(peak, _max_over_ranks(peak_mem_gib(info.device), info.device))
         rec.update(step=step, peak_mem_gib=peak, world_size=info.world_size, run_start=start)
         if info.is_main:
             with log_path.open("a") as f:
@@ -431,224 +314,6 @@ def _save_probe(model, batch: dict, info, out: Path, positions: int = 256) -> No
                     "logits": logits[:, :positions].float().cpu()}, out / "probe.pt")
 
 
-# ----------------------------------------------------------------------------- HF Trainer / TRL
-def run_trainer(args: argparse.Namespace) -> dict | None:
-    """The same fine-tune through ``transformers.Trainer`` (``hf``) or ``trl.SFTTrainer`` (``trl``)
-    with accelerate's FSDP2 (``fsdp=True``, ``fsdp_config={"version": 2, ...}``; transformers
-    5.17 deprecates the string form ``fsdp="full_shard"``, and its key is ``version``).
-
-    Launch it with torchrun like the explicit loop. On GPUs the Trainer wraps each decoder
-    layer and the root with ``fully_shard`` through accelerate's ``fsdp2_prepare_model``,
-    which puts uint8 ``Params4bit`` into ``ignored_params`` (replicated, like
-    ``nf4="replicate"``) and shards a floating quant storage. With ``--compile`` each decoder
-    layer of the prepared model is compiled (``prepare_for_compile(scope="regional")``) in a
-    callback at the start of training; the Trainer's own ``torch_compile`` compiles the whole
-    model instead.
-
-    **Not on CPU.** accelerate 1.15 turns the FSDP plugin on only when its distributed type
-    is one of the accelerator kinds (``MULTI_GPU``, ``MULTI_XPU``, ``MULTI_NPU``, ...;
-    ``AcceleratorState.__init__`` in ``accelerate/state.py``); a gloo CPU run is
-    ``MULTI_CPU``, so the ``fsdp_config`` is ignored and the model is wrapped in DDP (its log
-    says ``find_unused_parameters=True was specified in DDP constructor``). The run still
-    trains; the summary records ``distributed_type`` and ``fsdp_wrapped`` so that CI checks
-    the gap (a strict xfail) rather than assuming FSDP2 happened. The Trainer's loss is also
-    normalised differently (per-rank mean, its own shuffling), so its losses are not compared
-    with the explicit loop's.
-
-    Returns:
-        The summary on rank 0 (also written to ``OUT/summary.json``), None elsewhere.
-    """
-    from .. import env
-    from .fsdp import init_distributed, load_qlora, mixed_precision, resolve_quant_storage
-
-    info = init_distributed(args.device)
-    out = Path(args.out)
-    dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
-        else getattr(torch, args.dtype)
-    storage = resolve_quant_storage(args.quant_storage, mixed_precision(dtype).param_dtype, dtype)
-    model, tok = load_qlora(args.model, quant=args.quant, dtype=dtype, device=info.device,
-                            quant_storage=storage, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                            seed=args.seed)
-    batches = make_global_batches(tok, args)
-    rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(len(b["input_ids"]))]
-    trainer = _build_trainer(args, info, model, tok, rows, dtype, out)
-    result = trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    from torch.distributed.fsdp import FSDPModule
-
-    distributed_type = str(getattr(trainer.accelerator.distributed_type, "value", trainer.accelerator.distributed_type))
-    fsdp_wrapped = any(isinstance(m, FSDPModule) for m in trainer.model_wrapped.modules())
-    if info.is_main and not fsdp_wrapped:
-        print(f"[fsdp_train] WARNING: the Trainer did not shard with FSDP2 (accelerate chose "
-              f"{distributed_type}); accelerate 1.15 enables FSDP only on accelerators, not on CPU",
-              flush=True)
-    summary = None
-    if info.is_main:
-        summary = {"world_size": info.world_size, "trainer": args.trainer, "model": args.model,
-                   "distributed_type": distributed_type, "fsdp_wrapped": fsdp_wrapped,
-                   "losses": [float(h["loss"]) for h in logs], "train_runtime_s": result.metrics.get("train_runtime"),
-                   "fsdp_version": 2, "quant_storage": str(storage).replace("torch.", ""),
-                   "device": env.device_info(info.device), "versions": env.versions(),
-                   "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    trainer.save_model(str(out / "adapter"))
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
-    return summary
-
-
-def _build_trainer(args, info, model, tok, rows, dtype, out: Path):
-    from transformers import Trainer, TrainingArguments
-
-    local = args.global_batch_size // info.world_size
-    common = dict(
-        output_dir=str(out / "trainer"), per_device_train_batch_size=args.micro_batch_size,
-        gradient_accumulation_steps=local // args.micro_batch_size, max_steps=args.steps,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
-        max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else 0.0, seed=args.seed,
-        save_strategy="no", report_to=[], use_cpu=info.device.type == "cpu",
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, dataloader_num_workers=0,
-        remove_unused_columns=False, optim="adamw_torch", weight_decay=0.0,
-        gradient_checkpointing=args.grad_ckpt,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if args.grad_ckpt else None,
-        fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": args.reshard_after_forward,
-                                        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                                        "cpu_offload": args.cpu_offload},
-    )
-    from ..data import PaddingCollator
-
-    collator = PaddingCollator(pad_token_id=tok.pad_token_id, policy="fixed", max_length=args.seq_len)
-    from datasets import Dataset
-
-    ds = Dataset.from_list([{"input_ids": r["input_ids"].tolist(), "labels": r["labels"].tolist()} for r in rows])
-    callbacks = [_RegionalCompileCallback(args.backend, args.fullgraph)] if args.compile else []
-    if args.trainer == "trl":
-        from trl import SFTConfig, SFTTrainer
-
-        cfg = SFTConfig(**common, max_length=args.seq_len, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
-        return SFTTrainer(model=model, args=cfg, train_dataset=ds, data_collator=collator,
-                          processing_class=tok, callbacks=callbacks)
-    return Trainer(model=model, args=TrainingArguments(**common), train_dataset=ds, data_collator=collator,
-                   callbacks=callbacks)
-
-
-def _regional_callback_base():
-    from transformers import TrainerCallback
-
-    return TrainerCallback
-
-
-class _RegionalCompileCallback(_regional_callback_base()):
-    """Compile each decoder layer of the model the Trainer sharded, once training starts."""
-
-    def __init__(self, backend: str, fullgraph: bool):
-        self.backend, self.fullgraph, self.prepared = backend, fullgraph, None
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        from ..compile import prepare_for_compile
-
-        if model is not None and self.prepared is None:
-            self.prepared = prepare_for_compile(model, grad_ckpt=None, scope="regional",
-                                                backend=self.backend, fullgraph=self.fullgraph)
-
-
-
-# ----------------------------------------------------------------------------- driving runs
-def launch(nproc: int, args: Sequence[str], *, timeout: float | None = None, echo: bool = True):
-    """Run ``torchrun --standalone --nproc-per-node nproc -m qlora_nb_utils.distributed.fsdp_train args``.
-
-    What the notebook and ``tools/gpu_fsdp.sh`` call. ``OMP_NUM_THREADS`` is left to torchrun
-    (1 per process when nproc > 1) unless already set.
-
-    Returns:
-        The ``subprocess.CompletedProcess`` (stdout and stderr captured as text).
-
-    Raises:
-        RuntimeError: the run failed; the message holds the tail of its output.
-    """
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "qlora_nb_utils.distributed.fsdp_train", *map(str, args)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if echo:
-        for line in result.stdout.splitlines():
-            if line.startswith("[fsdp_train]"):
-                print(line, flush=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {result.returncode}:\n"
-                           f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return result
-
-
-def _load_summary(folder: str | Path) -> dict:
-    path = Path(folder) / "summary.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no summary.json in {folder}: did the run finish?")
-    return json.loads(path.read_text())
-
-
-def compare_runs(parity_one: str | Path, parity_n: str | Path, scaling_one: str | Path | None = None) -> dict:
-    """The FSDP2 results record from finished runs (``results/fsdp2_<device>.json``).
-
-    Args:
-        parity_one: a 1-rank run at global batch G.
-        parity_n: an N-rank run at the same global batch G and seed (per-rank batch G/N).
-        scaling_one: a 1-rank run at global batch G/N (the N-rank run's per-rank batch), for
-            the throughput comparison at the same per-GPU batch; None uses ``parity_one``.
-
-    Returns:
-        ``world_size``, ``tokens_per_s`` (``{"1": ..., "N": ...}``), ``scaling``,
-        ``peak_mem_gib_per_gpu`` (same keys), ``max_abs_loss_diff`` (over the common steps),
-        ``losses``, ``graph_breaks`` and ``compile`` per world size, ``per_gpu_batch``,
-        ``device``, ``versions``, ``commands``, ``date``.
-
-    Raises:
-        ValueError: the parity runs differ in steps or global batch, or are not 1 and N ranks.
-    """
-    one, many = _load_summary(parity_one), _load_summary(parity_n)
-    speed_one = _load_summary(scaling_one) if scaling_one is not None else one
-    n = many["world_size"]
-    if one["world_size"] != 1 or speed_one["world_size"] != 1 or n < 2:
-        raise ValueError(f"need 1-rank runs and an N>=2-rank run; got {one['world_size']}, "
-                         f"{speed_one['world_size']} and {n}")
-    g1, gn = one["options"]["global_batch_size"], many["options"]["global_batch_size"]
-    if g1 != gn or len(one["losses"]) != len(many["losses"]):
-        raise ValueError(f"parity runs differ: global batch {g1} vs {gn}, steps "
-                         f"{len(one['losses'])} vs {len(many['losses'])}")
-    diffs = [abs(a - b) for a, b in zip(one["losses"], many["losses"])]
-    key_n = str(n)
-    tps = {"1": speed_one["tokens_per_s"], key_n: many["tokens_per_s"]}
-    return {
-        "world_size": n,
-        "per_gpu_batch": {"1": speed_one["options"]["global_batch_size"], key_n: gn // n},
-        "global_batch_for_parity": g1,
-        "seq_len": many["options"]["seq_len"],
-        "model": many["model"],
-        "dtype": many["dtype"],
-        "nf4": many["nf4"],
-        "quant_storage": many["quant_storage"],
-        "tokens_per_s": tps,
-        "scaling": (tps[key_n] / tps["1"]) if tps["1"] and tps[key_n] else None,
-        "peak_mem_gib_per_gpu": {"1": speed_one["peak_mem_gib_per_gpu"], key_n: many["peak_mem_gib_per_gpu"]},
-        "max_abs_loss_diff": max(diffs) if diffs else None,
-        "losses": {"1": one["losses"], key_n: many["losses"]},
-        "graph_breaks": {"1": one["graph_breaks"], key_n: many["graph_breaks"]},
-        "compile": {"1": one["compile"], key_n: many["compile"]},
-        "first_step_s": {"1": one["first_step_s"], key_n: many["first_step_s"]},
-        "device": many["device"],
-        "versions": many["versions"],
-        "commands": {"parity_1": one["command"], f"parity_{n}": many["command"],
-                     "scaling_1": speed_one["command"]},
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-    }
-
-
 # ----------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, validate (before any model is loaded), run. Returns the exit status."""
@@ -660,6 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.trainer != "none":
+        from .trainer import run_trainer
+
         run_trainer(args)
     else:
         run(args)

@@ -16,6 +16,7 @@ from .._lazy import lazy_exports
 __getattr__, __dir__ = lazy_exports(__name__, {
     "dequantize_nf4": "nf4",
     "chunked_cross_entropy": "losses",
+    "ChunkedLossLM": "losses",
     "use_causal_sdpa": "attention",
     "use_causal_flex": "attention",
     "use_causal_attention": "attention",

@@ -75,7 +75,7 @@ from typing import Iterable
 
 import torch
 
-from ..compile.patches._base import PatchHandle
+from ..reversible import PatchHandle
 
 __all__ = ["CAUSAL_SDPA", "CAUSAL_FLEX", "KERNELS", "register_causal", "register_causal_sdpa", "use_causal_attention",
            "use_causal_sdpa", "use_causal_flex", "causal_masks_for", "check_right_padded", "causal_block_mask",
@@ -108,7 +108,6 @@ def _causal_block_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     reads tensor data, so Dynamo traces it into the model's graph.
     """
     from torch.nn.attention.flex_attention import create_block_mask
-
     from transformers.masking_utils import add_offsets_to_mask_function, causal_mask_function
 
     mask_mod = add_offsets_to_mask_function(mask_function or causal_mask_function, q_offset, kv_offset)

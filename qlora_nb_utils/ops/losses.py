@@ -17,7 +17,7 @@ around each chunk's matmul. The numbers are those of ``F.cross_entropy`` over
 ``logits.float()`` with ``reduction="mean"`` over non-ignored targets (what transformers'
 ``ForCausalLMLoss`` computes), checked in ``tests/test_peers.py`` for loss and gradients.
 Liger-Kernel's fused linear cross-entropy and torchtune's chunked output loss are the same
-idea.
+idea. :class:`ChunkedLossLM` puts it in place of a PEFT causal LM's own loss.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "causal_lm_targets"]
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "causal_lm_targets", "ChunkedLossLM"]
 
 IGNORE_INDEX = -100
 
@@ -121,6 +121,28 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     grad_on = torch.is_grad_enabled()
     return _ChunkedLinearCrossEntropy.apply(h, weight, t, chunks, ignore_index,
                                             grad_on and h.requires_grad, grad_on and weight.requires_grad)
+
+
+class ChunkedLossLM(torch.nn.Module):
+    """A PEFT causal LM whose loss is :func:`~qlora_nb_utils.ops.losses.chunked_cross_entropy`.
+
+    ``forward(input_ids, attention_mask, labels)`` runs the decoder stack, then the chunked
+    head + loss; it returns a ``CausalLMOutputWithPast`` holding only ``loss``, so it drops into
+    :func:`qlora_nb_utils.training.train` and :func:`qlora_nb_utils.compile.prepare_for_compile`.
+    """
+
+    def __init__(self, model: torch.nn.Module, chunks: int = 4) -> None:
+        super().__init__()
+        self.model = model
+        self.chunks = chunks
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        causal_lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        weight = causal_lm.get_output_embeddings().weight
+        return CausalLMOutputWithPast(loss=chunked_cross_entropy(hidden, weight, labels, chunks=self.chunks))
 
 
 def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

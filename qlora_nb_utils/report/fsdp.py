@@ -3,7 +3,7 @@
 Why it exists: the README's numbers must be the file's numbers. ``qlora-nb report
 results/fsdp2_h200.json`` prints the table and writes the loss plot next to the JSON; nothing
 here measures or recomputes a figure except the ratio of tokens/s against 1 GPU (the file's
-``scaling``). The file is written by ``tools/gpu_fsdp.sh`` from
+``scaling``). The file is written by ``scripts/gpu/gpu_fsdp.sh`` from
 :func:`qlora_nb_utils.distributed.fsdp_train.compare_runs`; its companion ``fsdp2_*_diag.json`` explains a
 past failure and is not a results file, so it is recognised and kept apart.
 """
@@ -75,7 +75,7 @@ def markdown_table(results: dict, name: str = "") -> str:
 def write_plot(results: dict, json_path: str | Path) -> list[Path]:
     """Write ``<stem>_loss.png`` next to the JSON: the loss per step of each world size, |diff| beneath.
 
-    The same figure ``tools/gpu_fsdp.sh`` draws (:func:`qlora_nb_utils.report.plots.plot_loss_curves`).
+    The same figure ``scripts/gpu/gpu_fsdp.sh`` draws (:func:`qlora_nb_utils.report.plots.plot_loss_curves`).
 
     Returns:
         The paths written (none when the file holds no losses).

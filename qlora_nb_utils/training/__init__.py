@@ -4,6 +4,8 @@
   (one row per step: loss, step time, tokens, peak memory), ``summarize``,
   ``trainable_state`` / ``load_trainable_state``, ``save_adapter``, and
   ``TrainingInterrupted`` (Ctrl-C keeps what was trained).
+- ``device``: one definition of step timing and peak memory (``sync``, ``reset_peak``,
+  ``peak_mem_gib``) for every runner that reports them.
 - ``gpulock``: a per-step file lock for benchmark processes that share one GPU, let go while
   torch compiles. It lives here, not in ``bench``, because the loop takes it at every step
   (a no-op unless ``$QLORA_NB_GPU_LOCK`` names a file).
@@ -21,6 +23,9 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "trainable_state": "loop",
     "load_trainable_state": "loop",
     "save_adapter": "loop",
+    "sync": "device",
+    "reset_peak": "device",
+    "peak_mem_gib": "device",
     "step_lock": "gpulock",
     "trainer_patches": "hf_trainer",
 })

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 import pandas as pd
 import torch
 
+from .device import peak_mem_gib, reset_peak, sync
 from .gpulock import step_lock
 
 __all__ = [
@@ -138,29 +139,6 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return next(_unwrap(model).parameters()).device
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_mem_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss / 2**30
-    except ImportError:  # psutil comes with accelerate; stay correct without it
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 def save_adapter(model: torch.nn.Module, folder: str | Path) -> Path | None:
     """Save the PEFT adapter of `model` (compiled or not) to `folder`.
 
@@ -188,7 +166,7 @@ def _micro_batches(batches: Iterable[dict]) -> Callable[[], dict]:
             return next(state["it"])
         except StopIteration:
             if source is None:
-                raise ValueError("the batch iterator ran out before the last step; pass a list to cycle it")
+                raise ValueError("the batch iterator ran out before the last step; pass a list to cycle it") from None
             state["it"] = iter(source)
             return next(state["it"])
 
@@ -252,7 +230,7 @@ def train(
     try:
         for step in range(cfg.steps):
             with step_lock():  # a no-op unless $QLORA_NB_GPU_LOCK shares the GPU (gpulock.py)
-                _reset_peak(device)
+                reset_peak(device)
                 row = _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
             row["peak_mem_gib"] = max(row["step_peak_mem_gib"], rows[-1]["peak_mem_gib"] if rows else 0.0)
             rows.append(row)
@@ -270,7 +248,7 @@ def train(
 
 
 def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step) -> dict:
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
     tokens = 0
@@ -288,7 +266,7 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
     sched.step()
     opt.zero_grad(set_to_none=True)
     loss_value = float(loss_sum) / cfg.grad_accum  # float() syncs; the timer reads after it
-    _sync(device)
+    sync(device)
     elapsed = time.perf_counter() - t0
     if not math.isfinite(loss_value):
         raise FloatingPointError(f"{label}: loss is {loss_value} at step {step}")
@@ -299,7 +277,7 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
         "step_ms": elapsed * 1e3,
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
-        "step_peak_mem_gib": _peak_mem_gib(device),
+        "step_peak_mem_gib": peak_mem_gib(device),
         "lr": lr,
         "grad_norm": grad_norm,
     }

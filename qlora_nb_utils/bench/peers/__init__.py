@@ -1,10 +1,20 @@
 """Our compiled QLoRA against its peers: same checkpoint, same batches, same seed, one GPU.
 
-- ``run``: the registry of peers and our variants, ``run_peer`` (in this process),
-  ``run_peers`` (one child process per peer), ``pick_ours``, ``summarize_run``.
-- ``torchao``: the torchao NF4 peer (torchtune's recipe) on the same HF checkpoint.
-- ``unsloth``: the Unsloth peer, always in a process of its own
-  (``python -m qlora_nb_utils.bench.peers.unsloth``).
+Why a package: a peer is another library's way of training QLoRA, and each library brings its
+own imports, patches and failure modes, so each peer lives in a module of its own, and the
+registry, the run records and the running are kept apart from all of them.
+
+- ``registry``: the peers (``PEERS``), our variants (``OURS_OPTIONS``, ``OURS_VARIANTS``), the
+  checks of both (``peer_names``, ``validate_ours_options``) and what each peer is.
+- ``results``: the run dict (``summarize_run``, ``error_run``) and which ``ours`` variant wins
+  (``pick_ours``).
+- ``runner``: ``run_peer`` (in this process) and ``run_peers`` (one child process per peer);
+  ``process``: the child processes' environment, time limit and output file.
+- The peers: ``hf`` (``hf-eager``, ``ours-default-compile``), ``trl``, ``torchao`` (torchtune's
+  NF4 recipe on the same checkpoint), ``ours`` (the recipe of
+  :mod:`qlora_nb_utils.compile.recipe`, measured), ``unsloth`` (the child, always a process of its
+  own: ``python -m qlora_nb_utils.bench.peers.unsloth``) and ``unsloth_launcher`` (which starts
+  it); ``common``: what they share.
 
 ``python -m qlora_nb_utils.bench.peers --spec SPEC.json --out RUN.json`` runs one peer in one
 process (what ``run_peers`` starts). This ``__init__`` imports nothing heavy (see
@@ -13,7 +23,10 @@ process (what ``run_peers`` starts). This ``__init__`` imports nothing heavy (se
 
 from ..._lazy import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {name: "run" for name in (
-    "PEERS", "OURS_OPTIONS", "OURS_VARIANTS", "peer_names", "validate_ours_options",
-    "run_peer", "run_peers", "pick_ours", "summarize_run", "cast_non_lora", "ChunkedLossLM",
-)})
+__getattr__, __dir__ = lazy_exports(__name__, {
+    **{name: "registry" for name in ("PEERS", "OURS_OPTIONS", "OURS_VARIANTS", "DEFAULT_VARIANT",
+                                     "UNSLOTH_SITE_ENV", "TORCHAO_SITE_ENV", "peer_names",
+                                     "validate_ours_options")},
+    **{name: "results" for name in ("summarize_run", "error_run", "pick_ours")},
+    **{name: "runner" for name in ("run_peer", "run_peers")},
+})

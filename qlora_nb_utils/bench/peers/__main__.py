@@ -2,6 +2,6 @@
 
 import sys
 
-from .run import _child_main
+from .runner import _child_main
 
 sys.exit(_child_main())

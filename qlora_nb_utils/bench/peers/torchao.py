@@ -12,7 +12,9 @@ torchao is optional: :func:`torchao_status` says whether it can be imported and 
 NF4 API moved in 0.18 (``torchao.quantization``); older releases kept it in
 ``torchao.dtypes.nf4tensor``; both are tried. A weight whose block count is not a multiple of
 256 (only the tiny test model has such) gets the largest scaler block that divides it, noted
-in the run's notes.
+in the run's notes. ``_peer_torchao`` is the peer itself: it builds that model, turns on
+non-reentrant checkpointing when the comparison asks for it, trains it under
+``torch.compile(model)`` and records the run.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ...env import resolve_device_dtype as _resolve_device_dtype
 from ..flops import LINEARS
+from .common import _model_dir, _train_cfg
+from .results import _from_history, error_run
 
 __all__ = ["torchao_status", "NF4LoRALinear", "build_torchao_qlora"]
 
@@ -133,3 +138,20 @@ def build_torchao_qlora(source: str, *, dtype: torch.dtype, device: torch.device
     if not replaced:
         raise ValueError(f"no projection named {sorted(targets)} found in {type(model).__name__}")
     return model, {"quantized": replaced, "scaler_block_size": scaler}
+
+
+def _peer_torchao(ctx: dict, batches: list) -> dict[str, Any]:
+    from ...training.loop import train
+
+    ok, why = torchao_status()
+    if not ok:
+        return error_run(ctx["name"], why, batch_size=ctx["batch_size"], seq_len=ctx["seq_len"])
+    device, dtype = _resolve_device_dtype(ctx["device"], ctx["dtype"])
+    model, info = build_torchao_qlora(_model_dir(ctx["model"]), dtype=dtype, device=device,
+                                      lora_r=ctx["lora_r"], lora_alpha=ctx["lora_alpha"], seed=ctx["seed"])
+    if ctx["grad_ckpt"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hist = train(model, batches, _train_cfg(ctx), forward=torch.compile(model), label=ctx["name"])
+    notes = (f"{why}; {info['quantized']} projections as NF4Tensor (block 64, scaler block "
+             f"{info['scaler_block_size']}) + LoRA in {str(dtype).replace('torch.', '')}; HF loss; torch.compile(model)")
+    return _from_history(ctx["name"], hist, ctx, notes, {"compiled": True})

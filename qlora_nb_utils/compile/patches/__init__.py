@@ -11,8 +11,8 @@ and a ``patched(...)`` context manager. Importing this package patches nothing.
   checkpointing model is called with ``config.use_cache=True``.
 """
 
+from ...reversible import PatchHandle
 from . import input_require_grads, use_cache_warning
-from ._base import PatchHandle
 
 #: Every patch, by name (the names ``compile.prepare_for_compile(patches=...)`` accepts).
 PATCHES = {

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from ._base import PatchHandle, check_signature, check_versions, set_attribute
+from ...reversible import PatchHandle, check_signature, check_versions, set_attribute
 
 __all__ = ["VERIFIED_ON", "SUPPORTED", "apply", "patched", "find_hooks", "requires_grad_unless_compiling"]
 

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ._base import PatchHandle, check_versions, set_attribute
+from ...reversible import PatchHandle, check_versions, set_attribute
 
 __all__ = ["VERIFIED_ON", "SUPPORTED", "apply", "patched", "find_configs"]
 

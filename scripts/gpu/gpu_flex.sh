@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Wrote: results/flex_attention_h200.json (+ flex_attention_h200*.log)
+# Rerun: TAG=x128 bash scripts/gpu/gpu_flex.sh OUT regional "$(seq -s, 128 128 2560)"
+#   (on the lent GPU machine, from the repository root; carry .whl .gpucache)
 # flex_attention on the GPU (issue 3): graph breaks, the fullgraph verdict and compilations of
 # the 1B-shape QLoRA over 20 distinct sequence lengths, regional and whole-model, through
 # `qlora-nb diagnose --attn flex_attention` (torch has no CPU backward for flex attention, so
@@ -8,13 +11,13 @@
 # causal-only flex mask, no padding mask, one graph; the batches are right-padded),
 # regional-precomputed, whole-precomputed (stock flex given the causal BlockMask built outside
 # the graph: --flex-block-mask precomputed, qlora_nb_utils.ops.attention.causal_block_mask).
-# Carried: .whl (bitsandbytes, peft, ...), .gpucache (tokenizer), as tools/gpu_peers.sh.
-# Usage (on that machine, repository root): bash tools/gpu_flex.sh OUT_DIR [SCOPES="regional whole"] [LENS]
+# Carried: .whl (bitsandbytes, peft, ...), .gpucache (tokenizer), as scripts/gpu/gpu_peers.sh.
+# Usage (on that machine, repository root): bash scripts/gpu/gpu_flex.sh OUT_DIR [SCOPES="regional whole"] [LENS]
 # LENS: comma-separated lengths (default: 20 lengths 64, 80, ..., 368; each run's JSON and log
 # name carry a tag, TAG=..., default "odd"). Inductor's flex lowering needs multiples of 64 (at
 # least 128) on torch 2.11, e.g. TAG=x128 with 128, 256, ..., 2560.
 set -uo pipefail
-out=${1:?usage: tools/gpu_flex.sh OUT_DIR [SCOPES] [LENS]}
+out=${1:?usage: scripts/gpu/gpu_flex.sh OUT_DIR [SCOPES] [LENS]}
 scopes=${2:-regional whole}
 for scope in $scopes; do  # refuse a typo before loading anything
   case "$scope" in regional|whole|regional-causal|whole-causal|regional-precomputed|whole-precomputed) ;;

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Writes: .unsloth/usite.tar.gz, which gpu_peers.sh unpacks for the Unsloth peer (not a results file)
+# Use: bash scripts/gpu/unsloth_bundle.sh (on this machine, before the GPU call)
 # Build .unsloth/usite.tar.gz: the Unsloth peer's packages for the offline GPU machine.
 #
 # That machine (Python 3.12, torch 2.11+cu130, transformers 5.17, no network) already has most
@@ -12,9 +14,9 @@
 # Wheels are fetched for cp312 manylinux x86_64 and installed with --target for that platform,
 # so this runs on any Linux x86-64 host with pip and PyPI. Details: docs/unsloth_peer.md.
 #
-# Usage (repository root): bash tools/unsloth_bundle.sh   [PYTHON=python3 to pick the pip]
+# Usage (repository root): bash scripts/gpu/unsloth_bundle.sh   [PYTHON=python3 to pick the pip]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PY=${PYTHON:-}
 if [[ -z $PY ]]; then

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
+# Wrote: results/compile_parity_h200.json
+# Rerun: OUT=$OUT BUDGET=440 bash scripts/gpu/gpu_parity.sh
+#   (on the lent GPU machine, from the repository root; carry .whl .gpucache)
 # bf16 loss parity on the GPU (issue 3's 5e-3 target), one call on one GPU (~8 minutes):
 #   parity_default.json         matrix cells lora,qlora,base x fixed x whole, inductor as is
 #   parity_eager_numerics.json  the same cells with --eager-numerics (emulate_precision_casts)
 #   regional_variable.json      lora,qlora x variable x regional: compilations after the
 #                               restart fix (compile._with_static_floats)
-#   noise.json                  eager vs eager (tools/bf16_noise.py): the floor
+#   noise.json                  eager vs eager (scripts/gpu/bf16_noise.py): the floor
 # The four run side by side (timings in these files mean nothing; losses and counts do).
-# Usage (GPU machine, carry .whl .gpucache): OUT=/dir bash tools/gpu_parity.sh
+# Usage (GPU machine, carry .whl .gpucache): OUT=/dir bash scripts/gpu/gpu_parity.sh
 set -uo pipefail
 OUT=${OUT:?set OUT}
 source "$(dirname "$0")/gpu_env.sh"
@@ -18,13 +21,13 @@ m() {  # m NAME ARGS...
   local name=$1; shift
   timeout --kill-after=10 $((BUDGET + 60)) python3 -W ignore -m qlora_nb_utils.bench.matrix --model llama-3.2-1b-shape \
     --steps 30 --batch-size 4 --max-len 256 --warmup 5 --time-budget-s "$BUDGET" \
-    --command "OUT=\$OUT bash tools/gpu_parity.sh ($name)" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+    --command "OUT=\$OUT bash scripts/gpu/gpu_parity.sh ($name)" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
   echo "[gpu_parity] $name exit $?"
 }
 m parity_default --configs lora,qlora,base --grad-ckpt off --lengths fixed --scopes whole &
 m parity_eager_numerics --configs lora,qlora,base --grad-ckpt off --lengths fixed --scopes whole --eager-numerics &
 m regional_variable --configs lora,qlora --grad-ckpt off --lengths variable --scopes regional &
-timeout $((BUDGET + 60)) python3 -W ignore tools/bf16_noise.py --out "$OUT/noise.json" > "$OUT/noise.log" 2>&1 &
+timeout $((BUDGET + 60)) python3 -W ignore scripts/gpu/bf16_noise.py --out "$OUT/noise.json" > "$OUT/noise.log" 2>&1 &
 wait
 python3 - "$OUT" <<'PY'
 import json, sys, pathlib

@@ -1,4 +1,6 @@
-# Sourced by the tools/gpu_*.sh scripts on the GPU machine: install the carried wheels (.whl/) into
+# Writes: nothing (sourced by the other scripts here)
+# Use: source scripts/gpu/gpu_env.sh
+# Sourced by the scripts/gpu/gpu_*.sh scripts on the GPU machine: install the carried wheels (.whl/) into
 # /tmp/site and set the offline environment they share (package path, model cache, hub off,
 # unbuffered logs). A script that needs more (torchao's own site, notebook wheels) adds it after.
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -1,6 +1,13 @@
-"""What every patch in this package shares: version guards, target checks, reversible handles.
+"""A change that can be undone exactly: reversible handles, version guards, target checks.
 
-A patch here works around one upstream behaviour that ``torch.compile`` cannot trace. Such a
+Why this module sits at the bottom of the package, beside ``env``: two layers hand back undo
+handles. ``compile`` does (the workarounds in :mod:`qlora_nb_utils.compile.patches`, and the
+other changes ``prepare_for_compile`` makes), and so does ``ops``, a layer below it (the
+attention swap in :mod:`qlora_nb_utils.ops.attention`). Both need the same
+:class:`PatchHandle` and :func:`set_attribute`, so neither can own them. This module imports
+nothing from the package.
+
+A patch works around one upstream behaviour that ``torch.compile`` cannot trace. Such a
 workaround is only safe on the code it was written against, so each patch module:
 
 * states the versions it was verified on (``VERIFIED_ON``) and the range it accepts

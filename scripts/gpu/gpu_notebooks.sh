@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
+# Wrote: results/notebooks/*.h200.ipynb and their run*.log
+# Rerun: QLORA_NB_PROFILE=gpu-short OUT=$OUT bash scripts/gpu/gpu_notebooks.sh notebooks/04_recompilations.ipynb (carry .nbwhl too)
+#   (on the lent GPU machine, from the repository root; carry .whl .gpucache)
 # Execute notebooks on the lent GPU machine with their outputs kept (QLORA_NB_PROFILE=gpu unless
 # set), in place, and copy each executed notebook into $OUT when it is set. Any notebook of the series.
 #
 # It needs nbclient and an ipykernel, which the GPU image lacks (KINDS.md lists no jupyter):
 # carry them as wheels in .nbwhl/ (installed into /tmp/site-nb; debugpy and jedi, optional and
-# 10 MB, are left out) or the script stops with the list of what is missing. Carried otherwise as tools/gpu_bench.sh (.whl, .gpucache).
-# Usage (on that machine, from the repository root): bash tools/gpu_notebooks.sh notebooks/05_benchmarks.ipynb ...
+# 10 MB, are left out) or the script stops with the list of what is missing. Carried otherwise as scripts/gpu/gpu_bench.sh (.whl, .gpucache).
+# Usage (on that machine, from the repository root): bash scripts/gpu/gpu_notebooks.sh notebooks/05_benchmarks.ipynb ...
 # Notebook 04 sized for one 600 s call (untimed yet): its gpu-short profile, the 1B shape with 4 layers:
-#   QLORA_NB_PROFILE=gpu-short OUT=$OUT timeout 580 bash tools/gpu_notebooks.sh notebooks/04_recompilations.ipynb
+#   QLORA_NB_PROFILE=gpu-short OUT=$OUT timeout 580 bash scripts/gpu/gpu_notebooks.sh notebooks/04_recompilations.ipynb
 set -euo pipefail
-[ $# -ge 1 ] || { echo "usage: tools/gpu_notebooks.sh NOTEBOOK.ipynb..." >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: scripts/gpu/gpu_notebooks.sh NOTEBOOK.ipynb..." >&2; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 if compgen -G ".whl/torchao/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-torchao .whl/torchao/*.whl
@@ -26,7 +29,7 @@ missing=$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('nb
 python3 -m ipykernel install --user --name python3 > /dev/null
 nvidia-smi -L
 status=0
-export QLORA_NB_COMMAND="bash tools/gpu_notebooks.sh $*"
+export QLORA_NB_COMMAND="bash scripts/gpu/gpu_notebooks.sh $*"
 for nb in "$@"; do
   echo "==> $nb"
   # nbclient executes in the notebook's folder and keeps every output; a failing cell stops the
@@ -45,7 +48,7 @@ finally:
     import datetime, os, torch
     nb.metadata["qlora_nb_run"] = {  # where the outputs came from (the executed copy only)
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "command": os.environ.get("QLORA_NB_COMMAND", "bash tools/gpu_notebooks.sh " + str(path)),
+        "command": os.environ.get("QLORA_NB_COMMAND", "bash scripts/gpu/gpu_notebooks.sh " + str(path)),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "profile": os.environ.get("QLORA_NB_PROFILE")}
     nbformat.write(nb, path)

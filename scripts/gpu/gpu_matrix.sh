@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The compile matrix on the lent GPU machine (see tools/gpu_bench.sh for the carried files).
+# Wrote: results/compile_matrix_h200.json (parts merged with python -m qlora_nb_utils.bench.matrix --merge)
+# Rerun: EAGER_NUMERICS=1 BASE_FP32_MASTER=1 bash scripts/gpu/gpu_matrix.sh OUT/quick.json 385 qlora,lora,base quick; the same with OUT/dyn.json 455 ... dynamic; base cells: BASE_LR=2e-5 ... OUT/base.json 480 base all
+#   (on the lent GPU machine, from the repository root; carry .whl .gpucache)
+# The compile matrix on the lent GPU machine (see scripts/gpu/gpu_bench.sh for the carried files).
 # Usage (on that machine, from the repository root):
-#   bash tools/gpu_matrix.sh OUT_JSON BUDGET_S [configs] [group]
+#   bash scripts/gpu/gpu_matrix.sh OUT_JSON BUDGET_S [configs] [group]
 # group "quick": fixed lengths (whole, regional) and variable lengths (regional);
 # group "dynamic": variable lengths, whole model (a dynamic graph of the whole model: the
 # slowest compile); group "variable": variable lengths, whole then regional; group "all": all. Parts of two calls merge with
@@ -17,7 +20,7 @@
 # exclusive file lock, let go while torch compiles (qlora_nb_utils/gpulock.py). Each process
 # stops at BUDGET_S (cells it finished are kept); the parts are then merged into OUT_JSON.
 set -euo pipefail
-out=${1:?usage: tools/gpu_matrix.sh OUT_JSON BUDGET_S [configs]}
+out=${1:?usage: scripts/gpu/gpu_matrix.sh OUT_JSON BUDGET_S [configs]}
 budget=${2:?time budget in seconds}
 configs=${3:-qlora,lora,base}
 group=${4:-all}
@@ -42,7 +45,7 @@ source "$(dirname "$0")/gpu_env.sh"
 export QLORA_NB_GPU_LOCK=/tmp/qlora_nb_gpu.lock TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 nvidia-smi -L
-cmd="${numerics_env}bash tools/gpu_matrix.sh $out $budget $configs $group"
+cmd="${numerics_env}bash scripts/gpu/gpu_matrix.sh $out $budget $configs $group"
 # Build each model once before the parts start, so that the parts do not all build it.
 python3 -c "from qlora_nb_utils import models; models.materialize('$model')"
 parts=$(dirname "$out")/matrix_parts

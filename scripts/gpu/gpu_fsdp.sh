@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
+# Wrote: results/fsdp2_h200.json, results/fsdp2_h200_runs/, results/fsdp2_h200_loss.png (through gpu_fsdp_all.sh)
+# Rerun: OUT=$OUT bash scripts/gpu/gpu_fsdp.sh (2 GPUs: nvidia-h200-x2)
+#   (on the lent GPU machine, from the repository root; carry .whl .gpucache)
 # QLoRA + FSDP2 + per-layer torch.compile on 1 and 2 GPUs: the runs behind results/fsdp2_<device>.json.
 # For a machine with 2 GPUs (2x H200), torch/transformers/peft/accelerate installed, no network:
 # bitsandbytes/datasets/trl come from the carried .whl/ folder, the SmolLM2 tokenizer from
-# .gpucache/ (see tools/gpu_bench.sh). Usage, from the repository root:
-#     OUT=/some/dir bash tools/gpu_fsdp.sh          (OUT defaults to ./out/fsdp2)
+# .gpucache/ (see scripts/gpu/gpu_bench.sh). Usage, from the repository root:
+#     OUT=/some/dir bash scripts/gpu/gpu_fsdp.sh          (OUT defaults to ./out/fsdp2)
 # Budget: ~9 minutes wall time. Three runs of llama-3.1-8b-shape NF4 QLoRA at seq 2048:
 #   parity_1  1 GPU,  global batch 2 (micro-batch 1 x 2 accumulation), 30 steps  } concurrently,
 #   scaling_1 1 GPU,  global batch 1 (per-GPU batch 1), 12 steps                } one per GPU
@@ -18,7 +21,7 @@ T0=$(date +%s)
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 MODEL=${MODEL:-llama-3.1-8b-shape}
-NF4=${NF4:-auto}  # auto = replicate on NCCL: sharded NF4 bytes did not survive NCCL (tools/fsdp_diag.py)
+NF4=${NF4:-auto}  # auto = replicate on NCCL: sharded NF4 bytes did not survive NCCL (results/fsdp2_h200_diag.json)
 FROZEN=${FROZEN:-shard}  # replicate: embeddings/LM head/norms whole on every GPU (no all-gather)
 COMMON=(--model "$MODEL" --quant nf4 --nf4 "$NF4" --frozen "$FROZEN" --seq-len 2048 --pack --dtype bfloat16 --device cuda
         --compile --backend inductor --no-fullgraph --lr 2e-4 --seed 0 --timing-warmup 3)
@@ -72,7 +75,7 @@ FROZEN=$FROZEN NF4=$NF4 python3 - "$RUNS" "$OUT" "$0 $*" <<'EOF' || echo "[gpu_f
 import json, os, re, sys, datetime
 from pathlib import Path
 import torch
-from qlora_nb_utils.distributed.fsdp_train import compare_runs
+from qlora_nb_utils.distributed.runs import compare_runs
 
 runs, out, command = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 done = {p.name for p in runs.iterdir() if (p / "summary.json").is_file()}

@@ -1,5 +1,9 @@
 """The bf16 noise floor of a 30-step training run: eager against eager.
 
+Wrote: results/bf16_noise_h200.json, results/bf16_noise_base_h200.json
+Rerun: python3 scripts/gpu/bf16_noise.py --out OUT/noise.json (the base floor: --configs base-fp32 --base-lr 2e-5 --perturbations sdpa_math,rows_reversed,rows_perm1,rows_perm2,rows_perm3,rows_perm4)
+  (on the lent GPU machine, from the repository root; carry .whl .gpucache)
+
 The compile matrix compares eager and compiled losses over 30 steps in bf16. How far apart may
 two *correct* runs of the same batches drift? This runs each config (base, LoRA, QLoRA) eagerly
 four times from the same weights on the same batches as the matrix (fixed lengths): twice as
@@ -17,8 +21,8 @@ a range, not one number.
 The pseudo-config "base-fp32" is the full fine-tune with fp32 master weights under bf16
 autocast (the matrix's --base-fp32-master).
 
-Usage (GPU machine, environment as tools/gpu_matrix.sh):
-    python3 tools/bf16_noise.py --out noise.json [--configs lora,qlora,base,base-fp32] [--steps 30]
+Usage (GPU machine, environment as scripts/gpu/gpu_matrix.sh):
+    python3 scripts/gpu/bf16_noise.py --out noise.json [--configs lora,qlora,base,base-fp32] [--steps 30]
         [--perturbations flipped,sdpa_math,rows_reversed] [--lr 2e-4] [--base-lr 2e-5]
 
 --base-lr sets the learning rate of the full fine-tune (base, base-fp32) alone, as the matrix's
@@ -39,7 +43,6 @@ import torch
 from qlora_nb_utils import env
 from qlora_nb_utils.bench.matrix import CONFIGS, _batches, config_lr, load_cell_model
 from qlora_nb_utils.training.loop import TrainConfig, load_trainable_state, train, trainable_state
-
 
 #: The perturbed eager runs, each compared with the plain eager run (see the module docstring).
 PERTURBATIONS = ("flipped", "sdpa_math", "rows_reversed", "rows_perm1", "rows_perm2", "rows_perm3", "rows_perm4")
@@ -120,7 +123,7 @@ def main() -> None:
                 elif label.startswith("eager_rows_perm"):
                     data = _rows_permuted(batches, int(label.removeprefix("eager_rows_perm")))
                 runs[label] = [float(x) for x in train(model, data, cfg, forward=forward, label=label)["loss"]]
-        diff = lambda x, y: max(abs(u - v) for u, v in zip(runs[x], runs[y]))  # noqa: E731
+        diff = lambda x, y: max(abs(u - v) for u, v in zip(runs[x], runs[y]))  # noqa: E731, B023 (used in this iteration)
         cell = {"config": name, "quant": quant, "lora": lora, "lr": lr, "losses": runs, "weights_dtype": weights_dtype,
                 "max_abs_loss_diff_repeat": diff("eager", "eager_again")}
         for label in labels[2:]:

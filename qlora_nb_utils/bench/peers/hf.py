@@ -1,0 +1,29 @@
+"""The HF default QLoRA recipe as a peer: eager (``hf-eager``) and under plain ``torch.compile``.
+
+Why it exists: it is the baseline every other peer is measured against, the recipe a
+transformers user gets from the docs (``prepare_model_for_kbit_training`` + ``get_peft_model``,
+bitsandbytes NF4 with double quantization), eager; ``ours-default-compile`` is the same model
+with nothing but ``torch.compile(model)`` added, which says how much of our speed plain
+compilation gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .common import _hf_model, _train_cfg
+from .results import _from_history
+
+
+def _peer_hf(ctx: dict, batches: list, compiled: bool) -> dict[str, Any]:
+    from ...training.loop import train
+
+    model, _ = _hf_model(ctx)
+    forward, notes = model, "prepare_model_for_kbit_training + get_peft_model, eager"
+    if compiled:
+        forward = torch.compile(model)
+        notes = "prepare_model_for_kbit_training + get_peft_model, plain torch.compile(model)"
+    hist = train(model, batches, _train_cfg(ctx), forward=forward, label=ctx["name"])
+    return _from_history(ctx["name"], hist, ctx, notes, {"compiled": compiled})

@@ -1,0 +1,87 @@
+"""TRL's ``SFTTrainer(torch_compile=True)`` as a peer, on the HF recipe's model.
+
+Why it exists: many users train QLoRA through TRL rather than a loop of their own, and TRL
+turns on ``torch.compile`` with one flag; this peer is what that flag gives. It trains the same
+pre-tokenized batches in the same order as every other peer (a sequential sampler, constant
+learning rate, AdamW, grad-norm clip 1.0) and times each step with a ``TrainerCallback``; its
+losses are the ones the Trainer logs.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from ...env import resolve_device_dtype as _resolve_device_dtype
+from .common import _hf_model
+from .results import summarize_run
+
+
+def _peer_trl(ctx: dict, batches: list) -> dict[str, Any]:
+    import datasets
+    from torch.utils.data import SequentialSampler
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from ...training.device import peak_mem_gib, reset_peak, sync
+    from ...training.hf_trainer import trainer_patches
+
+    device, dtype = _resolve_device_dtype(ctx["device"], ctx["dtype"])
+    model, tok = _hf_model(ctx)
+    keys = ("input_ids", "attention_mask", "labels")
+    order = [batches[i % len(batches)] for i in range(ctx["steps"])]
+    rows = {k: [row.tolist() for b in order for row in b[k]] for k in keys}
+    dataset = datasets.Dataset.from_dict(rows)
+
+    def collate(features):
+        return {k: torch.tensor([f[k] for f in features], dtype=torch.long) for k in keys}
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.ms, self.losses, self.t0, self.peak = [], [], 0.0, 0.0
+
+        def on_train_begin(self, args, state, control, **kw):
+            reset_peak(device)
+
+        def on_step_begin(self, args, state, control, **kw):
+            sync(device)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync(device)
+            self.ms.append((time.perf_counter() - self.t0) * 1e3)
+            self.peak = max(self.peak, peak_mem_gib(device))
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+
+    class InOrderSFTTrainer(SFTTrainer):  # the batches in the given order, like every other peer
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    timer = Timer()
+    with tempfile.TemporaryDirectory() as out, trainer_patches(model):
+        args = SFTConfig(
+            output_dir=out, max_steps=ctx["steps"], per_device_train_batch_size=ctx["batch_size"],
+            learning_rate=ctx["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, report_to="none", save_strategy="no",
+            gradient_checkpointing=ctx["grad_ckpt"], torch_compile=True, bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16, use_cpu=device.type == "cpu", remove_unused_columns=False,
+            dataset_kwargs={"skip_prepare_dataset": True}, seed=ctx["seed"], dataloader_num_workers=0,
+            disable_tqdm=not ctx.get("progress", False), max_length=None)
+        trainer = InOrderSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
+                                    data_collator=collate, callbacks=[timer])
+        trainer.train()
+    tokens = [int(b["attention_mask"].sum()) for b in order]
+    if len(timer.losses) != len(timer.ms):
+        raise RuntimeError(f"TRL logged {len(timer.losses)} losses for {len(timer.ms)} steps")
+    notes = ("TRL SFTTrainer(torch_compile=True) on the same pre-tokenized batches in order; "
+             "constant lr, AdamW (torch), grad-norm clip 1.0; loss as logged by the Trainer")
+    return summarize_run(ctx["name"], losses=timer.losses, step_ms=timer.ms, tokens=tokens,
+                         peak_mem_gib=timer.peak, batch_size=ctx["batch_size"], seq_len=ctx["seq_len"],
+                         warmup=ctx["warmup"], flops_per_step=ctx.get("flops_per_step"),
+                         peak_tflops=ctx.get("peak_tflops"), notes=notes, options={"compiled": True})

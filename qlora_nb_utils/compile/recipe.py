@@ -1,0 +1,214 @@
+"""Our fastest QLoRA training step, as plain functions on a loaded PEFT model.
+
+Why this module exists: the peer benchmark found a recipe that trains a bitsandbytes NF4 +
+LoRA model much faster than the HF default (``docs/fast_recipe.md`` quotes the figures and
+the runs they come from). A user should be able to train with it without importing the
+benchmark, so the steps that change the model live here, in the product. Each step fixes one
+thing the default setup gets wrong under ``torch.compile``, and each can be undone:
+
+* **Cast back.** ``prepare_model_for_kbit_training`` upcasts the embeddings, the tied head and
+  the norms to fp32, which turns the whole residual stream fp32. :func:`cast_non_lora` casts
+  every non-LoRA float weight back to the compute dtype (the LoRA weights stay fp32).
+* **Chunked loss.** The model is wrapped in :class:`~qlora_nb_utils.ops.losses.ChunkedLossLM`,
+  whose loss never holds the full fp32 logits of a 128k vocabulary.
+* **Causal-only attention.** While Dynamo traces, transformers always builds a 4-D mask, so
+  the compiled model never takes SDPA's flash kernel and repeats K/V over the query groups.
+  On right-padded batches the causal flag alone gives real tokens the same attention
+  (:func:`~qlora_nb_utils.ops.attention.use_causal_sdpa`; the batches are checked first).
+* **Partial checkpointing.** Gradient checkpointing with the package's must-recompute policy
+  (:func:`~qlora_nb_utils.compile.prepare_for_compile` with ``grad_ckpt=True``), limited to
+  the first N decoder layers: enough to bring peak memory down, without paying the recompute
+  of every layer.
+* **Autocast.** PEFT keeps the LoRA weights fp32 and casts every LoRA input to fp32 unless
+  autocast is on; under ``torch.autocast`` the LoRA matmuls run in bf16 and the fp32 master
+  weights stay.
+* **Activation memory budget.** Inductor's ``activation_memory_budget`` (0..1) makes the
+  compiled backward recompute more and save less (:func:`activation_memory_budget`).
+
+:func:`prepare_fast` applies them in that order and hands back a :class:`FastPrepared`: the
+forward to train with, the compile counter, what was done (for a run's notes) and ``undo()``.
+This module never imports the lab (``bench``, ``report``), the CLI or ``training``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+import torch
+
+from ..ops.attention import check_right_padded, use_causal_sdpa
+from ..ops.losses import ChunkedLossLM
+from .checkpointing import decoder_layers
+from .prepare import Prepared, prepare_for_compile
+
+if TYPE_CHECKING:
+    from ..reversible import PatchHandle
+    from .counting import CompileCounter
+
+__all__ = [
+    "FastPrepared",
+    "cast_non_lora",
+    "checkpoint_first_layers",
+    "autocast_forward",
+    "activation_memory_budget",
+    "prepare_fast",
+]
+
+
+def cast_non_lora(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Cast every floating, non-LoRA parameter to ``dtype`` (undoing kbit-prep's fp32 upcast).
+
+    LoRA weights (names with ``lora_``) keep their dtype (PEFT keeps them fp32), 4-bit packed
+    weights (integer storage) are untouched, and nothing changes ``requires_grad``.
+
+    Returns:
+        How many parameters were cast.
+    """
+    cast = 0
+    for name, param in model.named_parameters():
+        if "lora_" in name or not param.is_floating_point() or param.dtype == dtype:
+            continue
+        param.data = param.data.to(dtype)
+        cast += 1
+    return cast
+
+
+def checkpoint_first_layers(model: torch.nn.Module, n: int) -> int:
+    """Keep gradient checkpointing on the first ``n`` decoder layers only; turn it off on the rest.
+
+    Call it after ``prepare_for_compile(..., grad_ckpt=True)``: that turned checkpointing on in
+    every layer, and its ``undo()`` restores every layer's original flag, these included.
+
+    Returns:
+        How many decoder layers keep checkpointing (``n``, or fewer when the model has fewer).
+    """
+    layers = decoder_layers(model)
+    n_ckpt = min(n, len(layers))
+    for layer in layers[n_ckpt:]:
+        layer.gradient_checkpointing = False
+    return n_ckpt
+
+
+def autocast_forward(forward: Callable[..., Any], device_type: str, dtype: torch.dtype) -> Callable[..., Any]:
+    """``forward(**batch)`` run under ``torch.autocast(device_type, dtype=dtype)``.
+
+    The context is entered outside the compiled callable, so Dynamo traces under it.
+    """
+
+    def run(**batch):
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(**batch)
+
+    return run
+
+
+@contextlib.contextmanager
+def activation_memory_budget(budget: float | None) -> Iterator[None]:
+    """Inductor's ``activation_memory_budget`` (0..1) inside the block; None leaves the default.
+
+    Compile (run the first step) inside the block: the partitioner reads the setting when it
+    splits the forward from the backward.
+    """
+    patch = {} if budget is None else {"activation_memory_budget": float(budget)}
+    with torch._functorch.config.patch(**patch):
+        yield
+
+
+@dataclasses.dataclass
+class FastPrepared:
+    """A model made ready by :func:`prepare_fast`.
+
+    Attributes:
+        forward: What to train with: ``forward(**batch).loss``.
+        prepared: The :class:`~qlora_nb_utils.compile.Prepared` of ``prepare_for_compile``.
+        attention: The causal-only attention handle, or None when it was not asked for.
+        cast: How many non-LoRA weights were cast to ``dtype`` (0 when not asked for).
+        ckpt_layers: How many decoder layers checkpoint (0 without checkpointing).
+        layers: How many decoder layers the model has.
+        autocast: Whether ``forward`` runs under autocast (only for a bf16/fp16 ``dtype``).
+        dtype: The compute dtype.
+    """
+
+    forward: Callable[..., Any]
+    prepared: Prepared
+    attention: PatchHandle | None
+    cast: int
+    ckpt_layers: int
+    layers: int
+    autocast: bool
+    dtype: torch.dtype
+
+    @property
+    def counter(self) -> CompileCounter:
+        """The compile counter of the prepared model (compilations, compile time)."""
+        return self.prepared.counter
+
+    def undo(self) -> None:
+        """Revert ``prepare_for_compile`` (checkpointing flags included), then the attention swap.
+
+        The cast is not undone: cast back with :func:`cast_non_lora` if the fp32 copies matter.
+        """
+        self.prepared.undo()
+        if self.attention is not None:
+            self.attention.undo()
+
+
+def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = None,
+                 batches: Iterable[dict] | None = None, cast_bf16: bool = True, ce_chunks: int = 4,
+                 grad_ckpt: bool = False, ckpt_layers: int | None = None, autocast: bool = False,
+                 causal_attn: bool = False, mode: str | None = None, backend: Any = "inductor") -> FastPrepared:
+    """Apply the fast recipe to a loaded PEFT QLoRA model (see the module docstring).
+
+    Args:
+        model: a PEFT causal LM, e.g. from ``models.load_model(..., prepare_kbit=True)``; load it
+            with ``gradient_checkpointing=grad_ckpt``.
+        dtype: the compute dtype (what the non-LoRA weights are cast to, autocast's dtype).
+        device: where the model runs (autocast's device type); None: the model's first parameter's.
+        batches: the training batches (a list); needed with ``causal_attn``, which checks that
+            they are right-padded.
+        cast_bf16: cast every non-LoRA float weight to ``dtype`` (:func:`cast_non_lora`).
+        ce_chunks: chunked cross-entropy over this many pieces (``ChunkedLossLM``); 0 keeps the
+            model's own loss.
+        grad_ckpt: gradient checkpointing with the must-recompute policy; False turns it off.
+        ckpt_layers: with ``grad_ckpt``, checkpoint only the first N decoder layers (None: all).
+        autocast: run the step under ``torch.autocast(dtype)`` (nothing to do for fp32).
+        causal_attn: causal-only SDPA (flash kernel + GQA); right-padded batches only.
+        mode: the inductor mode (None: default).
+        backend: the Dynamo backend.
+
+    Returns:
+        A :class:`FastPrepared`; call ``undo()`` when done (in a ``finally``).
+
+    Raises:
+        ValueError: ``ckpt_layers`` without ``grad_ckpt``, ``causal_attn`` without batches or with
+            batches that are not right-padded, or a bad ``prepare_for_compile`` option.
+    """
+    if ckpt_layers is not None and not grad_ckpt:
+        raise ValueError("ckpt_layers picks which layers gradient checkpointing covers; it needs grad_ckpt=True")
+    if causal_attn and batches is None:
+        raise ValueError("causal_attn needs the batches, to check that they are right-padded")
+    device = next(model.parameters()).device if device is None else torch.device(device)
+    cast = cast_non_lora(model, dtype) if cast_bf16 else 0
+    attn = None
+    if causal_attn:
+        check_right_padded(batches)
+        attn = use_causal_sdpa(model)
+    try:
+        target = ChunkedLossLM(model, ce_chunks) if ce_chunks else model
+        prepared = prepare_for_compile(target, grad_ckpt=bool(grad_ckpt), mode=mode, backend=backend)
+    except BaseException:  # leave the model as it was given, but for the cast
+        if attn is not None:
+            attn.undo()
+        raise
+    layers = decoder_layers(model)
+    n_ckpt = len(layers) if grad_ckpt else 0
+    if grad_ckpt and ckpt_layers is not None:
+        n_ckpt = checkpoint_first_layers(model, ckpt_layers)  # prepared.undo() restores every layer's flag
+    forward = prepared.forward
+    use_autocast = autocast and dtype in (torch.bfloat16, torch.float16)  # fp32 runs: nothing to do
+    if use_autocast:
+        forward = autocast_forward(prepared.forward, device.type, dtype)
+    return FastPrepared(forward=forward, prepared=prepared, attention=attn, cast=cast, ckpt_layers=n_ckpt,
+                        layers=len(layers), autocast=use_autocast, dtype=dtype)

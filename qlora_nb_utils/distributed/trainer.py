@@ -1,0 +1,147 @@
+"""The FSDP2 fine-tune through ``transformers.Trainer`` or ``trl.SFTTrainer`` instead of our loop.
+
+Why this module exists: most people fine-tune through the HF ``Trainer`` or TRL, not through
+an explicit loop, so ``fsdp_train --trainer hf|trl`` runs the same model, data and options
+through them with accelerate's FSDP2 settings, and each decoder layer compiled by a callback
+(:func:`run_trainer` says what accelerate does and does not shard, and why not on CPU). It is
+kept apart from :mod:`qlora_nb_utils.distributed.fsdp_train` because it pulls in the
+Trainer, TRL and ``datasets`` (the callback class is built from ``transformers.TrainerCallback``
+when this module is imported), which the explicit loop never needs; ``fsdp_train.main`` imports
+it only for ``--trainer hf|trl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+from pathlib import Path
+
+import torch
+
+from .global_batches import make_global_batches
+
+__all__ = ["run_trainer"]
+
+
+def run_trainer(args: argparse.Namespace) -> dict | None:
+    """The same fine-tune through ``transformers.Trainer`` (``hf``) or ``trl.SFTTrainer`` (``trl``)
+    with accelerate's FSDP2 (``fsdp=True``, ``fsdp_config={"version": 2, ...}``; transformers
+    5.17 deprecates the string form ``fsdp="full_shard"``, and its key is ``version``).
+
+    Launch it with torchrun like the explicit loop. On GPUs the Trainer wraps each decoder
+    layer and the root with ``fully_shard`` through accelerate's ``fsdp2_prepare_model``,
+    which puts uint8 ``Params4bit`` into ``ignored_params`` (replicated, like
+    ``nf4="replicate"``) and shards a floating quant storage. With ``--compile`` each decoder
+    layer of the prepared model is compiled (``prepare_for_compile(scope="regional")``) in a
+    callback at the start of training; the Trainer's own ``torch_compile`` compiles the whole
+    model instead.
+
+    **Not on CPU.** accelerate 1.15 turns the FSDP plugin on only when its distributed type
+    is one of the accelerator kinds (``MULTI_GPU``, ``MULTI_XPU``, ``MULTI_NPU``, ...;
+    ``AcceleratorState.__init__`` in ``accelerate/state.py``); a gloo CPU run is
+    ``MULTI_CPU``, so the ``fsdp_config`` is ignored and the model is wrapped in DDP (its log
+    says ``find_unused_parameters=True was specified in DDP constructor``). The run still
+    trains; the summary records ``distributed_type`` and ``fsdp_wrapped`` so that CI checks
+    the gap (a strict xfail) rather than assuming FSDP2 happened. The Trainer's loss is also
+    normalised differently (per-rank mean, its own shuffling), so its losses are not compared
+    with the explicit loop's.
+
+    Returns:
+        The summary on rank 0 (also written to ``OUT/summary.json``), None elsewhere.
+    """
+    from .. import env
+    from .setup import init_distributed, load_qlora, mixed_precision, resolve_quant_storage
+
+    info = init_distributed(args.device)
+    out = Path(args.out)
+    dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
+        else getattr(torch, args.dtype)
+    storage = resolve_quant_storage(args.quant_storage, mixed_precision(dtype).param_dtype, dtype)
+    model, tok = load_qlora(args.model, quant=args.quant, dtype=dtype, device=info.device,
+                            quant_storage=storage, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                            seed=args.seed)
+    batches = make_global_batches(tok, args)
+    rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(len(b["input_ids"]))]
+    trainer = _build_trainer(args, info, model, tok, rows, dtype, out)
+    result = trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    from torch.distributed.fsdp import FSDPModule
+
+    distributed_type = str(getattr(trainer.accelerator.distributed_type, "value", trainer.accelerator.distributed_type))
+    fsdp_wrapped = any(isinstance(m, FSDPModule) for m in trainer.model_wrapped.modules())
+    if info.is_main and not fsdp_wrapped:
+        print(f"[fsdp_train] WARNING: the Trainer did not shard with FSDP2 (accelerate chose "
+              f"{distributed_type}); accelerate 1.15 enables FSDP only on accelerators, not on CPU",
+              flush=True)
+    summary = None
+    if info.is_main:
+        summary = {"world_size": info.world_size, "trainer": args.trainer, "model": args.model,
+                   "distributed_type": distributed_type, "fsdp_wrapped": fsdp_wrapped,
+                   "losses": [float(h["loss"]) for h in logs], "train_runtime_s": result.metrics.get("train_runtime"),
+                   "fsdp_version": 2, "quant_storage": str(storage).replace("torch.", ""),
+                   "device": env.device_info(info.device), "versions": env.versions(),
+                   "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    trainer.save_model(str(out / "adapter"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _build_trainer(args, info, model, tok, rows, dtype, out: Path):
+    from transformers import Trainer, TrainingArguments
+
+    local = args.global_batch_size // info.world_size
+    common = dict(
+        output_dir=str(out / "trainer"), per_device_train_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=local // args.micro_batch_size, max_steps=args.steps,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
+        max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else 0.0, seed=args.seed,
+        save_strategy="no", report_to=[], use_cpu=info.device.type == "cpu",
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, dataloader_num_workers=0,
+        remove_unused_columns=False, optim="adamw_torch", weight_decay=0.0,
+        gradient_checkpointing=args.grad_ckpt,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if args.grad_ckpt else None,
+        fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": args.reshard_after_forward,
+                                        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                        "cpu_offload": args.cpu_offload},
+    )
+    from ..data import PaddingCollator
+
+    collator = PaddingCollator(pad_token_id=tok.pad_token_id, policy="fixed", max_length=args.seq_len)
+    from datasets import Dataset
+
+    ds = Dataset.from_list([{"input_ids": r["input_ids"].tolist(), "labels": r["labels"].tolist()} for r in rows])
+    callbacks = [_RegionalCompileCallback(args.backend, args.fullgraph)] if args.compile else []
+    if args.trainer == "trl":
+        from trl import SFTConfig, SFTTrainer
+
+        cfg = SFTConfig(**common, max_length=args.seq_len, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
+        return SFTTrainer(model=model, args=cfg, train_dataset=ds, data_collator=collator,
+                          processing_class=tok, callbacks=callbacks)
+    return Trainer(model=model, args=TrainingArguments(**common), train_dataset=ds, data_collator=collator,
+                   callbacks=callbacks)
+
+
+def _regional_callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class _RegionalCompileCallback(_regional_callback_base()):
+    """Compile each decoder layer of the model the Trainer sharded, once training starts."""
+
+    def __init__(self, backend: str, fullgraph: bool):
+        self.backend, self.fullgraph, self.prepared = backend, fullgraph, None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from ..compile import prepare_for_compile
+
+        if model is not None and self.prepared is None:
+            self.prepared = prepare_for_compile(model, grad_ckpt=None, scope="regional",
+                                                backend=self.backend, fullgraph=self.fullgraph)
