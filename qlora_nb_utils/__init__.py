@@ -27,14 +27,10 @@ from ._lazy import lazy_exports
 __version__ = "0.1.0"
 
 #: The public face: name -> "module[:attr]" under this package.
-PUBLIC = {
-    "load_model": "models",
-    "load_data": "data:load_examples",
-    "prepare_for_compile": "compile",
-    "TrainConfig": "training",
-    "train": "training",
-    "diagnose": "diagnostics.checks",
-}
+PUBLIC = dict(
+    load_model="models", load_data="data:load_examples", prepare_for_compile="compile",
+    TrainConfig="training", train="training", diagnose="diagnostics.checks",
+)
 
 __all__ = list(PUBLIC)
 __getattr__, __dir__ = lazy_exports(__name__, PUBLIC)

@@ -138,7 +138,7 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ck
         hook = model.get_input_embeddings().register_forward_hook(input_require_grads.requires_grad_unless_compiling)
     dynamic = True if (scope == "regional" and lengths == "variable") else None
     # With checkpointing on, grad_ckpt=True gives the whole graph the recompute-everything policy
-    # (compiled peak memory at eager's; see compile.py).
+    # (compiled peak memory at eager's; see compile/prepare.py).
     prepared = prepare_for_compile(model, scope=scope, backend=backend, mode=mode, fullgraph=True, dynamic=dynamic,
                                    grad_ckpt=True if ckpt else None, eager_numerics=eager_numerics)
     forward = mark_dynamic(prepared.forward, SEQ_DIMS) if lengths == "variable" and scope == "whole" else prepared.forward

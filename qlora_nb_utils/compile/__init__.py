@@ -33,23 +33,17 @@ from .._lazy import lazy_exports
 
 #: Public name -> the module under this package that defines it.
 _EXPORTS = {
-    "prepare_for_compile": "prepare",
-    "Prepared": "prepare",
-    "valid_modes": "prepare",
-    "valid_backends": "prepare",
-    "SCOPES": "prepare",
-    "GRAD_CKPT_CHOICES": "prepare",
-    "must_recompute_context": "checkpointing",
-    "decoder_layers": "checkpointing",
-    "CompiledOptimizer": "optimizer",
-    "compiled_optimizer": "optimizer",
-    "CompileCounter": "counting",
-    "prepare_fast": "recipe",
-    "FastPrepared": "recipe",
-    "cast_non_lora": "recipe",
-    "checkpoint_first_layers": "recipe",
-    "autocast_forward": "recipe",
-    "activation_memory_budget": "recipe",
+    **dict.fromkeys((
+        "prepare_for_compile", "Prepared", "valid_modes", "valid_backends", "SCOPES",
+        "GRAD_CKPT_CHOICES",
+    ), "prepare"),
+    **dict.fromkeys(("must_recompute_context", "decoder_layers"), "checkpointing"),
+    **dict.fromkeys(("CompiledOptimizer", "compiled_optimizer"), "optimizer"),
+    **dict.fromkeys(("CompileCounter",), "counting"),
+    **dict.fromkeys((
+        "prepare_fast", "FastPrepared", "cast_non_lora", "checkpoint_first_layers",
+        "autocast_forward", "activation_memory_budget",
+    ), "recipe"),
 }
 
 __all__ = list(_EXPORTS)

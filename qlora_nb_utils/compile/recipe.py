@@ -40,11 +40,11 @@ import torch
 
 from ..ops.attention import check_right_padded, use_causal_sdpa
 from ..ops.losses import ChunkedLossLM
+from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
 from .prepare import Prepared, prepare_for_compile
 
 if TYPE_CHECKING:
-    from ..reversible import PatchHandle
     from .counting import CompileCounter
 
 __all__ = [
@@ -75,11 +75,12 @@ def cast_non_lora(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return cast
 
 
-def checkpoint_first_layers(model: torch.nn.Module, n: int) -> int:
+def checkpoint_first_layers(model: torch.nn.Module, n: int, handle: PatchHandle | None = None) -> int:
     """Keep gradient checkpointing on the first ``n`` decoder layers only; turn it off on the rest.
 
-    Call it after ``prepare_for_compile(..., grad_ckpt=True)``: that turned checkpointing on in
-    every layer, and its ``undo()`` restores every layer's original flag, these included.
+    Call it after ``prepare_for_compile(..., grad_ckpt=True)``, which turned checkpointing on in
+    every layer. Pass a ``handle`` to make the change undoable: undo it *before* the prepared
+    model's ``undo()``, which leaves alone a flag changed since it set it.
 
     Returns:
         How many decoder layers keep checkpointing (``n``, or fewer when the model has fewer).
@@ -87,7 +88,10 @@ def checkpoint_first_layers(model: torch.nn.Module, n: int) -> int:
     layers = decoder_layers(model)
     n_ckpt = min(n, len(layers))
     for layer in layers[n_ckpt:]:
-        layer.gradient_checkpointing = False
+        if handle is None:
+            layer.gradient_checkpointing = False
+        else:
+            set_attribute(handle, layer, "gradient_checkpointing", False)
     return n_ckpt
 
 
@@ -139,6 +143,7 @@ class FastPrepared:
     layers: int
     autocast: bool
     dtype: torch.dtype
+    layer_flags: PatchHandle | None = None
 
     @property
     def counter(self) -> CompileCounter:
@@ -150,6 +155,8 @@ class FastPrepared:
 
         The cast is not undone: cast back with :func:`cast_non_lora` if the fp32 copies matter.
         """
+        if self.layer_flags is not None:
+            self.layer_flags.undo()
         self.prepared.undo()
         if self.attention is not None:
             self.attention.undo()
@@ -204,11 +211,14 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
         raise
     layers = decoder_layers(model)
     n_ckpt = len(layers) if grad_ckpt else 0
+    layer_flags = None
     if grad_ckpt and ckpt_layers is not None:
-        n_ckpt = checkpoint_first_layers(model, ckpt_layers)  # prepared.undo() restores every layer's flag
+        layer_flags = PatchHandle("checkpoint_first_layers", {"layers": ckpt_layers})
+        n_ckpt = checkpoint_first_layers(model, ckpt_layers, layer_flags)
     forward = prepared.forward
     use_autocast = autocast and dtype in (torch.bfloat16, torch.float16)  # fp32 runs: nothing to do
     if use_autocast:
         forward = autocast_forward(prepared.forward, device.type, dtype)
     return FastPrepared(forward=forward, prepared=prepared, attention=attn, cast=cast, ckpt_layers=n_ckpt,
-                        layers=len(layers), autocast=use_autocast, dtype=dtype)
+                        layers=len(layers), autocast=use_autocast, dtype=dtype,
+                        layer_flags=layer_flags)

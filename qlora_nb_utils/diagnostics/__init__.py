@@ -24,20 +24,12 @@ from .._lazy import lazy_exports
 
 #: Public name -> the module under this package that defines it.
 _EXPORTS = {
-    "BreakReport": "breaks",
-    "FullgraphResult": "breaks",
-    "graph_breaks": "breaks",
-    "check_fullgraph": "breaks",
     # lazy_exports prefixes one dot: "..compile.counting" is qlora_nb_utils.compile.counting
-    "CompileCounter": ".compile.counting",
-    "diagnose_model": "model_report",
-    "format_report": "model_report",
-    "FLEX_BLOCK_MASKS": "checks",
-    "diagnose": "checks",
-    "problems": "checks",
-    "recording": "memprof",
-    "live_at_peak": "memprof",
-    "site_of": "memprof",
+    **dict.fromkeys(("BreakReport", "FullgraphResult", "graph_breaks", "check_fullgraph"), "breaks"),
+    **dict.fromkeys(("CompileCounter",), ".compile.counting"),
+    **dict.fromkeys(("diagnose_model", "format_report"), "model_report"),
+    **dict.fromkeys(("FLEX_BLOCK_MASKS", "diagnose", "problems"), "checks"),
+    **dict.fromkeys(("recording", "live_at_peak", "site_of"), "memprof"),
 }
 
 __all__ = list(_EXPORTS)

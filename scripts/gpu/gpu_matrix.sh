@@ -17,7 +17,7 @@
 #
 # One process per (config, checkpointing): six processes compile at once on the host's cores
 # (two threads each). Their training steps never overlap on the GPU: each step holds an
-# exclusive file lock, let go while torch compiles (qlora_nb_utils/gpulock.py). Each process
+# exclusive file lock, let go while torch compiles (qlora_nb_utils/training/gpulock.py). Each process
 # stops at BUDGET_S (cells it finished are kept); the parts are then merged into OUT_JSON.
 set -euo pipefail
 out=${1:?usage: scripts/gpu/gpu_matrix.sh OUT_JSON BUDGET_S [configs]}
