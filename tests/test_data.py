@@ -40,6 +40,17 @@ def test_default_path_is_repo_copy():
     assert D.default_data_path("validation").name == "kjv_continue_validation.jsonl"
 
 
+def test_default_path_finds_the_repo_copy_without_the_installed_package(monkeypatch):
+    # a clone on PYTHONPATH (the GPU machine's way) has no installed qlora_nb_utils.shipped_data
+    import importlib.resources
+
+    def not_installed(name):
+        raise ModuleNotFoundError(name)
+
+    monkeypatch.setattr(importlib.resources, "files", not_installed)
+    assert D.default_data_path() == REPO / "data" / "kjv_continue_train.jsonl"
+
+
 def test_default_path_unknown_split_lists_valid():
     with pytest.raises(ValueError, match="train, validation"):
         D.default_data_path("test")

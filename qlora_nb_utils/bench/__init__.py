@@ -4,10 +4,13 @@
   ``qlora-nb bench`` (``run_bench``, ``side_by_side``, ``compiled_run``, ``compare``,
   ``write_results``, ``markdown_table``), and the shape helpers of variable-length runs
   (``mark_dynamic``, ``warm_shapes``: a GPU's first step at a new length costs ~100 ms more).
-- ``peers``: ours against HF eager, plain compile, TRL, torchao NF4 and Unsloth, one process
-  per library (``run_peer``, ``run_peers``, ``pick_ours``).
+- ``peers/``: ours against HF eager, plain compile, TRL, torchao NF4 and Unsloth, one process
+  per library (``run_peer``, ``run_peers``, ``pick_ours``); our own recipe is product code
+  (``qlora_nb_utils.compile.recipe``), the peer ``ours`` only loads, applies and records it.
 - ``matrix``: {base, LoRA, QLoRA} x checkpointing x lengths x scope, eager vs compiled
-  (``run_matrix``, ``parity_table``), ``python -m qlora_nb_utils.bench.matrix``.
+  (``run_matrix``), ``python -m qlora_nb_utils.bench.matrix``; ``matrix_results`` reads its
+  files without torch (``merge_results``, ``summary_frame``, ``parity_table``, ``config_lr``,
+  ``markdown_table``), and ``matrix`` re-exports those names.
 - ``compile_time``: cold, regional, cached and artifact starts, each in a new process.
 - ``optim_bench``: the AdamW step eager (foreach, fused) against compiled.
 - ``flops``: model FLOPs of a (Q)LoRA step, the measured matmul rate, MFU.

@@ -74,7 +74,7 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
         cmd += ["--load-artifacts", str(load_artifacts)]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor"),
            "TRITON_CACHE_DIR": str(Path(cache_dir) / "triton")}
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])  # the folder that holds qlora_nb_utils/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)

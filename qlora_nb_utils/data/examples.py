@@ -51,7 +51,7 @@ def default_data_path(split: str = "train") -> Path:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
     name = FILE_TEMPLATE.format(split=split)
-    repo_copy = Path(__file__).resolve().parent.parent / "data" / name
+    repo_copy = Path(__file__).resolve().parents[2] / "data" / name  # qlora_nb_utils/data/examples.py
     if repo_copy.is_file():
         return repo_copy
     try:
