@@ -10,6 +10,7 @@ in a table and lets PEP 562's module ``__getattr__`` import each from its module
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Callable
 
 __all__ = ["lazy_exports"]
@@ -37,14 +38,10 @@ def lazy_exports(package: str, table: dict[str, str]) -> tuple[Callable[[str], A
             raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
         module, _, attr = where.partition(":")
         value = getattr(importlib.import_module(f".{module}", package), attr or name)
-        import sys
-
         setattr(sys.modules[package], name, value)  # later lookups skip __getattr__
         return value
 
     def __dir__() -> list[str]:
-        import sys
-
         return sorted(set(vars(sys.modules[package])) | set(table))
 
     return __getattr__, __dir__

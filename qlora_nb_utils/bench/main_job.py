@@ -27,6 +27,7 @@ from .. import data as qdata
 from .. import diagnostics, env, models
 from ..env import default_dtype, resolve_device_dtype  # re-exported: bench.resolve_device_dtype
 from ..report.markdown import table_header
+from ..training.device import sync
 from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
 
 __all__ = [
@@ -113,9 +114,7 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
     """
     opts = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None or k in ("mode",)}}
     _validate(opts)
-    device = env.resolve_device(opts["device"])
-    dtype_name = default_dtype(device) if opts["dtype"] == "auto" else opts["dtype"]
-    dtype = env.resolve_dtype(dtype_name, device)
+    device, dtype = resolve_device_dtype(opts["device"], opts["dtype"])
     log(f"==> loading {opts['model']} ({opts['quant']}, {dtype}) on {device}")
     model, tok = models.load_model(
         opts["model"], quant=opts["quant"], lora=True, lora_r=opts["lora_r"], lora_alpha=opts["lora_alpha"],
@@ -216,8 +215,7 @@ def warm_shapes(model, batches, forward: Callable[..., Any] | None = None) -> in
         out.loss.backward()
         del out
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return len(seen)
 
 

@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> dict | None:
     """
     import torch.distributed as dist
 
-    from ..training.device import peak_mem_gib
+    from ..training.device import peak_mem_gib, reset_peak
     from .checkpoint import latest_checkpoint, load_checkpoint, save_adapter, save_checkpoint
     from .setup import init_distributed
 
@@ -262,8 +262,7 @@ def run(args: argparse.Namespace) -> dict | None:
             log_path.unlink()
     dist.barrier()
     batches = make_global_batches(tok, args)
-    if info.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(info.device)
+    reset_peak(info.device)
     model.train()
     peak = 0.0
     for step in range(start, args.steps):
