@@ -105,6 +105,23 @@ def test_the_public_face_is_cheap_and_complete():
         qlora_nb_utils.nope  # noqa: B018
 
 
+@pytest.mark.parametrize("package", ["qlora_nb_utils"] + [f"qlora_nb_utils.{n}" for n in SUBPACKAGES]
+                         + ["qlora_nb_utils.bench.peers"])
+def test_every_lazy_name_resolves(package):
+    # a table entry naming a module or attribute that moved fails here, not in a user's hands
+    import importlib
+
+    module = importlib.import_module(package)
+    assert "__getattr__" in vars(module), f"{package} names no lazy exports"
+    broken = {}
+    for name in dir(module):  # the lazy table's names, resolved or not yet
+        try:
+            getattr(module, name)
+        except (ImportError, AttributeError) as err:
+            broken[name] = repr(err)
+    assert not broken, broken
+
+
 def test_the_wheel_lists_every_subpackage():
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in PKG.rglob("__init__.py")}
