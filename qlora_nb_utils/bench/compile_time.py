@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .._paths import pythonpath_with_package
+
 __all__ = ["measure", "child_main"]
 
 
@@ -74,8 +76,7 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
         cmd += ["--load-artifacts", str(load_artifacts)]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor"),
            "TRITON_CACHE_DIR": str(Path(cache_dir) / "triton")}
-    repo = str(Path(__file__).resolve().parents[2])  # the folder that holds qlora_nb_utils/
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = pythonpath_with_package(env.get("PYTHONPATH"))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0

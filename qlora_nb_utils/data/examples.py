@@ -17,6 +17,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._paths import package_parent
+
 if TYPE_CHECKING:
     import datasets
 
@@ -51,7 +53,7 @@ def default_data_path(split: str = "train") -> Path:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
     name = FILE_TEMPLATE.format(split=split)
-    repo_copy = Path(__file__).resolve().parents[2] / "data" / name  # qlora_nb_utils/data/examples.py
+    repo_copy = package_parent() / "data" / name
     if repo_copy.is_file():
         return repo_copy
     try:

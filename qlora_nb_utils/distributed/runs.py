@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from .._paths import pythonpath_with_package
+
 __all__ = ["launch", "read_log", "compare_runs"]
 
 
@@ -34,8 +36,7 @@ def launch(nproc: int, args: Sequence[str], *, timeout: float | None = None, ech
     """
     import subprocess
 
-    root = Path(__file__).resolve().parents[2]  # the folder that holds qlora_nb_utils/
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": pythonpath_with_package(os.environ.get("PYTHONPATH"))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "qlora_nb_utils.distributed.fsdp_train", *map(str, args)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

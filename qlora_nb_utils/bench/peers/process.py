@@ -18,6 +18,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from ..._paths import pythonpath_with_package
 from .registry import TORCHAO_SITE_ENV, UNSLOTH_SITE_ENV
 
 
@@ -30,9 +31,7 @@ def _child_env(peer: str, cache_dir: str | Path | None = None) -> dict[str, str]
         child["TRITON_CACHE_DIR"] = str(Path(cache_dir) / "triton")
     site = {"unsloth": UNSLOTH_SITE_ENV, "torchao-nf4": TORCHAO_SITE_ENV}.get(peer)
     extra = os.environ.get(site, "").strip() if site else ""
-    repo = str(Path(__file__).resolve().parents[3])  # the folder that holds qlora_nb_utils
-    paths = [p for p in (extra, repo, child.get("PYTHONPATH", "")) if p]
-    child["PYTHONPATH"] = os.pathsep.join(paths)
+    child["PYTHONPATH"] = pythonpath_with_package(child.get("PYTHONPATH"), extra)
     child.setdefault("PYTHONUNBUFFERED", "1")
     return child
 
