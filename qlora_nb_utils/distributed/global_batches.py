@@ -7,7 +7,7 @@ takes rows ``[rank*B/N, (rank+1)*B/N)`` of each. The loss is summed over each ra
 tokens and divided by the *global* count of target tokens (known to every rank without
 communication), so the all-reduced loss is exactly the one-process loss; the backward in
 :mod:`qlora_nb_utils.distributed.fsdp_train` uses the same loss times N because FSDP2 averages
-gradients over ranks. The explicit loop, the HF ``Trainer`` run
+gradients over ranks. The explicit loop and the HF ``Trainer`` run
 (:mod:`qlora_nb_utils.distributed.trainer`) share these helpers.
 """
 
