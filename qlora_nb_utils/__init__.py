@@ -8,7 +8,7 @@ the code they share.
 
 The public face is a handful of names, imported lazily on first use::
 
-    from qlora_nb_utils import load_model, load_data, prepare_for_compile, TrainConfig, train, diagnose
+    from qlora_nb_utils import load_model, load_data, optimize, prepare_for_compile, TrainConfig, train, diagnose
 
 Below it, subpackages named by job. The product, what a user trains with: ``models``,
 ``data``, ``ops``, ``compile`` (with ``compile.patches``), ``diagnostics``, ``training`` and
@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 
 #: The public face: name -> "module[:attr]" under this package.
 PUBLIC = dict(
-    load_model="models", load_data="data:load_examples", prepare_for_compile="compile",
+    load_model="models", load_data="data:load_examples", optimize="compile", prepare_for_compile="compile",
     TrainConfig="training", train="training", diagnose="diagnostics.checks",
 )
 

@@ -25,8 +25,10 @@ Entry points (imported lazily, on first use; importing the subpackage imports no
   ``activation_memory_budget``); ``docs/fast_recipe.md`` shows it and its figures.
 * :mod:`.patches`: the reversible workarounds for upstream code Dynamo cannot trace.
 
-A single public ``optimize()`` is to come (the next change adds it) and will then be the entry
-point a user starts from; the names above stay as its building blocks.
+* :func:`optimize` -> :class:`Optimized`, in :mod:`.fast_path`: the entry point a user starts
+  from. It applies the recipe and makes the choices it can from the device and the batches
+  (CUDA graphs, dynamic lengths, the attention path, how many layers to checkpoint for a
+  memory target), and says what it chose; the names above are its building blocks.
 """
 
 from .._lazy import lazy_exports
@@ -44,6 +46,7 @@ _EXPORTS = {
         "prepare_fast", "FastPrepared", "cast_non_lora", "checkpoint_first_layers",
         "autocast_forward", "activation_memory_budget",
     ), "recipe"),
+    **dict.fromkeys(("optimize", "Optimized", "estimate_peak_gib", "pad_batch"), "fast_path"),
 }
 
 __all__ = list(_EXPORTS)

@@ -2,7 +2,8 @@
 
 - ``registry``: the named models and the choices a load takes (``MODEL_NAMES``,
   ``QUANT_CHOICES``, ``ATTN_CHOICES``), the config of each randomly initialised one
-  (``model_config``) and the cache they are built into (``default_cache_dir``).
+  (``model_config``), the cache they are built into (``default_cache_dir``) and a check, that
+  loads nothing, that a name or folder is a model (``check_model_source``).
 - ``build``: a named model built once into that cache, SmolLM2's tokenizer with it
   (``materialize``).
 - ``load``: the tokenizer (``load_tokenizer``) and the model, an NF4 base read by
@@ -17,7 +18,8 @@ from .._lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     **{name: "registry" for name in (
-        "MODEL_NAMES", "QUANT_CHOICES", "ATTN_CHOICES", "default_cache_dir", "model_config")},
+        "MODEL_NAMES", "QUANT_CHOICES", "ATTN_CHOICES", "default_cache_dir", "model_config",
+        "check_model_source")},
     "materialize": "build",
     **{name: "load" for name in ("load_tokenizer", "load_model", "describe")},
 })

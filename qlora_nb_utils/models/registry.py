@@ -95,6 +95,43 @@ def _unknown_name_error(name: object) -> ValueError:
     )
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tiktoken.model")
+
+
+def check_model_source(name: object) -> str:
+    """Check, without loading anything, that ``name`` can be loaded as a model; return it.
+
+    Accepted: a name of :data:`MODEL_NAMES`, a folder with a ``config.json`` and tokenizer files
+    (what ``save_pretrained`` writes), or a hub id ``org/name`` (read from the local HF cache;
+    nothing is downloaded on a machine without internet). Commands call it first, so that a
+    wrong path fails in a second with a message, not deep inside a tokenizer library.
+
+    Raises:
+        ValueError: an empty name, a path that does not exist and is not like ``org/name``, a
+            file, or a folder without ``config.json`` or without tokenizer files.
+    """
+    import re
+
+    if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
+        raise _unknown_name_error(name)
+    if name in MODEL_NAMES:
+        return str(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a model folder: it has no config.json (expected a folder written by "
+                             f"save_pretrained, or one of {list(MODEL_NAMES)})")
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise ValueError(f"{path} has a config.json but no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                             "save the tokenizer into the folder too (tokenizer.save_pretrained)")
+        return str(path)
+    if path.exists():
+        raise ValueError(f"{path} is a file, not a model folder")
+    if isinstance(name, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
+        return name
+    raise _unknown_name_error(name)
+
+
 def _choice(what: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{what} must be one of {list(choices)}; got {value!r}")

@@ -53,30 +53,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 want_hidden: bool, want_weight: bool):
         count = (targets != ignore_index).sum()
         denom = count.clamp(min=1).to(torch.float32)
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         total = hidden.new_zeros((), dtype=torch.float32)
-        rows = hidden.shape[0]
-        step = -(-rows // chunks)  # ceil: the last chunk may be shorter
-        for start in range(0, rows, step):
-            h = hidden[start:start + step]
-            t = targets[start:start + step]
+        # tensor_split gives exactly `chunks` pieces whatever the length (the last ones may be
+        # shorter or empty), so the loop never depends on the token count: under dynamic shapes
+        # Dynamo keeps the length symbolic instead of specialising on it.
+        pieces = []
+        for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
             logits = (h @ weight.t()).float()
             lse = torch.logsumexp(logits, dim=-1)
             valid = t != ignore_index
             safe_t = torch.where(valid, t, torch.zeros_like(t))
             picked = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
             total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
-            if grad_hidden is None and grad_weight is None:
+            if not (want_hidden or want_weight):
                 continue
             # d(sum CE)/d logits = softmax - onehot, zero on ignored rows; the mean divides by count.
             g = torch.exp(logits - lse.unsqueeze(1))
             g = g.scatter_add(1, safe_t.unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
             g = (g * (valid.unsqueeze(1) / denom)).to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:start + step] = g @ weight
+            if want_hidden:
+                pieces.append(g @ weight)
             if grad_weight is not None:
                 grad_weight += (g.t() @ h).float()
+        grad_hidden = torch.cat(pieces) if want_hidden else None
         ctx.save_for_backward(grad_hidden if grad_hidden is not None else hidden.new_empty(0),
                               grad_weight if grad_weight is not None else weight.new_empty(0))
         ctx.weight_dtype = weight.dtype

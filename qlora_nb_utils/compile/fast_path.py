@@ -1,0 +1,375 @@
+"""``optimize(model)``: the one fast path, with the choices it can make itself made for you.
+
+Why this module exists: the fastest recipe this project has measured (:mod:`.recipe`) has a
+dozen knobs, and a user should not have to know which of them pay on their device and their
+shapes. :func:`optimize` applies the whole recipe to a PEFT QLoRA model and decides what can
+be decided from the device, the dtype and the batches it is shown, and it says what it chose
+and why (:attr:`Optimized.description`). Every place in the package that trains compiled goes
+through it: ``qlora-nb train``, ``qlora-nb bench``, the ``ours`` peer, the notebooks and the
+HF ``Trainer`` / TRL ``SFTTrainer`` route (:meth:`Optimized.install`).
+
+The choices, each overridable by passing it explicitly:
+
+* **CUDA graphs** (``mode="reduce-overhead"``) on a CUDA device when the batches show at most
+  :data:`MAX_CUDAGRAPH_SHAPES` shapes (fixed or bucketed lengths): the LoRA step is many small
+  kernels, so it is launch-bound, and one graph per shape removes the launches. With more
+  shapes, or shapes not shown, the default mode (a CUDA graph per shape would cost memory).
+* **Lengths padded to a multiple of 8** (``pad_multiple``), on the right, masked and ignored by
+  the loss. Unaligned lengths made a third compilation on a GPU (static, then dynamic, then a
+  ``% 8`` alignment guard), and tensor cores prefer the alignment anyway.
+* **Dynamic lengths from the first call** when the batches shown have more than one length:
+  one compilation instead of a static one followed by a dynamic one. Unknown shapes: torch's
+  default (static, then dynamic on the first change), so at most two.
+* **Attention**: causal-only SDPA (flash kernel, grouped K/V) when every batch shown is
+  right-padded, else SDPA with the padding mask.
+* **Checkpointing**: off without a memory target; with ``max_memory_gib``, on the fewest first
+  decoder layers whose estimated peak (:func:`estimate_peak_gib`) fits the target.
+* **Autocast** for bf16/fp16 compute (the LoRA matmuls in bf16, fp32 master weights); nothing
+  for fp32.
+
+The model is put in training mode first (Inductor's training graph asserts on an eval-mode
+model). ``undo()`` reverts everything but the cast of the non-LoRA weights (see
+:class:`~qlora_nb_utils.compile.recipe.FastPrepared`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..reversible import PatchHandle, set_attribute
+from .checkpointing import decoder_layers
+from .recipe import FastPrepared, activation_memory_budget, prepare_fast
+
+__all__ = ["Optimized", "optimize", "estimate_peak_gib", "pad_batch", "MAX_CUDAGRAPH_SHAPES", "MODES"]
+
+#: At most this many distinct batch shapes get CUDA graphs (one graph each) under ``mode="auto"``.
+MAX_CUDAGRAPH_SHAPES = 4
+#: What ``mode`` accepts: ``"auto"`` or an Inductor mode (None and ``"default"`` mean the default).
+MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+_PAD_FILL = {"attention_mask": 0, "labels": -100}
+# The estimate's calibration (estimate_peak_gib): saved activations of one un-checkpointed
+# decoder layer per token, in elements of the compute dtype, and a fixed allowance for the
+# allocator's workspace and the compile-time buffers; fitted to the 1B-shape peaks at 4 x 512 on
+# an H200 (results/peers_h200_search.json: 4.78 GiB without checkpointing, 3.11 GiB with 12 of 16).
+_ACT_PER_TOKEN = (6, 2.5)  # x hidden, x intermediate
+_OVERHEAD_GIB = 0.6
+
+
+def pad_batch(batch: dict, multiple: int, pad_token_id: int = 0) -> dict:
+    """``batch`` with its sequence dimension padded on the right up to a multiple of ``multiple``.
+
+    The new positions are masked (``attention_mask`` 0) and ignored by the loss (``labels`` -100);
+    ``input_ids`` get ``pad_token_id``; ``position_ids`` continue counting. Other keys pass.
+    """
+    ids = batch["input_ids"]
+    width = ids.shape[-1]
+    extra = -width % multiple
+    if extra == 0:
+        return batch
+    out = dict(batch)
+    for key in _SEQ_KEYS:
+        value = batch.get(key)
+        if not torch.is_tensor(value) or value.dim() < 2 or value.shape[-1] != width:
+            continue
+        if key == "position_ids":
+            tail = value[..., -1:] + torch.arange(1, extra + 1, device=value.device, dtype=value.dtype)
+            out[key] = torch.cat([value, tail], dim=-1)
+        else:
+            fill = _PAD_FILL.get(key, pad_token_id)
+            out[key] = torch.nn.functional.pad(value, (0, extra), value=fill)
+    return out
+
+
+def _compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
+    for module in model.modules():  # bitsandbytes Linear4bit keeps the dtype it computes in
+        dtype = getattr(module, "compute_dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    config = getattr(model, "config", None)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    from ..env import default_dtype
+
+    return default_dtype(device)
+
+
+def _shapes(batches: list[dict] | None, multiple: int) -> list[tuple[int, int]] | None:
+    if batches is None:
+        return None
+    seen = []
+    for batch in batches:
+        b, s = (int(x) for x in batch["input_ids"].shape)
+        shape = (b, s + (-s % multiple if multiple > 1 else 0))
+        if shape not in seen:
+            seen.append(shape)
+    return seen
+
+
+def _config_of(model: torch.nn.Module):
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(inner, "config", None)
+
+
+def estimate_peak_gib(model: torch.nn.Module, batch_size: int, seq_len: int, ckpt_layers: int,
+                      *, ce_chunks: int = 4, act_bytes: int = 2) -> float:
+    """A rough training-step peak (GiB) of the fast path on a CUDA device.
+
+    What is counted: every parameter and buffer as it is now, the LoRA weights' gradients and
+    AdamW state (fp32), the saved activations of each decoder layer (its input alone when it is
+    checkpointed), one chunk of fp32 logits, and a fixed allowance; the per-layer figure is
+    calibrated on measured peaks (see ``_ACT_PER_TOKEN``). It is an estimate for choosing how
+    many layers to checkpoint, not a measurement: the run's ``peak_mem_gib`` is the fact.
+    """
+    config = _config_of(model)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    layers = len(decoder_layers(model))
+    tokens = batch_size * seq_len
+    static = sum(p.numel() * p.element_size() for p in model.parameters())
+    static += sum(b.numel() * b.element_size() for b in model.buffers())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    static += trainable * 12  # fp32 gradient + AdamW's two moments
+    per_layer = tokens * (_ACT_PER_TOKEN[0] * hidden + _ACT_PER_TOKEN[1] * inter) * act_bytes
+    kept = tokens * hidden * act_bytes
+    n_ckpt = max(0, min(ckpt_layers, layers))
+    acts = n_ckpt * kept + (layers - n_ckpt) * per_layer
+    logits = tokens / max(ce_chunks, 1) * vocab * (act_bytes + 8)
+    return (static + acts + logits) / 2**30 + _OVERHEAD_GIB
+
+
+@dataclasses.dataclass
+class Optimized:
+    """What :func:`optimize` hands back.
+
+    Attributes:
+        forward: What to train with: ``forward(**batch).loss`` (pads, marks lengths dynamic,
+            runs the compiled recipe).
+        module: The module that was compiled (the model wrapped in the chunked loss, or the
+            model itself); graph-break checks look at it.
+        counter: The :class:`~qlora_nb_utils.compile.CompileCounter` of every compilation.
+        choices: Each choice made, by name (``mode``, ``attention``, ``ckpt_layers``, ...).
+        reasons: Why, one short phrase per choice.
+        fast: The :class:`~qlora_nb_utils.compile.recipe.FastPrepared` underneath.
+    """
+
+    forward: Callable[..., Any]
+    module: torch.nn.Module
+    counter: Any
+    choices: dict[str, Any]
+    reasons: dict[str, str]
+    fast: FastPrepared
+    _extra: list[PatchHandle] = dataclasses.field(default_factory=list)
+
+    def __call__(self, **batch: Any) -> Any:
+        return self.forward(**batch)
+
+    @property
+    def description(self) -> str:
+        """One line: every choice and its reason."""
+        parts = [f"{name}={_show(value)} ({self.reasons[name]})" for name, value in self.choices.items()
+                 if name in self.reasons]
+        return "optimize: " + "; ".join(parts)
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Make ``model(**batch)`` run the optimized forward (for ``Trainer``/``SFTTrainer``).
+
+        The model's own ``forward`` is replaced on the instance (undone by :meth:`undo`);
+        keyword arguments the recipe does not take (``num_items_in_batch``, ...) are dropped.
+        """
+        handle = PatchHandle("optimize.install", {"model": type(model).__name__})
+        fwd = self.forward
+
+        def forward(input_ids=None, attention_mask=None, labels=None, position_ids=None, **_ignored):
+            batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                     "position_ids": position_ids}
+            return fwd(**{k: v for k, v in batch.items() if v is not None})
+
+        set_attribute(handle, model, "forward", forward)
+        self._extra.append(handle)
+
+    def undo(self) -> None:
+        """Revert every change but the weights' cast (newest first); safe to call twice."""
+        while self._extra:
+            self._extra.pop().undo()
+        self.fast.undo()
+
+
+def _show(value: Any) -> str:
+    return str(value).replace("torch.", "") if value is not None else "none"
+
+
+def _check(name: str, value: Any, valid: Iterable[Any]) -> None:
+    valid = tuple(valid)
+    if value not in valid:
+        raise ValueError(f"{name} must be one of {list(valid)}, got {value!r}")
+
+
+def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, grad_ckpt: bool | str = "auto",
+             max_memory_gib: float | None = None, mode: str | None = "auto", attention: str = "auto",
+             ckpt_layers: int | None = None, dtype: torch.dtype | None = None, backend: Any = "inductor",
+             ce_chunks: int = 4, cast: bool = True, autocast: bool | str = "auto", pad_multiple: int = 8,
+             dynamic: bool | str = "auto", memory_budget: float | None = None) -> Optimized:
+    """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
+
+    Args:
+        model: a PEFT causal LM (e.g. ``load_model(..., prepare_kbit=True)`` or without kbit prep).
+        batches: the training batches, or a sample of them; their shapes decide CUDA graphs,
+            dynamic lengths and the attention path (None: decided without them, conservatively).
+        grad_ckpt: ``"auto"`` (off, or the fewest layers that fit ``max_memory_gib``), True or False.
+        max_memory_gib: a peak-memory target in GiB for ``grad_ckpt="auto"`` (needs ``batches``).
+        mode: ``"auto"``, or an Inductor mode (``"default"``/None, ``"reduce-overhead"``, ...).
+        attention: ``"auto"``, ``"causal"`` (causal-only SDPA; right-padded batches) or ``"mask"``.
+        ckpt_layers: with checkpointing, how many first decoder layers checkpoint (None: decided).
+        dtype: the compute dtype (None: the model's).
+        backend: the Dynamo backend.
+        ce_chunks: the chunked cross-entropy's pieces; 0 keeps the model's own loss (and logits).
+        cast: cast the non-LoRA float weights to ``dtype`` (undoing kbit-prep's fp32 upcast).
+        autocast: ``"auto"`` (on for bf16/fp16), True or False.
+        pad_multiple: right-pad every batch's length to a multiple of this (1: never).
+        dynamic: ``"auto"``, True (lengths dynamic from the first call) or False (torch's default).
+        memory_budget: Inductor's ``activation_memory_budget`` (0..1) for the compile; None leaves it.
+
+    Returns:
+        An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
+
+    Raises:
+        ValueError: an unknown choice (the message lists the valid ones), ``max_memory_gib``
+            without ``batches``, ``attention="causal"`` on batches that are not right-padded.
+    """
+    _check("mode", mode, MODES + (None,))
+    _check("grad_ckpt", grad_ckpt, ("auto", True, False))
+    _check("attention", attention, ("auto", "causal", "mask"))
+    _check("autocast", autocast, ("auto", True, False))
+    _check("dynamic", dynamic, ("auto", True, False))
+    if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be an integer >= 1, got {pad_multiple!r}")
+    if max_memory_gib is not None and not (isinstance(max_memory_gib, (int, float)) and max_memory_gib > 0):
+        raise ValueError(f"max_memory_gib must be None or a number > 0, got {max_memory_gib!r}")
+    if ckpt_layers is not None and (isinstance(ckpt_layers, bool) or not isinstance(ckpt_layers, int)
+                                    or ckpt_layers < 0):
+        raise ValueError(f"ckpt_layers must be None or an integer >= 0, got {ckpt_layers!r}")
+    if ckpt_layers is not None and grad_ckpt is False:
+        raise ValueError("ckpt_layers picks which layers checkpoint; it needs grad_ckpt=True or 'auto'")
+    batches = list(batches) if batches is not None else None
+    if max_memory_gib is not None and not batches:
+        raise ValueError("max_memory_gib needs batches: the estimate depends on the batch shape")
+    if mode not in ("auto", None, "default") and backend != "inductor":
+        raise ValueError(f"mode {mode!r} is an Inductor option; with backend={backend!r} pass mode='auto'")
+
+    device = next(model.parameters()).device
+    dtype = dtype or _compute_dtype(model, device)
+    shapes = _shapes(batches, pad_multiple)
+    choices: dict[str, Any] = {"device": device.type, "dtype": dtype}
+    reasons: dict[str, str] = {"device": "where the model is", "dtype": "the model's compute dtype"
+                               if dtype == _compute_dtype(model, device) else "asked for"}
+
+    # attention
+    if attention == "auto":
+        if batches is None:
+            attention, why = "mask", "no batches shown to check right padding"
+        else:
+            try:
+                from ..ops.attention import check_right_padded
+
+                check_right_padded(batches)
+                attention, why = "causal", "every batch is right-padded: causal-only SDPA (flash, GQA)"
+            except ValueError:
+                attention, why = "mask", "some batch is not right-padded"
+    else:
+        why = "asked for"
+    choices["attention"], reasons["attention"] = attention, why
+
+    # CUDA graphs
+    if mode == "auto":
+        if backend != "inductor":
+            mode, why = None, f"backend {backend!r}"
+        elif device.type != "cuda":
+            mode, why = None, f"no CUDA graphs on {device.type}"
+        elif shapes is None:
+            mode, why = None, "shapes not shown: no CUDA graphs"
+        elif len(shapes) <= MAX_CUDAGRAPH_SHAPES:
+            mode, why = "reduce-overhead", f"{len(shapes)} batch shape(s): CUDA graphs"
+        else:
+            mode, why = None, f"{len(shapes)} batch shapes > {MAX_CUDAGRAPH_SHAPES}: no CUDA graphs"
+    else:
+        mode, why = (None if mode == "default" else mode), "asked for"
+    choices["mode"], reasons["mode"] = mode or "default", why
+
+    # dynamic lengths
+    lengths = sorted({s for _, s in shapes}) if shapes else None
+    if dynamic == "auto":
+        if lengths is None:
+            mark, why = False, "lengths not shown: torch's default (at most static + dynamic)"
+        elif len(lengths) > 1:
+            mark, why = True, f"{len(lengths)} lengths: dynamic from the first call"
+        else:
+            mark, why = False, "one length: static"
+    else:
+        mark, why = bool(dynamic), "asked for"
+    choices["dynamic"], reasons["dynamic"] = mark, why
+    choices["pad_multiple"], reasons["pad_multiple"] = pad_multiple, (
+        "lengths aligned (no % 8 guard)" if pad_multiple > 1 else "asked for")
+
+    # checkpointing
+    n_layers = len(decoder_layers(model))
+    if grad_ckpt is True:
+        ckpt = n_layers if ckpt_layers is None else min(ckpt_layers, n_layers)
+        why = "asked for"
+    elif ckpt_layers is not None:
+        ckpt, why = min(ckpt_layers, n_layers), "asked for"
+    elif max_memory_gib is None:
+        ckpt, why = 0, "no memory target"
+    else:
+        b, s = max(shapes, key=lambda x: x[0] * x[1])
+        act_bytes = torch.finfo(dtype).bits // 8
+        ckpt = next((n for n in range(n_layers + 1)
+                     if estimate_peak_gib(model, b, s, n, ce_chunks=ce_chunks, act_bytes=act_bytes) <= max_memory_gib),
+                    None)
+        if ckpt is None:
+            ckpt = n_layers
+            why = f"estimated peak above {max_memory_gib} GiB even with every layer checkpointed"
+        else:
+            est = estimate_peak_gib(model, b, s, ckpt, ce_chunks=ce_chunks, act_bytes=act_bytes)
+            why = f"estimated peak {est:.2f} GiB <= {max_memory_gib} GiB at {b} x {s}"
+    choices["ckpt_layers"], reasons["ckpt_layers"] = f"{ckpt}/{n_layers}", why
+
+    use_autocast = (dtype in (torch.bfloat16, torch.float16)) if autocast == "auto" else bool(autocast)
+    choices["autocast"], reasons["autocast"] = use_autocast, ("LoRA matmuls in the compute dtype"
+                                                              if autocast == "auto" else "asked for")
+    choices["loss"], reasons["loss"] = (f"chunked CE x{ce_chunks}" if ce_chunks else "model's own",
+                                        "no full fp32 logits" if ce_chunks else "asked for")
+    if memory_budget is not None:
+        choices["memory_budget"], reasons["memory_budget"] = memory_budget, "asked for"
+
+    model.train()
+    fast = prepare_fast(model, dtype=dtype, device=device, batches=batches, cast_bf16=cast, ce_chunks=ce_chunks,
+                        grad_ckpt=ckpt > 0, ckpt_layers=ckpt if ckpt > 0 else None,
+                        autocast=use_autocast, causal_attn=attention == "causal", mode=mode, backend=backend)
+    choices["cast"], reasons["cast"] = fast.cast, "non-LoRA weights cast to the compute dtype"
+    pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
+    forward = _wrap(fast.forward, pad_multiple, pad_id, mark, memory_budget)
+    module = fast.prepared.model
+    return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
+                     fast=fast)
+
+
+def _wrap(compiled: Callable[..., Any], multiple: int, pad_id: int, mark_dynamic: bool,
+          memory_budget: float | None) -> Callable[..., Any]:
+    def forward(**batch: Any) -> Any:
+        if multiple > 1:
+            batch = pad_batch(batch, multiple, pad_id)
+        if mark_dynamic:
+            for key in _SEQ_KEYS:
+                value = batch.get(key)
+                if torch.is_tensor(value) and value.dim() >= 2:
+                    torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
+        with activation_memory_budget(memory_budget):
+            return compiled(**batch)
+
+    return forward
