@@ -9,6 +9,8 @@
 - ``gpulock``: a per-step file lock for benchmark processes that share one GPU, let go while
   torch compiles. It lives here, not in ``bench``, because the loop takes it at every step
   (a no-op unless ``$QLORA_NB_GPU_LOCK`` names a file).
+- ``parity``: the loss-parity verdict against the floor (``permute_rows``, ``judge``): two
+  eager runs that differ only in summation order say how far a correct compiled run may drift.
 - ``hf_trainer``: the HF ``Trainer`` / TRL ``SFTTrainer`` with ``torch_compile=True``
   (``trainer_patches(model)``, ``count_graph_breaks()``).
 """
@@ -28,4 +30,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "peak_mem_gib": "device",
     "step_lock": "gpulock",
     "trainer_patches": "hf_trainer",
+    **dict.fromkeys(("permute_rows", "loss_diffs", "judge"), "parity"),
 })

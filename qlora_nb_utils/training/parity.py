@@ -1,0 +1,81 @@
+"""Is a compiled run's loss "the same" as eager's? Judged against the floor, never a fixed number.
+
+Why it exists: bf16 training is not bit-reproducible across kernels. Two eager runs of the very
+same examples drift apart once anything changes the order of a sum, and a compiled run fuses
+and reorders by design. So a fixed tolerance is either too tight (it fails correct runs) or
+too loose (it hides a bug). The floor is measured instead: the eager run again on the same
+batches with the rows of every batch in another order (:func:`permute_rows`). The examples and
+the loss are the same in exact arithmetic; only the order of the sums over tokens, in the loss
+and in every weight gradient, changes. Its per-step difference from the eager run is what a
+correct run can differ by. A compiled run passes (:func:`judge`) when its difference from eager
+stays within the floor's largest at every step and its mean is at most ``mean_factor`` (1.5) x
+the floor's mean.
+
+In fp32 on a CPU the floor is tiny (1e-7 and less) and a compiled run's own rounding is of the
+same order or a little above it, so the verdict is meant for bf16 runs; the figures are
+reported either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["permute_rows", "loss_diffs", "judge"]
+
+
+def permute_rows(batches: Sequence[dict], seed: int = 1) -> list[dict]:
+    """The same batches with the rows of each in a seeded order that is never the identity.
+
+    Tensors whose first dimension is the batch are permuted together; other values pass.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for batch in batches:
+        n = int(batch["input_ids"].shape[0])
+        order = torch.randperm(n, generator=gen)
+        if n > 1 and torch.equal(order, torch.arange(n)):
+            order = order.roll(1)
+        out.append({k: (v[order] if torch.is_tensor(v) and v.dim() and v.shape[0] == n else v)
+                    for k, v in batch.items()})
+    return out
+
+
+def loss_diffs(reference: Sequence[float], other: Sequence[float]) -> list[float]:
+    """Per-step ``|other - reference|``.
+
+    Raises:
+        ValueError: the runs have different lengths.
+    """
+    if len(reference) != len(other):
+        raise ValueError(f"runs of different lengths: {len(reference)} and {len(other)} steps")
+    return [abs(float(a) - float(b)) for a, b in zip(reference, other)]
+
+
+def judge(eager: Sequence[float], floor_run: Sequence[float], run: Sequence[float],
+          mean_factor: float = 1.5) -> dict[str, Any]:
+    """The floor, the run's difference, and the verdict, per the module docstring.
+
+    Args:
+        eager: the eager run's per-step losses.
+        floor_run: the eager run again with the rows permuted (:func:`permute_rows`).
+        run: the run under test (compiled), same batches, same start.
+        mean_factor: the most the run's mean difference may be, in floor means.
+
+    Returns:
+        ``floor_max_abs_loss_diff``, ``floor_mean_abs_loss_diff``, ``max_abs_loss_diff``,
+        ``mean_abs_loss_diff``, ``steps_over_floor`` (the steps whose difference exceeds the
+        floor's max), ``within_floor`` (bool) and the per-step lists ``floor_diffs``, ``diffs``.
+    """
+    floor = loss_diffs(eager, floor_run)
+    diffs = loss_diffs(eager, run)
+    floor_max, floor_mean = max(floor), sum(floor) / len(floor)
+    run_max, run_mean = max(diffs), sum(diffs) / len(diffs)
+    over = [i for i, d in enumerate(diffs) if d > floor_max]
+    return {
+        "floor_max_abs_loss_diff": floor_max, "floor_mean_abs_loss_diff": floor_mean,
+        "max_abs_loss_diff": run_max, "mean_abs_loss_diff": run_mean, "steps_over_floor": over,
+        "within_floor": not over and run_mean <= mean_factor * floor_mean,
+        "mean_factor": mean_factor, "floor_diffs": floor, "diffs": diffs,
+    }
