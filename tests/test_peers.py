@@ -94,8 +94,8 @@ def test_ours_fast_variant_checkpoints_the_asked_layers_and_keeps_the_loss():
     run = peers.run_peer("ours-t", batches, model="tiny", warmup=1, device="cpu", lr=1e-3, variants=variants)
     assert "error" not in run, run.get("error")
     assert run["compilations"] == 1
-    assert "grad ckpt on 1/2 layers" in run["notes"] and "causal-only sdpa" in run["notes"]
-    assert "no autocast" in run["notes"]  # fp32 on a CPU: autocast has nothing to do
+    assert "ckpt_layers=1/2" in run["notes"] and "attention=causal" in run["notes"]
+    assert "autocast=False (float32: nothing to autocast)" in run["notes"]  # fp32 on a CPU
     assert max(abs(a - b) for a, b in zip(ref["losses"], run["losses"])) < 1e-4
     left = [{**b, "attention_mask": b["attention_mask"].clone()} for b in batches]
     left[1]["attention_mask"][0, :3] = 0  # padding in front of real tokens

@@ -339,9 +339,11 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             why = f"estimated peak {est:.2f} GiB <= {max_memory_gib} GiB at {b} x {s}"
     choices["ckpt_layers"], reasons["ckpt_layers"] = f"{ckpt}/{n_layers}", why
 
-    use_autocast = (dtype in (torch.bfloat16, torch.float16)) if autocast == "auto" else bool(autocast)
-    choices["autocast"], reasons["autocast"] = use_autocast, ("LoRA matmuls in the compute dtype"
-                                                              if autocast == "auto" else "asked for")
+    low = dtype in (torch.bfloat16, torch.float16)
+    use_autocast = low and autocast is not False
+    choices["autocast"] = use_autocast
+    reasons["autocast"] = ("asked for" if autocast is False else "LoRA matmuls in the compute dtype" if low
+                           else f"{_show(dtype)}: nothing to autocast")
     choices["loss"], reasons["loss"] = (f"chunked CE x{ce_chunks}" if ce_chunks else "model's own",
                                         "no full fp32 logits" if ce_chunks else "asked for")
     if memory_budget is not None:

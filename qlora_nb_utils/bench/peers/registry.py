@@ -56,11 +56,13 @@ OURS_OPTIONS: dict[str, Any] = {
     "autocast": False,      # run the step under torch.autocast(compute dtype): LoRA matmuls in bf16, fp32 master weights
     "causal_attn": False,   # causal-only SDPA (qlora_nb_utils.ops.attention): flash kernel + GQA; right padding only
     "ckpt_layers": None,    # with grad_ckpt: checkpoint only the first N decoder layers (None = all)
+    "auto": False,          # let optimize() make every choice it can (the other options are then unused)
 }
 _FAST = {"autocast": True, "causal_attn": True}
 #: Named variants of ``ours`` (changes from :data:`OURS_OPTIONS`); ``ours`` alone is "chunked".
 OURS_VARIANTS: dict[str, dict[str, Any]] = {
     "chunked": {},
+    "auto": {"auto": True},
     "cast": {"ce_chunks": 0},
     "budget": {"memory_budget": 0.5},
     "ckpt": {"grad_ckpt": True},
@@ -112,7 +114,7 @@ def validate_ours_options(options: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown option(s) of ours {sorted(unknown)}; valid: {sorted(OURS_OPTIONS)}")
     opts = {**OURS_OPTIONS, **options}
-    for key in ("cast_bf16", "grad_ckpt", "autocast", "causal_attn"):
+    for key in ("cast_bf16", "grad_ckpt", "autocast", "causal_attn", "auto"):
         if not isinstance(opts[key], bool):
             raise ValueError(f"{key} must be True or False, got {opts[key]!r}")
     chunks = opts["ce_chunks"]
