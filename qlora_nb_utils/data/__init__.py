@@ -1,9 +1,12 @@
 """The data a run trains on: loading, tokenizing, padding and batching.
 
-- ``examples``: the shipped prompt/response JSONL (``default_data_path``), validated line by
-  line (``validate_file``, ``DataFormatError`` naming the file and line), loaded with
-  ``datasets`` (``load_examples``), rendered with the chat template and tokenized with the
-  prompt masked out of the loss (``format_example``, ``tokenize_examples``).
+- ``examples``: the shipped prompt/response JSONL (``default_data_path``) or the user's own
+  data (prompt/response, prompt/completion or chat ``messages`` JSONL, or a ``save_to_disk``
+  folder), validated line by line before any model loads (``validate_file``,
+  ``validate_source``, ``DataFormatError`` naming the file and line), loaded with ``datasets``
+  (``load_examples``; ``load_splits`` for training plus held-out examples), rendered with the
+  chat template and tokenized with the prompt masked out of the loss (``format_example``,
+  ``tokenize_examples``).
 - ``collate``: the padding policy that decides batch shapes under ``torch.compile``
   (``PaddingCollator``: ``longest``, ``multiple`` or ``fixed``), a seeded ``DataLoader``
   (``make_batches``) and what the padding costs (``padding_stats``).
@@ -18,8 +21,9 @@ from .._lazy import lazy_exports
 __getattr__, __dir__ = lazy_exports(__name__, {
     **{name: "examples" for name in (
         "SPLITS", "FILE_TEMPLATE", "PADDING_POLICIES", "IGNORE_INDEX", "REQUIRED_FIELDS",
-        "OPTIONAL_STR_FIELDS", "DataFormatError", "default_data_path", "validate_file",
-        "load_examples", "format_example", "tokenize_examples")},
+        "OPTIONAL_STR_FIELDS", "CHAT_ROLES", "HELDOUT_SPLITS", "DataFormatError", "default_data_path",
+        "validate_file", "validate_source", "load_examples", "load_splits", "format_example",
+        "tokenize_examples")},
     **{name: "collate" for name in ("PaddingCollator", "make_batches", "padding_stats")},
     **{name: "batches" for name in ("build_batches", "make_length_batcher", "pack_rows")},
 })

@@ -33,7 +33,9 @@ def build_batches(tokenizer: Any, *, batch_size: int, steps: int, max_len: int, 
         steps: how many batches.
         max_len: the longest row kept (tokenization truncates there); ``"fixed"`` pads to it.
         padding: ``"fixed"``, ``"multiple"`` or ``"longest"`` (see :class:`PaddingCollator`).
-        data: a JSONL file with prompt/response; default, the shipped training set.
+        data: a JSONL file (prompt/response, prompt/completion or messages) or a ``save_to_disk``
+            folder (a DatasetDict's ``"train"`` split), as :func:`load_examples` reads; default,
+            the shipped training set.
         limit: read only the first ``limit`` examples (default: all).
         pack: concatenate rows into full ``max_len`` windows first (:func:`pack_rows`).
         seed: the shuffling seed.

@@ -1,18 +1,28 @@
-"""The shipped data set and its tokenization: prompt/response JSONL in, token rows out.
+"""The training data and its tokenization: JSONL files or saved datasets in, token rows out.
 
-The data itself (``data/kjv_continue_{train,validation}.jsonl``, built by
-``data/build_kjv.py``) is validated line by line before ``datasets`` sees it, so a broken file
-fails with its name and line number instead of deep inside pyarrow. Tokenization renders each
-example with the model's chat template and masks the prompt out of the loss.
+Each line (or row) is one of three layouts: ``prompt``/``response`` (the shipped
+``data/kjv_continue_*.jsonl``, built by ``data/build_kjv.py``), ``prompt``/``completion``
+(TRL's convention), or ``messages``, a list of ``{"role": "system"|"user"|"assistant",
+"content": str}`` whose last message is the assistant turn that is learned. A source is a JSONL
+file or a ``Dataset``/``DatasetDict.save_to_disk`` folder. It is validated before ``datasets``
+or a model sees it (``validate_source``), so bad data fails with its file and line instead of
+deep inside pyarrow, and before a run spends minutes loading a model.
 
-Importing this module is cheap: ``datasets`` and ``transformers`` are imported by the
-functions that need them.
+Design: rows keep their own columns (a file mixing layouts gets the union, absent fields null)
+and :func:`format_example` recognises each row's layout, so no rewriting pass is needed, extra
+columns survive, and :func:`tokenize_examples` (which only calls :func:`format_example`) works
+on every layout. Tokenization renders each example with the model's chat template and masks the
+prompt out of the loss.
+
+Importing this module is cheap: ``datasets`` (no torch) and ``pyarrow`` are imported by the
+functions that need them; tokenizers are passed in.
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import json
+import random
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,10 +38,14 @@ PADDING_POLICIES = ("longest", "multiple", "fixed")
 IGNORE_INDEX = -100
 REQUIRED_FIELDS = ("prompt", "response")
 OPTIONAL_STR_FIELDS = ("id", "source")
+CHAT_ROLES = ("system", "user", "assistant")
+#: the splits of a saved DatasetDict that :func:`load_splits` holds out, first found wins
+HELDOUT_SPLITS = ("validation", "test")
+_LAYOUT_HINT = "a record has prompt/response, prompt/completion or messages"
 
 
 class DataFormatError(ValueError):
-    """A data file that is not one JSON object per line with non-empty ``prompt``/``response``."""
+    """Data that is not one valid example per JSONL line (or per row of a saved dataset)."""
 
 
 def default_data_path(split: str = "train") -> Path:
@@ -68,13 +82,53 @@ def default_data_path(split: str = "train") -> Path:
     )
 
 
+def _layout(record: dict) -> str:
+    """The row's layout: ``"messages"``, ``"completion"`` or ``"response"`` (null = absent)."""
+    if record.get("messages") is not None:
+        return "messages"
+    if record.get("completion") is not None and record.get("response") is None:
+        return "completion"
+    return "response"
+
+
+def _check_messages(messages: Any) -> str | None:
+    """Return what is wrong with a chat's ``messages``, or None."""
+    if not isinstance(messages, list):
+        return f"field 'messages' must be a list, got {type(messages).__name__}"
+    if len(messages) < 2:
+        return f"field 'messages' needs a prompt and the assistant's answer, got {len(messages)} message(s)"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"messages[{i}] must be an object, got {type(message).__name__}"
+        for key in ("role", "content"):
+            if message.get(key) is None:
+                return f"messages[{i}] has no {key!r}"
+            if not isinstance(message[key], str):
+                return f"messages[{i}] {key!r} must be a string, got {type(message[key]).__name__}"
+        if message["role"] not in CHAT_ROLES:
+            return f"messages[{i}] has unknown role {message['role']!r}; valid roles: {', '.join(CHAT_ROLES)}"
+        if not message["content"].strip():
+            return f"messages[{i}] ({message['role']}) has empty content"
+    if messages[-1]["role"] != "assistant":
+        return f"the last message must be the assistant's (it is learned), got role {messages[-1]['role']!r}"
+    return None
+
+
 def _check_record(record: Any) -> str | None:
     """Return what is wrong with one parsed line, or None if it is a valid example."""
     if not isinstance(record, dict):
         return f"expected a JSON object, got {type(record).__name__}"
-    for key in REQUIRED_FIELDS:
+    plain = [k for k in ("prompt", "response", "completion") if record.get(k) is not None]
+    if record.get("messages") is not None and plain:
+        return f"field 'messages' cannot be combined with {plain[0]!r}; {_LAYOUT_HINT}"
+    if "response" in plain and "completion" in plain:
+        return "fields 'response' and 'completion' are both given; use one"
+    layout = _layout(record)
+    if layout == "messages" and (problem := _check_messages(record["messages"])):
+        return problem
+    for key in () if layout == "messages" else ("prompt", layout):
         if key not in record:
-            return f"missing field {key!r}"
+            return f"missing field {key!r} ({_LAYOUT_HINT})"
         if not isinstance(record[key], str):
             return f"field {key!r} must be a string, got {type(record[key]).__name__}"
         if not record[key].strip():
@@ -85,8 +139,30 @@ def _check_record(record: Any) -> str | None:
     return None
 
 
+def _scan_file(path: Path) -> tuple[int, bool]:
+    """Validate a JSONL file; return its example count and whether its lines differ in shape."""
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
+    count, shapes = 0, set()
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if problem := _check_record(record):
+                raise DataFormatError(f"{path}:{lineno}: {problem}")
+            count += 1
+            shapes.add((frozenset(record), frozenset(k for m in record.get("messages") or () for k in m)))
+    if count == 0:
+        raise DataFormatError(f"{path}: no examples in file")
+    return count, len(shapes) > 1
+
+
 def validate_file(path: str | Path) -> int:
-    """Check a jsonl data file line by line; blank lines are allowed and skipped.
+    """Check a JSONL data file line by line (each any one layout); blank lines are skipped.
 
     Args:
         path: the file to check.
@@ -96,77 +172,197 @@ def validate_file(path: str | Path) -> int:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        DataFormatError: a line is not valid JSON, not an object, lacks a non-empty string
-            ``prompt`` or ``response``, has a non-string ``id``/``source``, or the file holds
-            no example. The message names the file and the 1-based line number.
+        DataFormatError: a line is not a JSON object of one layout with non-empty strings
+            (a bad ``messages``: not a list, fewer than 2, a message without role/content,
+            an unknown role, empty content, a last message not the assistant's), has a
+            non-string ``id``/``source``, or the file holds no example. The message names the
+            file and the 1-based line number.
     """
+    return _scan_file(Path(path))[0]
+
+
+def _dict_splits(path: Path) -> list[str] | None:
+    """The split names of a saved DatasetDict folder, None for a saved Dataset; else DataFormatError."""
+    if (path / "dataset_dict.json").is_file():
+        try:
+            return list(json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise DataFormatError(f"{path}/dataset_dict.json: unreadable ({err!r})") from None
+    if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+        return None
+    raise DataFormatError(f"{path}: not a saved dataset (no dataset_dict.json, nor state.json and "
+                          "dataset_info.json, as save_to_disk writes)")
+
+
+def _check_rows(ds: datasets.Dataset, where: str) -> None:
+    """Check every row of a loaded dataset as :func:`validate_file` checks a line."""
+    cols = [c for c in ("messages", "prompt", "response", "completion", *OPTIONAL_STR_FIELDS) if c in ds.column_names]
+    if "messages" not in cols and "prompt" not in cols:
+        raise DataFormatError(f"{where}: columns {ds.column_names}; {_LAYOUT_HINT}")
+    if len(ds) == 0:
+        raise DataFormatError(f"{where}: no examples")
+    row = 0
+    for batch in ds.select_columns(cols).iter(batch_size=1024):
+        for values in zip(*(batch[c] for c in cols)):
+            if problem := _check_record({c: v for c, v in zip(cols, values) if v is not None}):
+                raise DataFormatError(f"{where}, row {row} (0-based): {problem}")
+            row += 1
+
+
+def _load_saved(path: Path, split: str) -> datasets.Dataset:
+    """One split of a ``save_to_disk`` folder (a Dataset folder has only one), rows checked."""
+    splits = _dict_splits(path)
+    if splits is not None and split not in splits:
+        raise DataFormatError(f"{path}: saved DatasetDict has no split {split!r}; it has {', '.join(splits)}")
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as err:  # whatever a broken folder raises, name the folder
+        raise DataFormatError(f"{path}: cannot load the saved dataset ({err})") from err
+    ds = loaded if splits is None else loaded[split]
+    _check_rows(ds, str(path) if splits is None else f"{path} (split {split!r})")
+    return ds
+
+
+def _heldout_split(path: Path) -> str | None:
+    """The held-out split of a saved DatasetDict folder (see ``HELDOUT_SPLITS``), else None."""
+    return next((s for s in HELDOUT_SPLITS if s in (_dict_splits(path) or ())), None)
+
+
+def validate_source(path: str | Path | None = None) -> int:
+    """Check a JSONL file or a ``save_to_disk`` folder, cheaply (no torch) and before a model loads.
+
+    A file is checked by :func:`validate_file`; a folder's rows as lines are. A DatasetDict
+    needs a ``"train"`` split; its held-out split (``"validation"``, else ``"test"``) is checked too.
+
+    ``path=None`` checks the shipped training file. Returns the number of training examples
+    (a DatasetDict's ``"train"`` split). Raises FileNotFoundError when nothing is at ``path``;
+    DataFormatError for a bad line or row, a folder that is not a saved dataset (named in the
+    message), a DatasetDict without ``"train"``, or data with no prompt or messages column.
+    """
+    if path is None:
+        return validate_file(default_data_path("train"))
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
-    count = 0
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            problem = _check_record(record)
-            if problem:
-                raise DataFormatError(f"{path}:{lineno}: {problem}")
-            count += 1
-    if count == 0:
-        raise DataFormatError(f"{path}: no examples in file")
+    if path.is_file():
+        return validate_file(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"data not found: {path}")
+    count = len(_load_saved(path, "train"))
+    if heldout := _heldout_split(path):
+        _load_saved(path, heldout)
     return count
+
+
+def _check_limit(value: Any, name: str = "limit") -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
 
 def load_examples(
     path: str | Path | None = None, split: str = "train", limit: int | None = None, *,
     cache_dir: str | Path | None = None,
 ) -> datasets.Dataset:
-    """Validate and load a prompt/response jsonl file as a ``datasets.Dataset``.
+    """Validate and load examples from a JSONL file or a ``save_to_disk`` folder, rows as they are.
 
     Args:
-        path: a jsonl file with one ``{"prompt": ..., "response": ...}`` object per line
-            (``id`` and ``source`` optional). Default: the shipped file of ``split``.
-        split: which shipped file to use when ``path`` is None.
+        path: a JSONL file (any layout per line; ``id``, ``source`` optional) or a folder saved
+            by ``Dataset``/``DatasetDict.save_to_disk``. Default: the shipped file of ``split``.
+        split: which shipped file when ``path`` is None; which split of a saved DatasetDict
+            (a saved Dataset has one; ``split`` is then ignored).
         limit: keep only the first ``limit`` examples (the shipped files are in random order,
             so this is a fair sample).
-        cache_dir: where ``datasets`` keeps its Arrow cache (default: its own default).
-            Nothing is downloaded; loading works with ``HF_DATASETS_OFFLINE=1``.
+        cache_dir: where ``datasets`` keeps its Arrow cache for a JSONL file (default: its own
+            default). Nothing is downloaded; loading works with ``HF_DATASETS_OFFLINE=1``.
 
     Returns:
-        The examples, one row per line, with the file's columns.
+        The examples, one row per line (or row of the split).
 
     Raises:
         FileNotFoundError: the file does not exist.
-        DataFormatError: the file is malformed (see :func:`validate_file`).
+        DataFormatError: malformed data (see :func:`validate_source`); no such saved split.
         ValueError: ``limit`` is not a positive integer.
     """
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
+    _check_limit(limit)
     path = Path(path) if path is not None else default_data_path(split)
-    validate_file(path)
-    import datasets
+    if path.is_dir():
+        ds = _load_saved(path, split)
+    else:
+        _, mixed = _scan_file(path)
+        import datasets
 
-    ds = datasets.load_dataset("json", data_files=str(path), split="train",
-                              cache_dir=None if cache_dir is None else str(cache_dir))
+        features = None
+        if mixed:  # datasets infers the columns from the first 10 MB; take them from the whole file
+            from pyarrow import json as pa_json
+
+            features = datasets.Features.from_arrow_schema(pa_json.read_json(str(path)).schema)
+        ds = datasets.load_dataset("json", data_files=str(path), split="train", features=features,
+                                   cache_dir=None if cache_dir is None else str(cache_dir))
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
     return ds
+
+
+def load_splits(path: str | Path | None = None, *, eval_fraction: float = 0.05, max_eval: int | None = 64,
+                seed: int = 0, limit: int | None = None) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """The training examples and the held-out examples of a source.
+
+    - ``path=None``: the shipped training and validation files.
+    - a saved DatasetDict with a ``"validation"`` (else ``"test"``) split: ``"train"`` and that.
+    - otherwise (a JSONL file, a saved Dataset, else a DatasetDict's ``"train"``):
+      ``max(1, min(max_eval, round(eval_fraction * n)))`` of the ``n`` examples, drawn by
+      ``seed``, are held out (never all: at most ``n - 1``); both parts keep the source's order.
+
+    Args:
+        path: a JSONL file or a ``save_to_disk`` folder (see :func:`load_examples`).
+        eval_fraction: the share held out when the source has no held-out split, in (0, 1).
+        max_eval: the most held-out examples; it also caps a given held-out split (its first
+            ``max_eval`` rows), so evaluation stays cheap. None: no cap.
+        seed: which examples a seeded split holds out.
+        limit: keep only the first ``limit`` training examples (after the split).
+
+    Returns ``(train, heldout)``, two ``datasets.Dataset``. Raises what :func:`load_examples`
+    raises, DataFormatError when fewer than 2 examples must be split, ValueError for a bad
+    ``eval_fraction``, ``max_eval`` or ``limit``.
+    """
+    if not 0 < eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
+    _check_limit(max_eval, "max_eval")
+    _check_limit(limit)
+    named = _heldout_split(Path(path)) if path is not None and Path(path).is_dir() else None
+    if path is None or named:
+        train = load_examples(path, split="train")
+        heldout = load_examples(path, split=named or "validation")
+    else:
+        data = load_examples(path)
+        n = len(data)
+        if n < 2:
+            raise DataFormatError(f"{path}: {n} example; holding some out for evaluation needs at least 2")
+        k = min(n - 1, max(1, min(max_eval or n, round(eval_fraction * n))))
+        held = set(random.Random(seed).sample(range(n), k))
+        heldout = data.select(sorted(held))
+        train = data.select([i for i in range(n) if i not in held])
+    if max_eval is not None and len(heldout) > max_eval:
+        heldout = heldout.select(range(max_eval))
+    if limit is not None and limit < len(train):
+        train = train.select(range(limit))
+    return train, heldout
 
 
 def format_example(example: dict, tokenizer: Any, chat_template: bool = True) -> tuple[str, str]:
     """Render one example as ``(prompt_text, completion_text)``; their concatenation is the
     full training text, and only the completion is learned by default.
 
-    With ``chat_template=True`` and a tokenizer that has one, the prompt is a user turn and
-    the response the assistant turn (the template's own turn end included, trailing
-    whitespace dropped). Otherwise a plain ``### Prompt`` / ``### Response`` layout is used.
+    With ``chat_template=True`` and a tokenizer that has one, the prompt is the conversation
+    before the learned turn with the assistant's turn opened (``add_generation_prompt=True``):
+    one user turn for a ``prompt``, every message but the last for a chat (earlier assistant
+    turns are not learned). The completion is the rest of the full rendering (the template's
+    turn end included, trailing whitespace dropped). Without a template: a plain ``### Prompt``
+    / ``### Response`` layout, or for a chat one ``### System``/``### User``/``### Assistant``
+    section per message, then an open ``### Assistant`` section.
 
     Args:
-        example: a mapping with string ``prompt`` and ``response``.
+        example: a row in any layout (see the module docstring); null fields count as absent.
         tokenizer: a Hugging Face tokenizer.
         chat_template: use the tokenizer's chat template when it has one.
 
@@ -177,14 +373,16 @@ def format_example(example: dict, tokenizer: Any, chat_template: bool = True) ->
         ValueError: the rendered conversation does not start with the rendered prompt (a chat
             template that rewrites earlier turns), so prompt tokens cannot be masked.
     """
-    prompt, response = example["prompt"], example["response"]
+    layout = _layout(example)
+    messages = ([{"role": m["role"], "content": m["content"]} for m in example["messages"]] if layout == "messages"
+                else [{"role": "user", "content": example["prompt"]}, {"role": "assistant", "content": example[layout]}])
     if not (chat_template and getattr(tokenizer, "chat_template", None)):
-        return f"### Prompt\n{prompt}\n\n### Response\n", response
-    user = [{"role": "user", "content": prompt}]
-    head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(
-        user + [{"role": "assistant", "content": response}], tokenize=False
-    )
+        if layout != "messages":
+            return f"### Prompt\n{example['prompt']}\n\n### Response\n", example[layout]
+        head = "".join(f"### {m['role'].capitalize()}\n{m['content']}\n\n" for m in messages[:-1])
+        return head + "### Assistant\n", messages[-1]["content"]
+    head = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
     if not full.startswith(head):
         raise ValueError("chat template output does not extend the prompt rendering; "
                          "use chat_template=False")
@@ -204,7 +402,7 @@ def _tokenize_one(prompt_ids: list[int], completion_ids: list[int], eos_id: int 
 
 def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template: bool = True,
                       train_on_prompt: bool = False) -> datasets.Dataset:
-    """Tokenize prompt/response examples for causal-LM training.
+    """Tokenize examples of any layout for causal-LM training.
 
     Each row becomes ``input_ids`` (prompt, completion, then EOS unless the completion
     already ends with it), ``labels`` (a copy with prompt positions set to -100 unless
@@ -212,7 +410,7 @@ def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template
     rows left with no learned token are dropped with a warning.
 
     Args:
-        ds: a ``datasets.Dataset`` (or list of dicts) with ``prompt`` and ``response``.
+        ds: a ``datasets.Dataset`` (or list of dicts) of rows in any layout (the module docstring).
         tokenizer: a Hugging Face tokenizer.
         max_len: maximum tokens per row (>= 2).
         chat_template: see :func:`format_example`.
