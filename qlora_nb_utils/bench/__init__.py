@@ -23,5 +23,6 @@ from .._lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {name: "main_job" for name in (
     "run_bench", "side_by_side", "compiled_run", "compare", "write_results", "markdown_table",
-    "make_bench_batches", "mark_dynamic", "warm_shapes", "resolve_device_dtype", "DEFAULTS",
+    "make_bench_batches", "mark_dynamic", "warm_shapes", "resolve_device_dtype", "DEFAULTS", "RUNS",
+    "validate_options",
 )})

@@ -1,15 +1,24 @@
-"""Eager vs compiled, side by side in one process: the main job.
+"""The main job, ``qlora-nb bench``: HF eager, plain ``torch.compile`` and the fast path, side by side.
 
-A speed-up is only honest when both sides see the same things, so `run_bench` loads the
-model once, snapshots its LoRA weights, trains eagerly, restores the snapshot, and trains
-the compiled model on the very same list of batches with the same seed. Compilation is
-counted and timed by `diagnostics.CompileCounter` and reported apart from the steady state;
-step times are medians after warm-up steps. Everything lands in one JSON-ready dict with
-the device, library versions, command and date, so that a figure quoted anywhere can be
-traced to the run that produced it.
+Why three runs: the question a user asks is "how much faster and leaner is the fast path than
+what I do today?", and the answer is only honest when the runs see the same things. One model
+is loaded the HF way (``prepare_model_for_kbit_training`` + PEFT, NF4), its LoRA weights are
+snapshotted, and every run starts from that snapshot, on the very same list of batches, with
+the same seed:
 
-Batches are padded to a fixed length by default: one shape, one compilation. Variable
-lengths and what they cost are the subject of notebook 04.
+* ``hf-eager``: the HF default recipe, eager (the baseline of every ratio);
+* ``plain-compile``: the same model under plain ``torch.compile`` (what one line buys);
+* ``fast``: :func:`qlora_nb_utils.optimize` (the recipe, with the choices it states).
+
+Parity is judged against the floor (:mod:`qlora_nb_utils.training.parity`): each compiled run
+is compared with the eager run of its own recipe (``hf-eager`` for plain compile; the fast
+recipe run uncompiled, ``fast-eager``, for ``fast``), and the floor is that eager run again with
+the rows of each batch permuted, in two seeded orders (the floor at a step is the larger). Step times are medians after warm-up; compilation is counted
+and timed apart. Everything lands in one JSON-ready dict with the device, library versions,
+command and date, so that a figure quoted anywhere can be traced to the run that produced it.
+
+Every option is checked before anything loads (:func:`validate_options`): a bad mode, backend,
+model folder or data file fails in a second, not after the eager run.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -27,11 +36,13 @@ from .. import data as qdata
 from .. import diagnostics, env, models
 from ..env import default_dtype, resolve_device_dtype  # re-exported: bench.resolve_device_dtype
 from ..report.markdown import table_header
-from ..training.device import sync
 from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
+from ..training.parity import judge, permute_rows
+from .side_by_side import compare, compiled_run, mark_dynamic, side_by_side, warm_shapes  # re-exported
 
 __all__ = [
     "DEFAULTS",
+    "RUNS",
     "compare",
     "compiled_run",
     "mark_dynamic",
@@ -39,13 +50,15 @@ __all__ = [
     "resolve_device_dtype",
     "make_bench_batches",
     "run_bench",
+    "validate_options",
     "warm_shapes",
     "side_by_side",
     "write_results",
 ]
 
 PADDING_POLICIES = ("fixed", "multiple", "longest")
-
+#: The runs of the main job, in the order they run and appear.
+RUNS = ("hf-eager", "plain-compile", "fast")
 
 DEFAULTS: dict[str, Any] = {
     "model": "smollm2-135m",
@@ -61,28 +74,61 @@ DEFAULTS: dict[str, Any] = {
     "lr": 2e-4,
     "warmup": 3,
     "seed": 0,
-    "mode": None,
+    "mode": "auto",
     "backend": "inductor",
     "data": None,
     "attn_implementation": "sdpa",
+    "grad_ckpt": "auto",
+    "max_memory_gib": None,
 }
 
 
-def _validate(opts: dict[str, Any]) -> None:
-    unknown = set(opts) - set(DEFAULTS)
+def validate_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Fill in :data:`DEFAULTS` and check every option without loading a model or the data.
+
+    Returns:
+        The full options.
+
+    Raises:
+        ValueError: an unknown option or a bad value (the message lists the valid ones), a
+            model name/folder that is not a model, a data file that is not valid.
+        FileNotFoundError: the data file does not exist.
+    """
+    from ..compile import valid_backends
+    from ..compile.fast_path import MODES
+
+    unknown = set(options) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown bench option(s) {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    opts = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None or k == "max_memory_gib"}}
     if opts["padding"] not in PADDING_POLICIES:
         raise ValueError(f"padding must be one of {PADDING_POLICIES}, got {opts['padding']!r}")
     for key in ("steps", "batch_size", "seq_len"):
         if int(opts[key]) < 1:
             raise ValueError(f"{key} must be >= 1, got {opts[key]}")
-    if int(opts["warmup"]) >= int(opts["steps"]):
-        raise ValueError(f"warmup ({opts['warmup']}) must be smaller than steps ({opts['steps']})")
+    if not 0 <= int(opts["warmup"]) < int(opts["steps"]):
+        raise ValueError(f"warmup ({opts['warmup']}) must be >= 0 and smaller than steps ({opts['steps']})")
+    if opts["mode"] not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {opts['mode']!r}")
+    if opts["backend"] not in valid_backends():
+        raise ValueError(f"backend must be one of {valid_backends()}, got {opts['backend']!r}")
+    if opts["grad_ckpt"] not in ("auto", True, False):
+        raise ValueError(f"grad_ckpt must be 'auto', True or False, got {opts['grad_ckpt']!r}")
+    mem = opts["max_memory_gib"]
+    if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0):
+        raise ValueError(f"max_memory_gib must be None or a number > 0, got {mem!r}")
+    if opts["quant"] not in models.QUANT_CHOICES:
+        raise ValueError(f"quant must be one of {list(models.QUANT_CHOICES)}, got {opts['quant']!r}")
+    resolve_device_dtype(opts["device"], opts["dtype"])
+    models.check_model_source(opts["model"])
+    if opts["data"] is not None:
+        qdata.validate_source(opts["data"])
+    return opts
 
 
-def make_bench_batches(tokenizer, *, batch_size: int, seq_len: int, steps: int, padding: str = "fixed", data=None, seed: int = 0):
-    """The list of micro-batches both runs train on, built once from the shipped data.
+def make_bench_batches(tokenizer, *, batch_size: int, seq_len: int, steps: int, padding: str = "fixed", data=None,
+                       seed: int = 0):
+    """The list of micro-batches every run trains on, built once from the data.
 
     Returns:
         (batches, padding_stats) where batches is a list of `steps` dicts of CPU tensors.
@@ -93,189 +139,108 @@ def make_bench_batches(tokenizer, *, batch_size: int, seq_len: int, steps: int, 
 
 
 def run_bench(progress: bool = True, log=print, command: str | None = None, **options: Any) -> dict[str, Any]:
-    """Run the same QLoRA fine-tune eagerly and compiled, and compare.
+    """Run HF eager, plain compile and the fast path on the same batches, and compare them.
 
     Args:
         progress: show progress bars.
         log: where one-line status messages go (`print` by default).
         command: the command line to record in the results (defaults to `sys.argv`).
-        **options: any of `DEFAULTS` (model, quant, steps, batch_size, seq_len, padding,
-            device, dtype, lora_r, lora_alpha, lr, warmup, seed, mode, backend, data,
-            attn_implementation).
+        **options: any of `DEFAULTS`; `mode`, `grad_ckpt` and `max_memory_gib` go to `optimize()`.
 
     Returns:
-        The results dict (see `write_results` for the file): device, versions, command,
-        date, model, options, per-run summaries under `eager` and `compiled`, and
-        `graph_breaks`, `break_reasons`, `fullgraph_ok`, `compilations`, `recompilations`,
-        `recompile_reasons`, `compile_s`, `speedup`, `max_abs_loss_diff`, `padding`.
+        The results dict (see the module docstring and `write_results`): device, versions,
+        command, date, model, options, `optimize` (its description and choices), `runs` (one
+        dict per name of :data:`RUNS`: median step, tokens/s, peak memory, losses, compilations,
+        parity against its floor, ratios to hf-eager), `reference_runs` (the eager runs the
+        parity is measured with), `history`, `padding`; and, for the older readers, `eager`
+        (hf-eager) and `compiled` (fast) summaries with `speedup`, `max_abs_loss_diff`,
+        `graph_breaks`, `fullgraph_ok`, `compilations`, `recompilations`, `compile_s`.
 
     Raises:
-        ValueError: for an unknown option or a bad value.
+        ValueError: for an unknown option or a bad value, before anything loads.
     """
-    opts = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None or k in ("mode",)}}
-    _validate(opts)
+    from ..compile.fast_path import optimize
+
+    opts = validate_options(options)
     device, dtype = resolve_device_dtype(opts["device"], opts["dtype"])
-    log(f"==> loading {opts['model']} ({opts['quant']}, {dtype}) on {device}")
+    log(f"==> loading {opts['model']} ({opts['quant']}, {dtype}) on {device}, the HF way (kbit prep + LoRA)")
     model, tok = models.load_model(
         opts["model"], quant=opts["quant"], lora=True, lora_r=opts["lora_r"], lora_alpha=opts["lora_alpha"],
         dtype=dtype, device=device, attn_implementation=opts["attn_implementation"], seed=opts["seed"],
+        prepare_kbit=opts["quant"] == "nf4",
     )
     batches, pad_stats = make_bench_batches(
         tok, batch_size=opts["batch_size"], seq_len=opts["seq_len"], steps=opts["steps"],
         padding=opts["padding"], data=opts["data"], seed=opts["seed"],
     )
     cfg = TrainConfig(steps=opts["steps"], lr=opts["lr"], seed=opts["seed"], progress=progress)
-    runs = side_by_side(model, batches, cfg, backend=opts["backend"], mode=opts["mode"], log=log)
-    return _assemble(opts, device, dtype, runs, pad_stats, command)
-
-
-def side_by_side(model, batches, cfg: TrainConfig, *, backend: str = "inductor", mode: str | None = None, log=print) -> dict[str, Any]:
-    """Train `model` eagerly, then compiled from the same starting weights, on the same batches.
-
-    The trainable parameters are snapshotted before the eager run and restored before the
-    compiled one, so both start from the same point; the frozen (quantized) weights are
-    shared, never copied. The compiled run goes through `diagnostics.CompileCounter`.
-
-    Args:
-        model: a causal LM (PEFT or plain) already on its device.
-        batches: the list of micro-batches both runs use.
-        cfg: the training options, shared by both runs.
-        backend: torch.compile backend.
-        mode: torch.compile mode (None for the default).
-        log: where one-line status messages go.
-
-    Returns:
-        `eager` and `compiled` history DataFrames, `breaks` (a graph-break report),
-        `fullgraph` (the fullgraph check) and `counter` (the CompileCounter).
-    """
-    device = next(model.parameters()).device
+    permuted = [permute_rows(batches, seed=opts["seed"] + k) for k in (1, 2)]  # two orders: the floor's range
     start = trainable_state(model)
-    log("==> eager run")
-    eager = train(model, batches, cfg, label="eager")
+    hist: dict[str, Any] = {}
 
-    log("==> graph-break check (explain + fullgraph)")
-    first = {k: v.to(device) for k, v in batches[0].items()}
-    breaks = diagnostics.graph_breaks(model, **first)
-    full = diagnostics.check_fullgraph(model, **first)
-    torch.compiler.reset()
-
-    log(f"==> compiled run (backend={backend}, mode={mode or 'default'})")
-    load_trainable_state(model, start)
-    counter = diagnostics.CompileCounter(backend=backend)
-    compiled_fn = counter.compile(model, mode=mode)
-    compiled = train(model, batches, cfg, forward=compiled_fn, label="compiled")
-    return {"eager": eager, "compiled": compiled, "breaks": breaks, "fullgraph": full, "counter": counter}
-
-
-def mark_dynamic(forward: Callable[..., Any], dims: dict[str, int]) -> Callable[..., Any]:
-    """Wrap `forward` so that every batch has `dims` (key -> dimension) marked dynamic first.
-
-    `torch._dynamo.mark_dynamic` marks a tensor, not a position, so it has to be applied to
-    each new batch before the compiled call; keys a batch lacks are skipped.
-    """
-    def call(**batch):
-        for key, dim in dims.items():
-            if key in batch:
-                torch._dynamo.mark_dynamic(batch[key], dim)
-        return forward(**batch)
-
-    return call
-
-
-def warm_shapes(model, batches, forward: Callable[..., Any] | None = None) -> int:
-    """One untimed forward and backward per distinct batch shape; the weights are left as they were.
-
-    Why: on a GPU the first step at a batch length the process has not run before costs about
-    100 ms more than later steps at that length, eager and compiled alike (on the H200 with the
-    4-layer 1B shape: ~130-200 ms against ~20-35 ms; a since-removed probe,
-    `results/default_step_probe_h200.json`). It is paid once per length per process, outside
-    the compiler: a compiled run after an eager pass over the same lengths steps at 20 ms from
-    its first new length. So when runs are compared on variable lengths, whichever runs first
-    pays for every length, and its median step says so. Warming every shape once first makes
-    each run's step times its own.
-
-    Args:
-        model: the model; its gradients are cleared afterwards (set to None) and no optimizer
-            steps, so the weights do not change.
-        batches: the batches that will be timed (one of each shape is run).
-        forward: what to call instead of `model` (e.g. an autocast wrapper).
-
-    Returns:
-        The number of distinct shapes run.
-    """
-    forward = model if forward is None else forward
-    device = next(model.parameters()).device
-    seen = set()
-    for batch in batches:
-        shape = tuple(batch["input_ids"].shape)
-        if shape in seen:
-            continue
-        seen.add(shape)
-        out = forward(**{k: v.to(device) for k, v in batch.items()})
-        out.loss.backward()
-        del out
-    model.zero_grad(set_to_none=True)
-    sync(device)
-    return len(seen)
-
-
-def compiled_run(
-    model,
-    batches,
-    cfg: TrainConfig,
-    *,
-    start: dict | None = None,
-    dynamic_dims: dict[str, int] | None = None,
-    label: str = "compiled",
-    **compile_kwargs: Any,
-):
-    """One compiled training run, counted: the building block of the recompilation studies.
-
-    Args:
-        model: the model (its trainable weights are reset to `start` first, when given).
-        batches: the micro-batches to train on.
-        cfg: training options.
-        start: a `trainable_state` snapshot to restore before the run.
-        dynamic_dims: batch key -> dimension to `torch._dynamo.mark_dynamic` on every batch
-            (e.g. `{"input_ids": 1, "attention_mask": 1, "labels": 1}` for the sequence).
-        label: the history's `run` name.
-        **compile_kwargs: `backend`, `mode`, `dynamic`, `fullgraph`, `options`.
-
-    Returns:
-        (history DataFrame, CompileCounter).
-    """
-    torch.compiler.reset()
-    if start is not None:
+    def run(name, forward=None, data=batches):
+        log(f"==> {name}")
         load_trainable_state(model, start)
-    counter = diagnostics.CompileCounter(backend=compile_kwargs.pop("backend", "inductor"))
-    compiled = counter.compile(model, **compile_kwargs)
-    forward = mark_dynamic(compiled, dynamic_dims) if dynamic_dims else compiled
-    return train(model, batches, cfg, forward=forward, label=label), counter
+        hist[name] = train(model, data, cfg, forward=forward, label=name)
+
+    run("hf-eager")
+    for k, data in enumerate(permuted, 1):
+        run(f"hf-eager-permuted{k}", data=data)
+    log("==> graph-break check of the plain model (explain + fullgraph)")
+    first = {k: v.to(device) for k, v in batches[0].items()}
+    breaks, full = diagnostics.graph_breaks(model, **first), diagnostics.check_fullgraph(model, **first)
+    torch.compiler.reset()
+    plain = diagnostics.CompileCounter(backend=opts["backend"])
+    run("plain-compile", forward=plain.compile(model))
+    torch.compiler.reset()
+
+    load_trainable_state(model, start)
+    opt = optimize(model, batches=batches, mode=opts["mode"], backend=opts["backend"],
+                   grad_ckpt=opts["grad_ckpt"], max_memory_gib=opts["max_memory_gib"])
+    log(f"==> {opt.description}")
+    try:
+        run("fast-eager", forward=opt.eager)
+        for k, data in enumerate(permuted, 1):
+            run(f"fast-eager-permuted{k}", forward=opt.eager, data=data)
+        fast_breaks = diagnostics.graph_breaks(opt.eager, **first)
+        torch.compiler.reset()
+        run("fast", forward=opt.forward)
+    finally:
+        opt.undo()
+    return _assemble(opts, device, dtype, hist, pad_stats, command, {
+        "plain": plain, "fast": opt.counter, "breaks": breaks, "full": full, "fast_breaks": fast_breaks,
+        "optimize": {"description": opt.description, "choices": {k: str(v) for k, v in opt.choices.items()}}})
 
 
-def compare(runs: dict[str, Any], warmup: int = 3) -> dict[str, Any]:
-    """The figures of a `side_by_side` result: summaries, speedup, loss parity, compile counts."""
-    e, c = summarize(runs["eager"], warmup), summarize(runs["compiled"], warmup)
-    breaks, full, counter = runs["breaks"], runs["fullgraph"], runs["counter"]
-    return {
-        "eager": e,
-        "compiled": c,
-        "graph_breaks": int(breaks.graph_break_count),
-        "break_reasons": list(breaks.break_reasons),
-        "fullgraph_ok": bool(full.ok),
-        "fullgraph_error": full.error,
-        "compilations": int(counter.compilations),
-        "recompilations": int(counter.recompilations),
-        "recompile_reasons": list(counter.recompile_reasons),
-        "compile_s": float(counter.compile_s),
-        "speedup": e["median_step_ms"] / c["median_step_ms"],
-        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(e["losses"], c["losses"])),
-    }
-
-
-def _assemble(opts, device, dtype, runs, pad_stats, command) -> dict[str, Any]:
+def _assemble(opts, device, dtype, hist, pad_stats, command, extra) -> dict[str, Any]:
     if command is None:
         command = shlex.join(sys.argv) if sys.argv and sys.argv[0] else "run_bench()"
+    warm = int(opts["warmup"])
+    summ = {name: summarize(h, warm) for name, h in hist.items()}
+    base = summ["hf-eager"]
+    b, s = int(opts["batch_size"]), int(opts["seq_len"])
+
+    def row(name: str, counter, eager: str) -> dict[str, Any]:
+        r = {"name": name, "batch_size": b, "seq_len": s, **summ[name]}
+        r["speedup_vs_hf_eager"] = base["median_step_ms"] / r["median_step_ms"]
+        r["peak_mem_vs_hf_eager"] = r["peak_mem_gib"] / base["peak_mem_gib"] if base["peak_mem_gib"] else None
+        if counter is None:
+            return {**r, "compilations": 0, "max_abs_loss_diff": 0.0}
+        verdict = judge(summ[eager]["losses"], [summ[f"{eager}-permuted{k}"]["losses"] for k in (1, 2)], r["losses"])
+        r.update({k: v for k, v in verdict.items() if k not in ("floor_diffs", "diffs")})
+        r.update(parity_against=eager, floor_diffs=verdict["floor_diffs"], diffs=verdict["diffs"])
+        r["max_abs_loss_diff_vs_hf_eager"] = max(abs(x - y) for x, y in zip(base["losses"], r["losses"]))
+        stats = counter.to_dict()
+        r.update(compilations=stats["compilations"], recompilations=stats["recompilations"],
+                 recompile_reasons=stats["recompile_reasons"], compile_s=stats["compile_s"])
+        return r
+
+    runs = [row("hf-eager", None, ""), row("plain-compile", extra["plain"], "hf-eager"),
+            row("fast", extra["fast"], "fast-eager")]
+    runs[1].update(graph_breaks=int(extra["breaks"].graph_break_count), fullgraph_ok=bool(extra["full"].ok))
+    runs[2].update(graph_breaks=int(extra["fast_breaks"].graph_break_count), fullgraph_ok=True,
+                   optimize=extra["optimize"]["description"])
+    fast = runs[2]
     return {
         "device": env.device_info(device),
         "versions": env.versions(),
@@ -283,9 +248,17 @@ def _assemble(opts, device, dtype, runs, pad_stats, command) -> dict[str, Any]:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "model": opts["model"],
         "options": {**opts, "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
-        **compare(runs, int(opts["warmup"])),
+        "optimize": extra["optimize"],
+        "runs": runs,
+        "reference_runs": {n: s for n, s in summ.items() if n not in RUNS},
+        # the older readers' keys: hf-eager against the fast path
+        "eager": base, "compiled": summ["fast"], "speedup": fast["speedup_vs_hf_eager"],
+        "max_abs_loss_diff": fast["max_abs_loss_diff"], "graph_breaks": fast["graph_breaks"],
+        "break_reasons": list(extra["fast_breaks"].break_reasons), "fullgraph_ok": True,
+        "compilations": fast["compilations"], "recompilations": fast["recompilations"],
+        "recompile_reasons": fast["recompile_reasons"], "compile_s": fast["compile_s"],
         "padding": pad_stats,
-        "history": {k: runs[k].to_dict(orient="list") for k in ("eager", "compiled")},
+        "history": {k: h.to_dict(orient="list") for k, h in hist.items()},
     }
 
 
@@ -306,7 +279,8 @@ def write_results(results: dict[str, Any], out_dir: str | Path, plot: bool = Tru
         from ..report import plots
 
         paths["loss_png"] = out / "loss_curves.png"
-        fig = plots.plot_loss_curves(results, path=paths["loss_png"])
+        plot = plots.plot_fast_path if "runs" in results else plots.plot_loss_curves
+        fig = plot(results, path=paths["loss_png"])
         import matplotlib.pyplot as plt
 
         plt.close(fig)
@@ -314,7 +288,10 @@ def write_results(results: dict[str, Any], out_dir: str | Path, plot: bool = Tru
 
 
 def markdown_table(paths: list[str | Path]) -> str:
-    """A Markdown table of bench results files, one row each (what the README shows).
+    """A Markdown table of bench results files (what the README shows): one row per run.
+
+    Files of the three-run main job give a row each for ``hf-eager``, ``plain-compile`` and
+    ``fast``; an older two-run file (eager against compiled) gives its one row.
 
     Args:
         paths: `results.json` files written by `qlora-nb bench`.
@@ -322,15 +299,27 @@ def markdown_table(paths: list[str | Path]) -> str:
     Returns:
         The table, ending with a newline.
     """
-    rows = table_header(["file", "device", "model", "batch x len", "eager ms/step", "compiled ms/step", "speedup",
-                         "peak GiB eager / compiled", "breaks", "compilations", "compile s", "max loss diff"])
+    rows = table_header(["file", "device", "model", "batch x len", "run", "ms/step", "speedup vs hf-eager",
+                         "real tokens/s", "peak GiB", "compilations", "max / mean loss diff vs its eager",
+                         "floor max / mean", "within floor"])
     for path in paths:
         r = json.loads(Path(path).read_text())
-        o, e, c = r["options"], r["eager"], r["compiled"]
-        rows.append(
-            f"| `{Path(path).name}` | {r['device']['name']} | {r['model']} ({o['quant']}, {o['dtype']}) "
-            f"| {o['batch_size']} x {o['seq_len']} | {e['median_step_ms']:.1f} | {c['median_step_ms']:.1f} "
-            f"| {r['speedup']:.2f}x | {e['peak_mem_gib']:.2f} / {c['peak_mem_gib']:.2f} | {r['graph_breaks']} "
-            f"| {r['compilations']} | {r['compile_s']:.1f} | {r['max_abs_loss_diff']:.1e} |"
-        )
+        o = r["options"]
+        head = (f"| `{Path(path).name}` | {r['device']['name']} | {r['model']} ({o['quant']}, {o['dtype']}) "
+                f"| {o['batch_size']} x {o['seq_len']}")
+        if "runs" not in r:  # a two-run file from before the fast path
+            c = r["compiled"]
+            rows.append(f"{head} | compiled (2-run file) | {c['median_step_ms']:.1f} | {r['speedup']:.2f}x "
+                        f"| {c['tokens_per_s']:.0f} | {c['peak_mem_gib']:.2f} | {r['compilations']} "
+                        f"| {r['max_abs_loss_diff']:.1e} / - | - | - |")
+            continue
+        for run in r["runs"]:
+            floor = (f"{run['floor_max_abs_loss_diff']:.1e} / {run['floor_mean_abs_loss_diff']:.1e}"
+                     if "floor_max_abs_loss_diff" in run else "-")
+            diff = (f"{run['max_abs_loss_diff']:.1e} / {run['mean_abs_loss_diff']:.1e}"
+                    if "mean_abs_loss_diff" in run else "-")
+            within = "-" if "within_floor" not in run else ("yes" if run["within_floor"] else "**no**")
+            rows.append(f"{head} | {run['name']} | {run['median_step_ms']:.1f} | {run['speedup_vs_hf_eager']:.2f}x "
+                        f"| {run['tokens_per_s']:.0f} | {run['peak_mem_gib']:.2f} | {run['compilations']} "
+                        f"| {diff} | {floor} | {within} |")
     return "\n".join(rows) + "\n"

@@ -165,7 +165,8 @@ class FastPrepared:
 def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = None,
                  batches: Iterable[dict] | None = None, cast_bf16: bool = True, ce_chunks: int = 4,
                  grad_ckpt: bool = False, ckpt_layers: int | None = None, autocast: bool = False,
-                 causal_attn: bool = False, mode: str | None = None, backend: Any = "inductor") -> FastPrepared:
+                 causal_attn: bool = False, mode: str | None = None, backend: Any = "inductor",
+                 eager_numerics: bool = False) -> FastPrepared:
     """Apply the fast recipe to a loaded PEFT QLoRA model (see the module docstring).
 
     Args:
@@ -184,6 +185,7 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
         causal_attn: causal-only SDPA (flash kernel + GQA); right-padded batches only.
         mode: the inductor mode (None: default).
         backend: the Dynamo backend.
+        eager_numerics: Inductor rounds where eager does (``prepare_for_compile``'s option).
 
     Returns:
         A :class:`FastPrepared`; call ``undo()`` when done (in a ``finally``).
@@ -204,7 +206,8 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
         attn = use_causal_sdpa(model)
     try:
         target = ChunkedLossLM(model, ce_chunks) if ce_chunks else model
-        prepared = prepare_for_compile(target, grad_ckpt=bool(grad_ckpt), mode=mode, backend=backend)
+        prepared = prepare_for_compile(target, grad_ckpt=bool(grad_ckpt), mode=mode, backend=backend,
+                                       eager_numerics=eager_numerics)
     except BaseException:  # leave the model as it was given, but for the cast
         if attn is not None:
             attn.undo()

@@ -39,6 +39,7 @@ def diagnose(
     compile_kwargs: dict | None = None,
     attn: str = "sdpa",
     flex_block_mask: str = "graph",
+    fast: bool = False,
 ) -> dict[str, Any]:
     """Load a configuration and report its graph breaks and compilations.
 
@@ -64,6 +65,10 @@ def diagnose(
             (built in the compiled graph); "precomputed" passes every batch the causal
             `BlockMask` built outside the graph (`attention.causal_block_mask`; the batches
             are right-padded, so no padding mask is needed).
+        fast: go through :func:`qlora_nb_utils.optimize` (the user's fast path: lengths padded
+            to a multiple of 8, dynamic from the first call when several are given, the chunked
+            loss, causal-only SDPA) instead of ``prepare_for_compile`` alone; needs ``prepare``,
+            ``scope="whole"`` and ``attn="sdpa"``.
 
     Returns:
         The `diagnostics.diagnose_model` keys plus the configuration, patches applied,
@@ -75,6 +80,9 @@ def diagnose(
         raise ValueError(f"flex_block_mask must be one of {FLEX_BLOCK_MASKS}, got {flex_block_mask!r}")
     if flex_block_mask == "precomputed" and attn != "flex_attention":
         raise ValueError(f"flex_block_mask='precomputed' needs attn='flex_attention', got attn={attn!r}")
+    if fast and (not prepare or scope != "whole" or attn != "sdpa"):
+        raise ValueError("fast=True is the optimize() path: it needs prepare=True, scope='whole' and attn='sdpa' "
+                         f"(got prepare={prepare}, scope={scope!r}, attn={attn!r})")
     dev, torch_dtype = resolve_device_dtype(device, dtype)
     net, tok = models.load_model(
         model, quant=quant, lora=lora, dtype=torch_dtype, device=dev, seed=seed,
@@ -90,7 +98,10 @@ def diagnose(
 
             b = with_causal_block_mask(dict)(**b)
         return b
-    if prepare:
+    if fast:
+        report = _diagnose_fast(net, lambda n: to_dev(make_batch(n)), list(seq_lens), grad_ckpt,
+                                dict(compile_kwargs or {}))
+    elif prepare:
         report = _diagnose_prepared(net, lambda n: to_dev(make_batch(n)), list(seq_lens), scope, grad_ckpt,
                                     dict(compile_kwargs or {}))
     else:
@@ -102,7 +113,7 @@ def diagnose(
     report.update(
         model=model, quant=quant, lora=lora, grad_ckpt=grad_ckpt, batch_size=batch_size, prepared=prepare, attn=attn,
         flex_block_mask=flex_block_mask if attn == "flex_attention" else None,
-        scope=scope, dtype=str(torch_dtype).replace("torch.", ""), device=env.device_info(dev),
+        scope=scope, fast=fast, dtype=str(torch_dtype).replace("torch.", ""), device=env.device_info(dev),
         versions=env.versions(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
     return report
@@ -145,6 +156,36 @@ def _diagnose_prepared(net, make_batch, seq_lens, scope, grad_ckpt, kwargs) -> d
     return {"graph_breaks": breaks.graph_break_count, "break_reasons": breaks.break_reasons, "fullgraph_ok": full.ok,
             "fullgraph_error": full.error, "seq_lens": seq_lens, "patches": prepared.patches,
             "run_error": run_error, "run_failed_at_len": failed_at, **counts}
+
+
+def _diagnose_fast(net, make_batch, seq_lens, grad_ckpt, kwargs) -> dict[str, Any]:
+    from ..compile.fast_path import optimize
+
+    batches = [make_batch(n) for n in seq_lens]
+    opt = optimize(net, batches=batches, grad_ckpt=bool(grad_ckpt), backend=kwargs.pop("backend", "inductor"),
+                   mode=kwargs.pop("mode", None) or "auto", dynamic=kwargs.pop("dynamic", "auto"))
+    try:
+        loss_fn = lambda **b: opt.eager(**b).loss  # noqa: E731
+        breaks = diagnostics.graph_breaks(loss_fn, **batches[0])
+        full = diagnostics.check_fullgraph(loss_fn, **batches[0])
+        torch.compiler.reset()
+        run_error, failed_at = None, None
+        for n, batch in zip(seq_lens, batches):
+            try:
+                opt.forward(**batch).loss.backward()
+            except Exception as err:  # a compiler failure is a finding of the run, reported, not a crash
+                run_error, failed_at = _describe(err), n
+                break
+            finally:
+                net.zero_grad(set_to_none=True)
+        counts = opt.counter.to_dict()
+    finally:
+        opt.undo()
+        torch.compiler.reset()
+    counts.pop("backend_s", None)
+    return {"graph_breaks": breaks.graph_break_count, "break_reasons": breaks.break_reasons, "fullgraph_ok": full.ok,
+            "fullgraph_error": full.error, "seq_lens": seq_lens, "patches": opt.fast.prepared.patches,
+            "optimize": opt.description, "run_error": run_error, "run_failed_at_len": failed_at, **counts}
 
 
 def problems(report: dict[str, Any], max_compilations: int = 2) -> list[str]:

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import pandas as pd
 
-__all__ = ["load_results", "loss_frame", "plot_loss_curves", "plot_step_time", "plot_memory"]
+__all__ = ["load_results", "loss_frame", "plot_loss_curves", "plot_fast_path", "plot_step_time", "plot_memory"]
 
 
 def load_results(source: str | Path | Mapping) -> dict:
@@ -132,3 +132,44 @@ def plot_memory(results, *, path: str | Path | None = None):
     res = load_results(results)
     runs = _runs_of(res)
     return _bar({k: v["peak_mem_gib"] for k, v in runs.items()}, "peak memory (GiB)", "peak memory", path)
+
+
+def plot_fast_path(results: Mapping, *, path: str | Path | None = None):
+    """The main job's figure: the loss of each run, and the fast path's parity against the floor.
+
+    Top: per-step loss of ``hf-eager``, ``plain-compile``, ``fast-eager`` (the recipe uncompiled)
+    and ``fast``. Bottom: ``|fast - fast-eager|`` beside the floor ``|fast-eager permuted -
+    fast-eager|`` (the same examples, rows in another order), with the floor's max dashed; a
+    correct compiled run stays under the dashed line.
+
+    Args:
+        results: a ``qlora-nb bench`` results dict (with ``runs`` and ``history``).
+        path: save the PNG there too.
+
+    Returns:
+        The matplotlib Figure.
+    """
+    import matplotlib.pyplot as plt
+
+    hist = results["history"]
+    fig, (ax, axd) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for name, style in (("hf-eager", "-"), ("plain-compile", "--"), ("fast-eager", ":"), ("fast", "-.")):
+        if name in hist:
+            ax.plot(hist[name]["step"], hist[name]["loss"], style, marker="o", ms=3, label=name)
+    ax.set_ylabel("training loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fast = next(r for r in results["runs"] if r["name"] == "fast")
+    steps = list(range(len(fast["diffs"])))
+    axd.plot(steps, fast["diffs"], color="tab:red", marker="o", ms=3, label="|fast - fast-eager|")
+    axd.plot(steps, fast["floor_diffs"], color="tab:gray", marker=".", ms=3, label="floor: rows permuted")
+    axd.axhline(fast["floor_max_abs_loss_diff"], color="tab:gray", ls="--", lw=1, label="floor max")
+    axd.set_ylabel("|loss difference|")
+    axd.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    axd.set_xlabel("optimizer step")
+    axd.legend(fontsize=8)
+    axd.grid(alpha=0.3)
+    device = results.get("device", {}).get("name", "")
+    fig.suptitle(f"{results.get('model', '')} on {device}: fast path "
+                 f"{'within' if fast.get('within_floor') else 'OUTSIDE'} the floor")
+    return _finish(fig, path)

@@ -53,13 +53,15 @@ def loss_diffs(reference: Sequence[float], other: Sequence[float]) -> list[float
     return [abs(float(a) - float(b)) for a, b in zip(reference, other)]
 
 
-def judge(eager: Sequence[float], floor_run: Sequence[float], run: Sequence[float],
+def judge(eager: Sequence[float], floor_run: Sequence[float] | Sequence[Sequence[float]], run: Sequence[float],
           mean_factor: float = 1.5) -> dict[str, Any]:
     """The floor, the run's difference, and the verdict, per the module docstring.
 
     Args:
         eager: the eager run's per-step losses.
-        floor_run: the eager run again with the rows permuted (:func:`permute_rows`).
+        floor_run: the eager run again with the rows permuted (:func:`permute_rows`), or several
+            such runs (other seeds): the floor at each step is then the largest of their
+            differences, the range that one summation order alone does not show.
         run: the run under test (compiled), same batches, same start.
         mean_factor: the most the run's mean difference may be, in floor means.
 
@@ -68,7 +70,8 @@ def judge(eager: Sequence[float], floor_run: Sequence[float], run: Sequence[floa
         ``mean_abs_loss_diff``, ``steps_over_floor`` (the steps whose difference exceeds the
         floor's max), ``within_floor`` (bool) and the per-step lists ``floor_diffs``, ``diffs``.
     """
-    floor = loss_diffs(eager, floor_run)
+    runs = [floor_run] if floor_run and not isinstance(floor_run[0], (list, tuple)) else list(floor_run)
+    floor = [max(step) for step in zip(*(loss_diffs(eager, r) for r in runs))]
     diffs = loss_diffs(eager, run)
     floor_max, floor_mean = max(floor), sum(floor) / len(floor)
     run_max, run_mean = max(diffs), sum(diffs) / len(diffs)
@@ -77,5 +80,5 @@ def judge(eager: Sequence[float], floor_run: Sequence[float], run: Sequence[floa
         "floor_max_abs_loss_diff": floor_max, "floor_mean_abs_loss_diff": floor_mean,
         "max_abs_loss_diff": run_max, "mean_abs_loss_diff": run_mean, "steps_over_floor": over,
         "within_floor": not over and run_mean <= mean_factor * floor_mean,
-        "mean_factor": mean_factor, "floor_diffs": floor, "diffs": diffs,
+        "mean_factor": mean_factor, "floor_runs": len(runs), "floor_diffs": floor, "diffs": diffs,
     }
