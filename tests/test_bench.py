@@ -105,17 +105,26 @@ def test_loss_falls_on_shipped_data_with_smollm2():
 def test_diagnose_counts_and_strict_exit_codes(tmp_path, capsys):
     report_path = tmp_path / "diag.json"
     base = ["diagnose", "--model", "tiny", "--quant", "none", "--device", "cpu", "--backend", "eager", "--batch-size", "2"]
-    assert cli.main(base + ["--seq-lens", "16,24,32", "--json", str(report_path), "--strict"]) == 0
+    # the fast path (the default): lengths that are not multiples of 8 compile once
+    assert cli.main(base + ["--grad-ckpt", "--seq-lens", "17,23,31,45", "--json", str(report_path), "--strict",
+                            "--max-compilations", "1"]) == 0
     report = json.loads(report_path.read_text())
-    assert report["graph_breaks"] == 0 and report["fullgraph_ok"]
-    # default torch.compile over three lengths: a static graph, then one dynamic graph
+    assert report["fast"] and report["graph_breaks"] == 0 and report["fullgraph_ok"]
+    assert report["compilations"] == 1 and report["recompilations"] == 0, report["recompile_reasons"]
+    assert "pad_multiple=8" in report["optimize"] and report["command"].startswith("qlora-nb diagnose")
+    # plain prepare_for_compile over three lengths: a static graph, then one dynamic graph
+    assert cli.main(base + ["--no-fast", "--seq-lens", "16,24,32", "--json", str(report_path), "--strict"]) == 0
+    report = json.loads(report_path.read_text())
+    assert not report["fast"] and report["graph_breaks"] == 0 and report["fullgraph_ok"]
     assert report["compilations"] == 2 and report["recompilations"] == 1
     assert "size mismatch" in report["recompile_reasons"][0]
     assert report["model"] == "tiny" and "torch" in report["versions"] and report["attn"] == "sdpa"
     # the same run judged against a budget of one compilation fails under --strict only
-    assert cli.main(base + ["--seq-lens", "16,24,32", "--max-compilations", "1"]) == 0
-    assert cli.main(base + ["--seq-lens", "16,24,32", "--max-compilations", "1", "--strict"]) == 1
+    assert cli.main(base + ["--no-fast", "--seq-lens", "16,24,32", "--max-compilations", "1"]) == 0
+    assert cli.main(base + ["--no-fast", "--seq-lens", "16,24,32", "--max-compilations", "1", "--strict"]) == 1
     assert "compilations" in capsys.readouterr().err
+    # --fast with an option of the other path is refused before anything loads
+    assert cli.main(base + ["--fast", "--regional"]) == 2
 
 
 def test_problems_lists_each_failure():

@@ -45,6 +45,6 @@ def test_the_own_code_example_trains_with_the_public_face():
     assert small.count('"tiny"') == 1 and small.count("steps=2") == 2, "the example changed: update this test"
     scope: dict = {}
     exec(compile(small, "README.md", "exec"), scope)
-    history, prepared = scope["history"], scope["prepared"]
+    history, opt = scope["history"], scope["opt"]
     assert len(history) == 2 and all(math.isfinite(x) for x in history["loss"])
-    assert prepared.counter.to_dict()["compilations"] >= 1
+    assert opt.counter.to_dict()["compilations"] == 1 and opt.description.startswith("optimize: ")

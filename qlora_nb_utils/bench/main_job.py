@@ -302,8 +302,12 @@ def markdown_table(paths: list[str | Path]) -> str:
     rows = table_header(["file", "device", "model", "batch x len", "run", "ms/step", "speedup vs hf-eager",
                          "real tokens/s", "peak GiB", "compilations", "max / mean loss diff vs its eager",
                          "floor max / mean", "within floor"])
+    files = []
     for path in paths:
         r = json.loads(Path(path).read_text())
+        # a file gathered from several calls (scripts/gpu/fast_path_results.py) holds each call whole
+        files += [(path, call) for call in r["calls"].values()] if r.get("kind") == "fast_path" else [(path, r)]
+    for path, r in files:
         o = r["options"]
         head = (f"| `{Path(path).name}` | {r['device']['name']} | {r['model']} ({o['quant']}, {o['dtype']}) "
                 f"| {o['batch_size']} x {o['seq_len']}")

@@ -13,6 +13,11 @@
   eager runs that differ only in summation order say how far a correct compiled run may drift.
 - ``hf_trainer``: the HF ``Trainer`` / TRL ``SFTTrainer`` with ``torch_compile=True``
   (``trainer_patches(model)``, ``count_graph_breaks()``).
+- ``finetuning`` (with ``finetuning_run``): ``finetune(...)``, what ``qlora-nb train`` runs: QLoRA
+  through ``optimize``, held-out evaluation, a PEFT adapter, ``metrics.json`` and a loss curve
+  (``curve``); ``checkpoint``: resumable, atomic checkpoints and the SIGINT/SIGTERM stop
+  (``FinetuneInterrupted``); ``evaluation``: ``evaluate(module, batches)``, the held-out token
+  mean every caller shares, and ``complete``, a greedy sample.
 """
 
 from .._lazy import lazy_exports
@@ -31,4 +36,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "step_lock": "gpulock",
     "trainer_patches": "hf_trainer",
     **dict.fromkeys(("permute_rows", "loss_diffs", "judge"), "parity"),
+    **dict.fromkeys(("finetune", "check_options", "build_finetune_batches"), "finetuning"),
+    **dict.fromkeys(("evaluate", "complete"), "evaluation"),
+    **dict.fromkeys(("FinetuneInterrupted", "save_checkpoint", "load_checkpoint"), "checkpoint"),
 })

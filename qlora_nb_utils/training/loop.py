@@ -46,6 +46,7 @@ __all__ = [
     "save_adapter",
     "trainable_state",
     "load_trainable_state",
+    "warmup_schedule",
 ]
 
 
@@ -173,6 +174,22 @@ def _micro_batches(batches: Iterable[dict]) -> Callable[[], dict]:
     return nxt
 
 
+def _rotate(batches: Iterable[dict], start: int) -> Iterable[dict]:
+    """A list cycled from item ``start mod len`` on (anything else as it is: it cannot be resumed)."""
+    if start and isinstance(batches, Sequence) and len(batches):
+        k = start % len(batches)
+        return list(batches[k:]) + list(batches[:k])
+    if start and not isinstance(batches, Sequence):
+        raise ValueError("start_step > 0 needs batches as a list (a step's batch is found by its index)")
+    return batches
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The loop's LR schedule: linear warm-up over `warmup_steps`, then constant."""
+    warm = max(warmup_steps, 1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+
+
 def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
@@ -185,6 +202,9 @@ def train(
     forward: Callable[..., Any] | None = None,
     label: str = "eager",
     optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    start_step: int = 0,
+    on_step: Callable[[int, dict], None] | None = None,
 ) -> pd.DataFrame:
     """Train `model` for `cfg.steps` optimizer steps and return the per-step history.
 
@@ -199,9 +219,18 @@ def train(
             an eager and a compiled run.
         label: a name stored in the history's `run` column ("eager", "compiled", ...).
         optimizer: an optimizer to use instead of a fresh AdamW over the trainable params.
+        scheduler: an LR scheduler of `optimizer` to step after each optimizer step, instead of
+            the linear warm-up over `cfg.warmup_steps` (pass both to save and restore them).
+        start_step: resume at this step: the run does steps `start_step .. cfg.steps - 1`, and
+            step `i` trains on micro-batch `i mod len(batches)` of a list (with `grad_accum`
+            1), as the uninterrupted run did. torch is not reseeded: the caller restores the
+            RNG state it saved at that step.
+        on_step: called as `on_step(step, row)` after each step, outside its timer (evaluate,
+            checkpoint or stop there: an exception it raises ends the run as an interrupt does
+            when it is a KeyboardInterrupt, and propagates as it is otherwise).
 
     Returns:
-        A DataFrame with one row per optimizer step: `run`, `step`, `loss`, `step_ms`,
+        A DataFrame with one row per optimizer step of this call: `run`, `step`, `loss`, `step_ms`,
         `tokens`, `tokens_per_s`, `step_peak_mem_gib` (this step's peak), `peak_mem_gib` (the
         peak so far), `lr`, `grad_norm`.
 
@@ -215,27 +244,31 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameter (did you forget LoRA, or freeze everything?)")
-    torch.manual_seed(cfg.seed)
+    if not 0 <= start_step < cfg.steps:
+        raise ValueError(f"start_step must be in [0, steps={cfg.steps}), got {start_step}")
+    if start_step == 0:
+        torch.manual_seed(cfg.seed)
     opt = optimizer or torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    warm = max(cfg.warmup_steps, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    next_batch = _micro_batches(batches)
+    sched = scheduler if scheduler is not None else warmup_schedule(opt, cfg.warmup_steps)
+    next_batch = _micro_batches(_rotate(batches, start_step * cfg.grad_accum))
     rows: list[dict] = []
     model.train()
     # Garbage first: tensors that earlier work left in reference cycles (Dynamo's explain and
     # fullgraph checks leave whole forward passes so, measured) stay allocated until the
     # collector runs, and would count in this run's peak.
     gc.collect()
-    bar = _progress(cfg.steps, label, cfg.progress)
+    bar = _progress(cfg.steps, label, cfg.progress, start_step)
     try:
-        for step in range(cfg.steps):
+        for step in range(start_step, cfg.steps):
             with step_lock():  # a no-op unless $QLORA_NB_GPU_LOCK shares the GPU (gpulock.py)
                 reset_peak(device)
                 row = _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
             row["peak_mem_gib"] = max(row["step_peak_mem_gib"], rows[-1]["peak_mem_gib"] if rows else 0.0)
             rows.append(row)
             bar.update(1)
-            bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", ms=f"{rows[-1]['step_ms']:.0f}")
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            if on_step is not None:
+                on_step(step, row)
     except KeyboardInterrupt:
         bar.close()
         history = pd.DataFrame(rows)
@@ -283,12 +316,12 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
     }
 
 
-def _progress(total: int, label: str, enabled: bool):
+def _progress(total: int, label: str, enabled: bool, initial: int = 0):
     if not enabled:
         return _NullBar()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=label, unit="step", leave=True)
+    return tqdm(total=total, initial=initial, desc=label, unit="step", leave=True)
 
 
 class _NullBar:

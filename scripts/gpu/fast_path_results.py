@@ -42,7 +42,9 @@ def main() -> None:
             shutil.copyfile(odd, res / f"odd_lengths_{args.gpu}.json")
     first = next(iter(merged["calls"].values()), None)
     if first:
-        merged.update(device=first["device"], versions=first["versions"],
+        calls = list(merged["calls"].values())
+        merged.update(kind="fast_path", device=first["device"], versions=first["versions"],
+                      command=" ; ".join(c["command"] for c in calls), date=max(c["date"] for c in calls),
                       what="qlora-nb bench (scripts/gpu/gpu_fast_path.sh): hf-eager, plain-compile and fast "
                            "(optimize()) on the same batches, per shape; parity against the eager floor")
     merged["runs"].sort(key=lambda r: (r["batch_size"] * r["seq_len"], ("hf-eager", "plain-compile", "fast").index(r["name"])))

@@ -1,0 +1,280 @@
+"""The stages of one ``qlora-nb train`` run, as one object that :func:`.finetuning.finetune` drives.
+
+Why a class: the run's state (model, the ``optimize`` result, optimizer, scheduler, history,
+the RNG state of the last step boundary) is needed by the step callback, the checkpoint, the
+interrupt path and the metrics alike; holding it in one place keeps each stage a short method
+and keeps :mod:`.finetuning` (options, checks, batches, the entry point) readable on its own.
+
+Order of a run: batches (tokenizer only) -> model -> ``optimize`` -> the "before" sample ->
+optional parity check (undone) -> fresh optimizer and scheduler, or the checkpoint's -> the
+held-out loss at step 0 (a fresh run) -> the loop, with :meth:`Run.on_step` evaluating,
+checkpointing and honouring a stop at each step boundary -> the "after" sample. Samples and
+evaluations run eagerly on the very weights and attention path the compiled step trains.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import env
+from .checkpoint import CHECKPOINT, StopSignals, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .evaluation import complete, evaluate
+from .finetuning import DEFAULTS, build_finetune_batches, run_meta, utc_now
+from .loop import TrainConfig, load_trainable_state, train, trainable_state, warmup_schedule
+
+__all__ = ["Run"]
+
+_ROW_KEYS = ("step", "loss", "tokens", "tokens_per_s", "step_ms", "lr", "grad_norm")
+
+
+def _show(value: Any) -> Any:
+    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value).replace("torch.", "")
+
+
+def median_tokens_per_s(rows: list[dict], skip: int = 3) -> float | None:
+    """Median real tokens/s over the steps after the first ``skip`` of each session (all if fewer)."""
+    steady, seen = [], {}
+    for row in rows:
+        seen[row["session"]] = seen.get(row["session"], 0) + 1
+        if seen[row["session"]] > skip:
+            steady.append(row["tokens_per_s"])
+    values = steady or [row["tokens_per_s"] for row in rows]
+    return float(statistics.median(values)) if values else None
+
+
+class Run:
+    """One fine-tune's state and stages (see the module docstring); built by ``finetune``."""
+
+    def __init__(self, opts: dict[str, Any], *, stop: StopSignals, progress: bool, log: Callable[[str], None]):
+        self.opts, self.stop, self.progress, self.log = opts, stop, progress, log
+        self.out: Path = opts["out"]
+        self.opt = None
+        self.breaks = None
+        self._breaks_cm = None
+        resumed = opts.get("resume_history")
+        self.start_step = self.steps_done = resumed["steps_done"] if resumed else 0
+        self.saved_step = self.start_step if resumed else -1
+        self.parity: dict | None = None
+        self._bnb_layout = None
+
+    # ------------------------------------------------------------------ stages
+    def prepare(self) -> None:
+        """Batches, model, ``optimize``, the "before" sample, parity, optimizer/scheduler, start state."""
+        from .. import models
+        from ..compile import optimize
+        from .hf_trainer import count_graph_breaks
+
+        o = self.opts
+        self.device, self.dtype = env.resolve_device_dtype(o["device"], o["dtype"])
+        tok = models.load_tokenizer(o["model"])
+        self.train_batches, self.eval_batches, self.example = build_finetune_batches(
+            tok, data=o["data"], batch_size=o["batch_size"], seq_len=o["seq_len"], seed=o["seed"],
+            eval_size=o["eval_size"], log=self.log)
+        self.log(f"==> {len(self.train_batches)} training batches of {o['batch_size']} (one epoch, <= {o['seq_len']} "
+                 f"tokens), {len(self.eval_batches)} held-out batches")
+        self.log(f"==> loading {o['model']} (NF4 + LoRA r={o['lora_r']}, {_show(self.dtype)}) on {self.device}")
+        self.model, self.tok = models.load_model(
+            o["model"], quant="nf4", lora=True, lora_r=o["lora_r"], lora_alpha=o["lora_alpha"], dtype=self.dtype,
+            device=self.device, prepare_kbit=True, seed=o["seed"])
+        self.meta = run_meta(o)  # after the load: a named model's config.json exists now
+        if self.device.type == "cpu":  # else an eval pass repacks NF4 weights and breaks gradients
+            from ..compile.patches import bnb_cpu_packing
+
+            self._bnb_layout = bnb_cpu_packing.apply(self.model)
+        self._breaks_cm = count_graph_breaks()
+        self.breaks = self._breaks_cm.__enter__()
+        self.opt = optimize(self.model, batches=self.train_batches, max_memory_gib=o["max_memory_gib"],
+                            mode=o["mode"], backend=o["backend"], grad_ckpt=o["grad_ckpt"])
+        self.log(self.opt.description)
+        self.autocast = self.opt.choices["dtype"] if self.opt.choices["autocast"] else None
+        history = o.get("resume_history")
+        self.sample = self._sample_texts()
+        if history is None:
+            self.sample["before"] = self._complete()
+            self.log(f"==> before training, the held-out prompt continues as: {self.sample['before']!r}")
+        else:
+            self.sample["before"] = history.get("sample_before")
+        if o["check_parity"]:
+            self.parity = self._parity(o["check_parity"])
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=o["lr"], weight_decay=0.0)
+        self.scheduler = warmup_schedule(self.optimizer, o["warmup_steps"])
+        if history is None:
+            self.history = {"steps_done": 0, "sessions": 1, "rows": [], "eval_losses": [],
+                            "sample_before": self.sample["before"]}
+            self._evaluate(0)
+        else:
+            state, self.history = load_checkpoint(self.out)
+            load_trainable_state(self.model, state["trainable"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.resume_rng = state["rng"]
+            self.history["sessions"] += 1
+        self.session = self.history["sessions"] - 1
+
+    def train(self) -> None:
+        """The loop from the start step to ``steps``, then the "after" sample."""
+        o = self.opts
+        cfg = TrainConfig(steps=o["steps"], lr=o["lr"], warmup_steps=o["warmup_steps"], seed=o["seed"],
+                          progress=self.progress, adapter_dir=self.out / "adapter")
+        if self.start_step:
+            set_rng_state(self.resume_rng, self.device)
+            self.log(f"==> resuming at step {self.start_step + 1} of {o['steps']} from {self.out / CHECKPOINT}")
+        else:
+            torch.manual_seed(o["seed"])  # train() seeds too: the RNG of boundary 0 is this one
+        self.boundary_rng = rng_state(self.device)
+        train(self.model, self.train_batches, cfg, forward=self.opt.forward, label="train",
+              optimizer=self.optimizer, scheduler=self.scheduler, start_step=self.start_step, on_step=self.on_step)
+        self.stop.immediate = True  # nothing left to save: a signal now stops at once
+        self.sample["after"] = self._complete()
+
+    def on_step(self, step: int, row: dict) -> None:
+        """At each step boundary: record, evaluate and checkpoint when due, then honour a stop."""
+        self.stop.immediate = False
+        self.steps_done = step + 1
+        self.boundary_rng = rng_state(self.device)
+        self.history["rows"].append({**{k: row[k] for k in _ROW_KEYS}, "session": self.session})
+        self.history["steps_done"] = self.steps_done
+        o, n = self.opts, self.steps_done
+        last = n == o["steps"]
+        if last or (o["eval_every"] and n % o["eval_every"] == 0):
+            self._evaluate(n)
+        if last or (o["save_every"] and n % o["save_every"] == 0):
+            self.save()
+        self.stop.check()
+
+    def save(self) -> Path:
+        """Checkpoint the last step boundary (atomic; :func:`.checkpoint.save_checkpoint`)."""
+        folder = save_checkpoint(self.out, trainable=trainable_state(self.model), optimizer=self.optimizer,
+                                 scheduler=self.scheduler, rng=self.boundary_rng, history=self.history, meta=self.meta)
+        self.saved_step = self.steps_done
+        return folder
+
+    def save_on_interrupt(self) -> bool:
+        """Save the boundary a stop was raised at, unless it is saved already; True if saved."""
+        if self.saved_step == self.steps_done or self.steps_done == self.start_step:
+            return False
+        self.save()
+        return True
+
+    def release(self) -> None:
+        """``opt.undo()`` and close the graph-break count (safe when ``prepare`` failed half-way)."""
+        try:
+            if self.opt is not None:
+                self.opt.undo()
+        finally:
+            if self._bnb_layout is not None:
+                self._bnb_layout.undo()
+            if self._breaks_cm is not None:
+                self._breaks_cm.__exit__(None, None, None)
+                self._breaks_cm = None
+
+    # ------------------------------------------------------------------ helpers
+    def _say(self, message: str) -> None:
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            tqdm.write(message)
+        else:
+            self.log(message)
+
+    def _evaluate(self, step: int) -> float:
+        loss = evaluate(self.opt.module, self.eval_batches, autocast_dtype=self.autocast)
+        self.history["eval_losses"].append({"step": step, "loss": loss})
+        self._say(f"step {step}: held-out loss {loss:.4f}")
+        return loss
+
+    def _sample_texts(self) -> dict[str, Any]:
+        from ..data import format_example
+
+        ex = self.example
+        if ex.get("messages"):
+            shown = ex["messages"][-2]["content"]
+            expected = ex["messages"][-1]["content"]
+        else:
+            shown, expected = ex["prompt"], ex.get("response") or ex.get("completion")
+        self._rendered = format_example(ex, self.tok)[0]
+        return {"prompt": shown, "expected": expected}
+
+    def _complete(self) -> str:
+        plain = not getattr(self.tok, "chat_template", None)
+        return complete(self.model, self.tok, self._rendered, max_new_tokens=32, autocast_dtype=self.autocast,
+                        add_special_tokens=plain)
+
+    def _parity(self, k: int) -> dict[str, Any]:
+        """K steps eager, eager on permuted rows, and compiled, from the same start; then undone."""
+        from ..compile.recipe import autocast_forward
+        from .parity import judge, permute_rows
+
+        o = self.opts
+        start = trainable_state(self.model)
+        eager = self.opt.module
+        if self.autocast is not None:
+            eager = autocast_forward(self.opt.module, self.device.type, self.autocast)
+        batches = [self.train_batches[i % len(self.train_batches)] for i in range(k)]
+        cfg = TrainConfig(steps=k, lr=o["lr"], warmup_steps=o["warmup_steps"], seed=o["seed"], progress=False,
+                          interrupt_dir=Path(tempfile.gettempdir()) / "qlora_nb_parity_interrupted")
+        runs = {}
+        for label, forward, data in (("eager", eager, batches), ("eager_permuted", eager, permute_rows(batches)),
+                                     ("compiled", self.opt.forward, batches)):
+            load_trainable_state(self.model, start)
+            runs[label] = [float(x) for x in train(self.model, data, cfg, forward=forward, label=label)["loss"]]
+        load_trainable_state(self.model, start)
+        verdict = judge(runs["eager"], runs["eager_permuted"], runs["compiled"])
+        self.log(f"==> parity over {k} steps: max |compiled - eager| {verdict['max_abs_loss_diff']:.2e}, floor "
+                 f"{verdict['floor_max_abs_loss_diff']:.2e}: {'within' if verdict['within_floor'] else 'OVER'} the floor")
+        return {"steps": k, **verdict, "losses": runs}
+
+    # ------------------------------------------------------------------ results
+    def metrics(self, *, command: str | None, wall_s: float) -> dict[str, Any]:
+        """The metrics dict that ``metrics.json`` holds."""
+        o, rows = self.opts, self.history["rows"]
+        counter = self.opt.counter.to_dict()
+        metrics = {
+            "model": o["model"], "data": None if o["data"] is None else str(o["data"]), "out": str(self.out),
+            "options": {k: _show(o[k]) for k in DEFAULTS}, "meta": self.meta,
+            "steps_done": self.steps_done, "resumed_from": self.start_step or None,
+            "losses": [r["loss"] for r in rows], "eval_losses": self.history["eval_losses"],
+            "final_eval_loss": self.history["eval_losses"][-1]["loss"],
+            "tokens_per_s": median_tokens_per_s(rows),
+            "graph_breaks": self.breaks.total, "break_reasons": self.breaks.by_reason,
+            "compilations": counter, "compile_s": counter["compile_s"],
+            "optimize": {"description": self.opt.description,
+                         "choices": {k: _show(v) for k, v in self.opt.choices.items()}},
+            "device": env.device_info(self.device), "versions": env.versions(),
+            "command": command or "finetune()", "date": utc_now(), "wall_s": round(wall_s, 2),
+            "sample": self.sample, "history": rows,
+            "adapter": str(self.out / "adapter"), "checkpoint": str(self.out / CHECKPOINT),
+        }
+        if self.parity is not None:
+            metrics["parity"] = self.parity
+        return metrics
+
+    def plot(self, metrics: dict[str, Any]) -> Path:
+        """``loss_curve.png`` next to the metrics."""
+        from .curve import plot_loss_curve
+
+        title = f"{metrics['model']}: QLoRA fine-tune, {metrics['steps_done']} steps ({metrics['device']['name']})"
+        return plot_loss_curve(metrics["losses"], metrics["eval_losses"], self.out / "loss_curve.png", title)
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        """A few lines for the terminal: losses, speed, compilations, the samples, the files."""
+        losses, ev, k = metrics["losses"], metrics["eval_losses"], min(5, len(metrics["losses"]))
+        first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+        tps = metrics["tokens_per_s"]
+        self.log(f"==> done: {metrics['steps_done']} steps in {metrics['wall_s']:.0f} s (compile "
+                 f"{metrics['compile_s']:.0f} s); train loss {first:.3f} -> {last:.3f} (mean of {k} steps), "
+                 f"held-out loss {ev[0]['loss']:.3f} (step {ev[0]['step']}) -> {ev[-1]['loss']:.3f} "
+                 f"(step {ev[-1]['step']})")
+        self.log(f"    {tps:.0f} real tokens/s (median), graph breaks {metrics['graph_breaks']}, "
+                 f"compilations {metrics['compilations']['compilations']}")
+        s = metrics["sample"]
+        self.log(f"prompt:   {s['prompt']!r}\nbefore:   {s['before']!r}\nafter:    {s['after']!r}\n"
+                 f"expected: {s['expected']!r}")
+        self.log(f"wrote {self.out / 'adapter'}/ (PEFT adapter), {self.out / CHECKPOINT}/, "
+                 f"{self.out / 'metrics.json'}, {self.out / 'loss_curve.png'}")
