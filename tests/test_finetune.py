@@ -39,9 +39,13 @@ def data_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, data_file):
-    """The uninterrupted run, in this process: (out folder, metrics)."""
+    """The uninterrupted run, in this process: (out folder, metrics).
+
+    With ``--check-parity 2``, which must leave no trace: the resumed runs, without it, are
+    compared with this one step by step.
+    """
     out = tmp_path_factory.mktemp("runs") / "full"
-    assert cli.main(TRAIN + ["--data", str(data_file), "--out", str(out)]) == 0
+    assert cli.main(TRAIN + ["--data", str(data_file), "--out", str(out), "--check-parity", "2"]) == 0
     return out, json.loads((out / "metrics.json").read_text())
 
 
@@ -62,6 +66,10 @@ def test_a_run_writes_adapter_metrics_and_curve(finished):
     assert (out / "adapter" / "adapter_config.json").is_file()
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    parity = m["parity"]
+    assert parity["steps"] == 2 and set(parity["losses"]) == {"eager", "eager_permuted", "compiled"}
+    assert parity["max_abs_loss_diff"] < 1e-4  # fp32 on a CPU: compiled is eager to rounding
+    assert parity["losses"]["compiled"] == m["losses"][:2]  # same start, same batches as the run
     meta = json.loads((out / "checkpoint" / "meta.json").read_text())
     assert meta["model"] == "tiny" and meta["lora_r"] == 16 and meta["data_sha256"]
 
@@ -80,6 +88,52 @@ def test_the_adapter_reloads_with_peft_and_gives_the_same_eval_loss(finished, da
     loss = evaluate(model, heldout)
     assert loss == pytest.approx(m["eval_losses"][-1]["loss"], abs=1e-4)
     assert abs(loss - m["eval_losses"][0]["loss"]) > 1e-3  # the adapter is not a no-op
+
+
+def test_train_resumes_at_a_step_with_its_optimizer_scheduler_and_batches(tmp_path):
+    """The loop's part of --resume: stop in on_step, restore the boundary, go on from start_step."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qlora_nb_utils.training import TrainConfig, TrainingInterrupted, load_trainable_state, train, trainable_state
+    from qlora_nb_utils.training.loop import warmup_schedule
+
+    def model_and_optim():
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2))
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj"]))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        return model, opt, warmup_schedule(opt, 3)
+
+    gen = torch.Generator().manual_seed(2)
+    batches = [{"input_ids": (ids := torch.randint(0, 64, (2, 12), generator=gen)), "labels": ids} for _ in range(4)]
+    cfg = TrainConfig(steps=7, progress=False, adapter_dir=tmp_path)
+    model, opt, sched = model_and_optim()
+    full = train(model, batches, cfg, optimizer=opt, scheduler=sched)["loss"].tolist()
+
+    saved = {}
+
+    def stop_after_3(step, row):
+        if step == 2:  # dropout draws from the RNG: its state at the boundary must come back too
+            saved.update(w=trainable_state(model), opt=copy.deepcopy(opt.state_dict()), sched=sched.state_dict(),
+                         rng=torch.get_rng_state())
+            raise KeyboardInterrupt
+
+    model, opt, sched = model_and_optim()
+    with pytest.raises(TrainingInterrupted):
+        train(model, batches, cfg, optimizer=opt, scheduler=sched, on_step=stop_after_3)
+    model, opt, sched = model_and_optim()
+    load_trainable_state(model, saved["w"])
+    opt.load_state_dict(saved["opt"])
+    sched.load_state_dict(saved["sched"])
+    torch.set_rng_state(saved["rng"])
+    rest = train(model, batches, cfg, optimizer=opt, scheduler=sched, start_step=3)
+    assert rest["step"].tolist() == [3, 4, 5, 6]
+    assert rest["loss"].tolist() == full[3:]
 
 
 def _lora_grads(model, batch) -> dict:
@@ -196,6 +250,14 @@ def test_a_signal_checkpoints_and_resume_gives_the_uninterrupted_curve(sig, code
     assert max(diffs) <= 1e-5, (max(diffs), diffs.index(max(diffs)))
     assert [e["step"] for e in m["eval_losses"]] == [e["step"] for e in full["eval_losses"]]
     assert m["eval_losses"][-1]["loss"] == pytest.approx(full["eval_losses"][-1]["loss"], abs=1e-5)
+
+
+def test_the_cli_defaults_are_finetunes():
+    from qlora_nb_utils.training.finetuning import DEFAULTS
+
+    args = cli.build_parser().parse_args(["train"])
+    assert cli._train_options(args) == DEFAULTS
+    assert args.out == "runs/train" and not args.resume and not args.overwrite
 
 
 @pytest.fixture

@@ -24,8 +24,9 @@ Decisions, and why:
   ``i`` trains on batch ``i mod len``, so a resumed run sees what the uninterrupted one saw.
 * **LR**: linear warm-up, then constant; a resume with a larger ``steps`` simply goes on.
 * **Defaults fit a laptop CPU**: SmolLM2-135M (real weights, so the losses mean something),
-  batch 4 x 128 tokens, 60 steps, held-out loss every 20 steps on 32 examples: about 3-4 minutes
-  on 2 CPU cores, half of which is the one compilation.
+  batch 4 x 128 tokens, 60 steps, held-out loss every 20 steps on 32 examples: 3 min 15 s on 2
+  CPU cores from a cold compile cache (94 s compiling), 2 min 28 s warm; the held-out loss goes
+  from 3.99 to 3.40.
 """
 
 from __future__ import annotations

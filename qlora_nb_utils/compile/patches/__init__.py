@@ -9,6 +9,10 @@ and a ``patched(...)`` context manager. Importing this package patches nothing.
   is on.
 * :mod:`.use_cache_warning`: the ``logger.warning_once`` that transformers emits when a
   checkpointing model is called with ``config.use_cache=True``.
+
+Not a graph-break workaround, so not in :data:`PATCHES` (what ``prepare_for_compile`` applies):
+:mod:`.bnb_cpu_packing` keeps bitsandbytes from repacking NF4 weights on a CPU eval pass, after
+which training loses gradients; ``training.evaluation`` and ``training.finetuning`` apply it.
 """
 
 from ...reversible import PatchHandle
