@@ -40,10 +40,13 @@ def _seq_lens(text: str) -> list[int]:
     return lens
 
 
+#: models.MODEL_NAMES in words, for every --model (tests/test_models.py checks each names them all)
+_MODEL_HELP = ("tiny, smollm2-135m, llama-3.2-1b-shape, llama-3.2-1b-shape-4l, llama-3.1-8b-shape, an HF id or a path "
+               "(a model folder)")
+
+
 def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:
-    p.add_argument("--model", default=default_model,
-                   help="tiny, smollm2-135m, llama-3.2-1b-shape, llama-3.2-1b-shape-4l, "
-                        "llama-3.1-8b-shape, an HF id or a path")
+    p.add_argument("--model", default=default_model, help=_MODEL_HELP)
     p.add_argument("--quant", choices=("nf4", "none"), default="nf4")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
@@ -108,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_train_parser(sub) -> None:
     """`qlora-nb train`: its defaults are `training.finetuning.DEFAULTS`, repeated so that `--help` imports no torch."""
     t = sub.add_parser("train", help="fine-tune a model on your data (QLoRA, compiled); adapter, checkpoint, metrics")
-    t.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny, ... or a model folder")
+    t.add_argument("--model", default="smollm2-135m", help=f"{_MODEL_HELP}; default: smollm2-135m")
     t.add_argument("--data", default=None, help="a JSONL file (prompt/response, prompt/completion or chat messages) "
                    "or a folder saved by datasets' save_to_disk (default: the shipped KJV set)")
     t.add_argument("--steps", type=_positive_int, default=60)
@@ -251,9 +254,9 @@ def print_bench_table(results: dict) -> None:
     if "runs" not in results:  # a two-run file from before the fast path
         results = {**results, "runs": [{"name": "eager", **results["eager"]}, {"name": "compiled", **results["compiled"]}]}
     runs = results["runs"]
+    o = results["options"]
     table = Table(title=f"{results['model']} on {results['device'].get('name', '?')}: "
-                        f"{runs[0]['batch_size'] if 'batch_size' in runs[0] else ''} x "
-                        f"{runs[0].get('seq_len', '')}")
+                        f"{o['batch_size']} x {o['seq_len']}")
     table.add_column("", justify="left")
     for run in runs:
         table.add_column(run["name"], justify="right")
