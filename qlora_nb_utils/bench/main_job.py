@@ -209,6 +209,8 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
         opt.undo()
     return _assemble(opts, device, dtype, hist, pad_stats, command, {
         "plain": plain, "fast": opt.counter, "breaks": breaks, "full": full, "fast_breaks": fast_breaks,
+        # compiled with fullgraph=True and trained: a break would have raised
+        "fast_fullgraph": bool(opt.fast.prepared.options["fullgraph"]),
         "optimize": {"description": opt.description, "choices": {k: str(v) for k, v in opt.choices.items()}}})
 
 
@@ -238,7 +240,7 @@ def _assemble(opts, device, dtype, hist, pad_stats, command, extra) -> dict[str,
     runs = [row("hf-eager", None, ""), row("plain-compile", extra["plain"], "hf-eager"),
             row("fast", extra["fast"], "fast-eager")]
     runs[1].update(graph_breaks=int(extra["breaks"].graph_break_count), fullgraph_ok=bool(extra["full"].ok))
-    runs[2].update(graph_breaks=int(extra["fast_breaks"].graph_break_count), fullgraph_ok=True,
+    runs[2].update(graph_breaks=int(extra["fast_breaks"].graph_break_count), fullgraph_ok=extra["fast_fullgraph"],
                    optimize=extra["optimize"]["description"])
     fast = runs[2]
     return {
@@ -254,7 +256,7 @@ def _assemble(opts, device, dtype, hist, pad_stats, command, extra) -> dict[str,
         # the older readers' keys: hf-eager against the fast path
         "eager": base, "compiled": summ["fast"], "speedup": fast["speedup_vs_hf_eager"],
         "max_abs_loss_diff": fast["max_abs_loss_diff"], "graph_breaks": fast["graph_breaks"],
-        "break_reasons": list(extra["fast_breaks"].break_reasons), "fullgraph_ok": True,
+        "break_reasons": list(extra["fast_breaks"].break_reasons), "fullgraph_ok": fast["fullgraph_ok"],
         "compilations": fast["compilations"], "recompilations": fast["recompilations"],
         "recompile_reasons": fast["recompile_reasons"], "compile_s": fast["compile_s"],
         "padding": pad_stats,

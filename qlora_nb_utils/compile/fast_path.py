@@ -281,11 +281,12 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         raise ValueError(f"mode {mode!r} is an Inductor option; with backend={backend!r} pass mode='auto'")
 
     device = next(model.parameters()).device
-    dtype = dtype or _compute_dtype(model, device)
+    model_dtype = _compute_dtype(model, device)
+    dtype = dtype or model_dtype
     shapes = _shapes(batches, pad_multiple)
     choices: dict[str, Any] = {"device": device.type, "dtype": dtype}
     reasons: dict[str, str] = {"device": "where the model is", "dtype": "the model's compute dtype"
-                               if dtype == _compute_dtype(model, device) else "asked for"}
+                               if dtype == model_dtype else "asked for"}
 
     # attention
     if attention == "auto":
@@ -397,6 +398,8 @@ def _wrap(compiled: Callable[..., Any], multiple: int, pad_id: int, mark_dynamic
                 value = batch.get(key)
                 if torch.is_tensor(value) and value.dim() >= 2:
                     torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
+        if memory_budget is None:  # nothing to set: keep the per-step path bare
+            return compiled(**batch)
         with activation_memory_budget(memory_budget):
             return compiled(**batch)
 

@@ -127,6 +127,26 @@ def _describe(err: BaseException) -> str:
     return text + (f" {type(inner).__name__}: {first(inner)}" if inner is not None and inner is not err else "")
 
 
+def _check_and_run(net, loss_fn, first: dict, forward, items, *, reset_after_checks: bool) -> dict[str, Any]:
+    """Breaks and the fullgraph verdict of ``loss_fn`` on ``first``, then each ``(length, batch)`` of
+    ``items`` through ``forward`` with a backward; a compiler failure is recorded, not raised."""
+    breaks = diagnostics.graph_breaks(loss_fn, **first)
+    full = diagnostics.check_fullgraph(loss_fn, **first)
+    if reset_after_checks:
+        torch.compiler.reset()
+    run_error, failed_at = None, None
+    for n, batch in items:
+        try:
+            forward(**batch).loss.backward()
+        except Exception as err:  # a compiler failure is a finding of the run, reported, not a crash
+            run_error, failed_at = _describe(err), n
+            break
+        finally:
+            net.zero_grad(set_to_none=True)
+    return {"graph_breaks": breaks.graph_break_count, "break_reasons": breaks.break_reasons, "fullgraph_ok": full.ok,
+            "fullgraph_error": full.error, "run_error": run_error, "run_failed_at_len": failed_at}
+
+
 def _diagnose_prepared(net, make_batch, seq_lens, scope, grad_ckpt, kwargs) -> dict[str, Any]:
     from ..compile import prepare_for_compile
 
@@ -135,27 +155,14 @@ def _diagnose_prepared(net, make_batch, seq_lens, scope, grad_ckpt, kwargs) -> d
         backend=kwargs.pop("backend", "inductor"), mode=kwargs.pop("mode", None), dynamic=kwargs.pop("dynamic", None),
     )
     try:
-        loss_fn = lambda **b: net(**b).loss  # noqa: E731
-        first = make_batch(seq_lens[0])
-        breaks = diagnostics.graph_breaks(loss_fn, **first)
-        full = diagnostics.check_fullgraph(loss_fn, **first)
-        run_error, failed_at = None, None
-        for n in seq_lens:
-            try:
-                prepared.forward(**make_batch(n)).loss.backward()
-            except Exception as err:  # a compiler failure is a finding of the run, reported, not a crash
-                run_error, failed_at = _describe(err), n
-                break
-            finally:
-                net.zero_grad(set_to_none=True)
+        found = _check_and_run(net, lambda **b: net(**b).loss, make_batch(seq_lens[0]), prepared.forward,
+                               ((n, make_batch(n)) for n in seq_lens), reset_after_checks=False)
         counts = prepared.counter.to_dict()
     finally:
         prepared.undo()
         torch.compiler.reset()
     counts.pop("backend_s", None)
-    return {"graph_breaks": breaks.graph_break_count, "break_reasons": breaks.break_reasons, "fullgraph_ok": full.ok,
-            "fullgraph_error": full.error, "seq_lens": seq_lens, "patches": prepared.patches,
-            "run_error": run_error, "run_failed_at_len": failed_at, **counts}
+    return {**found, "seq_lens": seq_lens, "patches": prepared.patches, **counts}
 
 
 def _diagnose_fast(net, make_batch, seq_lens, grad_ckpt, kwargs) -> dict[str, Any]:
@@ -165,27 +172,15 @@ def _diagnose_fast(net, make_batch, seq_lens, grad_ckpt, kwargs) -> dict[str, An
     opt = optimize(net, batches=batches, grad_ckpt=bool(grad_ckpt), backend=kwargs.pop("backend", "inductor"),
                    mode=kwargs.pop("mode", None) or "auto", dynamic=kwargs.pop("dynamic", "auto"))
     try:
-        loss_fn = lambda **b: opt.eager(**b).loss  # noqa: E731
-        breaks = diagnostics.graph_breaks(loss_fn, **batches[0])
-        full = diagnostics.check_fullgraph(loss_fn, **batches[0])
-        torch.compiler.reset()
-        run_error, failed_at = None, None
-        for n, batch in zip(seq_lens, batches):
-            try:
-                opt.forward(**batch).loss.backward()
-            except Exception as err:  # a compiler failure is a finding of the run, reported, not a crash
-                run_error, failed_at = _describe(err), n
-                break
-            finally:
-                net.zero_grad(set_to_none=True)
+        found = _check_and_run(net, lambda **b: opt.eager(**b).loss, batches[0], opt.forward,
+                               zip(seq_lens, batches), reset_after_checks=True)
         counts = opt.counter.to_dict()
     finally:
         opt.undo()
         torch.compiler.reset()
     counts.pop("backend_s", None)
-    return {"graph_breaks": breaks.graph_break_count, "break_reasons": breaks.break_reasons, "fullgraph_ok": full.ok,
-            "fullgraph_error": full.error, "seq_lens": seq_lens, "patches": opt.fast.prepared.patches,
-            "optimize": opt.description, "run_error": run_error, "run_failed_at_len": failed_at, **counts}
+    return {**found, "seq_lens": seq_lens, "patches": opt.fast.prepared.patches, "optimize": opt.description,
+            **counts}
 
 
 def problems(report: dict[str, Any], max_compilations: int = 2) -> list[str]:

@@ -9,7 +9,6 @@ any other name is passed to ``from_pretrained`` as a hub id or a local path.
 """
 
 import os
-import re
 from pathlib import Path
 from typing import List, Sequence, Union
 
@@ -18,9 +17,7 @@ from torch import nn
 
 from .. import env
 from .build import _tokenizer_dir, materialize
-from .registry import ATTN_CHOICES, MODEL_NAMES, QUANT_CHOICES, _choice, _unknown_name_error, default_cache_dir
-
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+from .registry import ATTN_CHOICES, HUB_ID, MODEL_NAMES, QUANT_CHOICES, _choice, _unknown_name_error, default_cache_dir
 
 
 def _source(name: Union[str, os.PathLike], cache_dir) -> str:
@@ -32,7 +29,7 @@ def _source(name: Union[str, os.PathLike], cache_dir) -> str:
     path = Path(name).expanduser()
     if path.exists():
         return str(path)
-    if isinstance(name, str) and _HUB_ID.fullmatch(name):
+    if isinstance(name, str) and HUB_ID.fullmatch(name):
         return name
     raise _unknown_name_error(name)
 

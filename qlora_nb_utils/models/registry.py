@@ -21,6 +21,7 @@ of the random-init ones carry its special-token ids, so that model and tokenizer
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -95,6 +96,8 @@ def _unknown_name_error(name: object) -> ValueError:
     )
 
 
+#: What a Hugging Face hub id looks like (``org/name``); the check and the loader share it.
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tiktoken.model")
 
 
@@ -110,8 +113,6 @@ def check_model_source(name: object) -> str:
         ValueError: an empty name, a path that does not exist and is not like ``org/name``, a
             file, or a folder without ``config.json`` or without tokenizer files.
     """
-    import re
-
     if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
         raise _unknown_name_error(name)
     if name in MODEL_NAMES:
@@ -127,7 +128,7 @@ def check_model_source(name: object) -> str:
         return str(path)
     if path.exists():
         raise ValueError(f"{path} is a file, not a model folder")
-    if isinstance(name, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
+    if isinstance(name, str) and HUB_ID.fullmatch(name) and not name.startswith((".", "/")):
         return name
     raise _unknown_name_error(name)
 

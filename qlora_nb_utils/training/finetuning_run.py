@@ -208,14 +208,11 @@ class Run:
 
     def _parity(self, k: int) -> dict[str, Any]:
         """K steps eager, eager on permuted rows, and compiled, from the same start; then undone."""
-        from ..compile.recipe import autocast_forward
         from .parity import judge, permute_rows
 
         o = self.opts
         start = trainable_state(self.model)
-        eager = self.opt.module
-        if self.autocast is not None:
-            eager = autocast_forward(self.opt.module, self.device.type, self.autocast)
+        eager = self.opt.eager  # the recipe uncompiled: same padding, autocast and loss
         batches = [self.train_batches[i % len(self.train_batches)] for i in range(k)]
         cfg = TrainConfig(steps=k, lr=o["lr"], warmup_steps=o["warmup_steps"], seed=o["seed"], progress=False,
                           interrupt_dir=Path(tempfile.gettempdir()) / "qlora_nb_parity_interrupted")

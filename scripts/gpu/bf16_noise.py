@@ -43,22 +43,10 @@ import torch
 from qlora_nb_utils import env
 from qlora_nb_utils.bench.matrix import CONFIGS, _batches, config_lr, load_cell_model
 from qlora_nb_utils.training.loop import TrainConfig, load_trainable_state, train, trainable_state
+from qlora_nb_utils.training.parity import permute_rows
 
 #: The perturbed eager runs, each compared with the plain eager run (see the module docstring).
 PERTURBATIONS = ("flipped", "sdpa_math", "rows_reversed", "rows_perm1", "rows_perm2", "rows_perm3", "rows_perm4")
-
-
-def _rows_permuted(batches: list, seed: int) -> list:
-    """The same batches, the rows of each in a seeded order that is never the identity."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for b in batches:
-        n = b["input_ids"].shape[0]
-        order = torch.randperm(n, generator=g)
-        if n > 1 and torch.equal(order, torch.arange(n)):
-            order = order.roll(1)
-        out.append({k: v[order] for k, v in b.items()})
-    return out
 
 
 def main() -> None:
@@ -121,7 +109,7 @@ def main() -> None:
                 if label == "eager_rows_reversed":
                     data = reversed_rows
                 elif label.startswith("eager_rows_perm"):
-                    data = _rows_permuted(batches, int(label.removeprefix("eager_rows_perm")))
+                    data = permute_rows(batches, int(label.removeprefix("eager_rows_perm")))
                 runs[label] = [float(x) for x in train(model, data, cfg, forward=forward, label=label)["loss"]]
         diff = lambda x, y: max(abs(u - v) for u, v in zip(runs[x], runs[y]))  # noqa: E731, B023 (used in this iteration)
         cell = {"config": name, "quant": quant, "lora": lora, "lr": lr, "losses": runs, "weights_dtype": weights_dtype,
