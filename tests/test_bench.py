@@ -110,6 +110,7 @@ def test_diagnose_counts_and_strict_exit_codes(tmp_path, capsys):
                             "--max-compilations", "1"]) == 0
     report = json.loads(report_path.read_text())
     assert report["fast"] and report["graph_breaks"] == 0 and report["fullgraph_ok"]
+    assert report["lengths"] == [17, 23, 31, 45]
     assert report["compilations"] == 1 and report["recompilations"] == 0, report["recompile_reasons"]
     assert "pad_multiple=8" in report["optimize"] and report["command"].startswith("qlora-nb diagnose")
     # plain prepare_for_compile over three lengths: a static graph, then one dynamic graph
