@@ -120,6 +120,20 @@ def test_every_lazy_name_resolves(package):
         except (ImportError, AttributeError) as err:
             broken[name] = repr(err)
     assert not broken, broken
+    # a submodule named like a lazily exported name replaces it once imported (Python sets the
+    # package attribute to the submodule): `bench.side_by_side` became a module that way
+    folder = Path(module.__file__).parent
+    shadowed = sorted(n for n in dir(module) if ((folder / f"{n}.py").is_file() or (folder / n).is_dir())
+                      and _in_lazy_table(module, n))
+    assert not shadowed, f"{package}: submodules shadow exported names {shadowed}; rename the module"
+
+
+def _in_lazy_table(module, name: str) -> bool:
+    try:
+        module.__getattr__(name)  # the lazy table's lookup: AttributeError for a name it does not hold
+    except AttributeError:
+        return False
+    return True
 
 
 def test_the_wheel_lists_every_subpackage():

@@ -1,9 +1,11 @@
 """The lab: what measures the product. Nothing in the product imports it.
 
-- ``main_job``: eager vs compiled on the same batches, the results JSON and loss-curve PNG of
-  ``qlora-nb bench`` (``run_bench``, ``side_by_side``, ``compiled_run``, ``compare``,
-  ``write_results``, ``markdown_table``), and the shape helpers of variable-length runs
-  (``mark_dynamic``, ``warm_shapes``: a GPU's first step at a new length costs ~100 ms more).
+- ``main_job``: ``qlora-nb bench``, HF eager, plain compile and ``optimize()`` on the same
+  batches, with parity against the eager floor (``run_bench``, ``validate_options``,
+  ``write_results``, ``markdown_table``, ``make_bench_batches``).
+- ``pairwise``: eager against compiled on the same batches, the notebooks' building blocks
+  (``side_by_side``, ``compiled_run``, ``compare``), and the shape helpers of variable-length
+  runs (``mark_dynamic``, ``warm_shapes``: a GPU's first step at a new length costs ~100 ms more).
 - ``peers/``: ours against HF eager, plain compile, TRL, torchao NF4 and Unsloth, one process
   per library (``run_peer``, ``run_peers``, ``pick_ours``); our own recipe is product code
   (``qlora_nb_utils.compile.recipe``), the peer ``ours`` only loads, applies and records it.
@@ -21,8 +23,8 @@ must reach ``import unsloth`` before transformers is loaded.
 
 from .._lazy import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {name: "main_job" for name in (
-    "run_bench", "side_by_side", "compiled_run", "compare", "write_results", "markdown_table",
-    "make_bench_batches", "mark_dynamic", "warm_shapes", "resolve_device_dtype", "DEFAULTS", "RUNS",
-    "validate_options",
-)})
+__getattr__, __dir__ = lazy_exports(__name__, {
+    **dict.fromkeys(("run_bench", "write_results", "markdown_table", "make_bench_batches", "resolve_device_dtype",
+                     "DEFAULTS", "RUNS", "validate_options"), "main_job"),
+    **dict.fromkeys(("side_by_side", "compiled_run", "compare", "mark_dynamic", "warm_shapes"), "pairwise"),
+})

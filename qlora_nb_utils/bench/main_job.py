@@ -38,7 +38,7 @@ from ..env import default_dtype, resolve_device_dtype  # re-exported: bench.reso
 from ..report.markdown import table_header
 from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
 from ..training.parity import judge, permute_rows
-from .side_by_side import compare, compiled_run, mark_dynamic, side_by_side, warm_shapes  # re-exported
+from .pairwise import compare, compiled_run, mark_dynamic, side_by_side, warm_shapes  # re-exported
 
 __all__ = [
     "DEFAULTS",
