@@ -229,7 +229,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
              ckpt_layers: int | None = None, dtype: torch.dtype | None = None, backend: Any = "inductor",
              ce_chunks: int = 4, cast: bool = True, autocast: bool | str = "auto", pad_multiple: int = 8,
              dynamic: bool | str = "auto", memory_budget: float | None = None,
-             eager_numerics: bool | str = "auto") -> Optimized:
+             eager_numerics: bool | str = "auto", scope: str = "whole") -> Optimized:
     """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
 
     Args:
@@ -251,6 +251,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         memory_budget: Inductor's ``activation_memory_budget`` (0..1) for the compile; None leaves it.
         eager_numerics: ``"auto"`` (on for bf16/fp16 with Inductor), True or False: the compiled
             step rounds where eager does (Inductor's ``emulate_precision_casts``).
+        scope: ``"whole"`` (one graph: the fastest step) or ``"regional"`` (each decoder layer
+            compiled once for all of them, the rest eager: the shortest cold compile, see
+            notebook 06); regional never uses CUDA graphs under ``mode="auto"``.
 
     Returns:
         An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
@@ -265,6 +268,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("autocast", autocast, ("auto", True, False))
     _check("dynamic", dynamic, ("auto", True, False))
     _check("eager_numerics", eager_numerics, ("auto", True, False))
+    _check("scope", scope, ("whole", "regional"))
     if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
         raise ValueError(f"pad_multiple must be an integer >= 1, got {pad_multiple!r}")
     if max_memory_gib is not None and not (isinstance(max_memory_gib, (int, float)) and max_memory_gib > 0):
@@ -284,9 +288,10 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     model_dtype = _compute_dtype(model, device)
     dtype = dtype or model_dtype
     shapes = _shapes(batches, pad_multiple)
-    choices: dict[str, Any] = {"device": device.type, "dtype": dtype}
+    choices: dict[str, Any] = {"device": device.type, "dtype": dtype, "scope": scope}
     reasons: dict[str, str] = {"device": "where the model is", "dtype": "the model's compute dtype"
-                               if dtype == model_dtype else "asked for"}
+                               if dtype == model_dtype else "asked for",
+                               "scope": "one graph" if scope == "whole" else "one decoder layer's graph, shared"}
 
     # attention
     if attention == "auto":
@@ -308,6 +313,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     if mode == "auto":
         if backend != "inductor":
             mode, why = None, f"backend {backend!r}"
+        elif scope == "regional":
+            mode, why = None, "regional scope: no CUDA graphs"
         elif device.type != "cuda":
             mode, why = None, f"no CUDA graphs on {device.type}"
         elif shapes is None:
@@ -379,10 +386,12 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     fast = prepare_fast(model, dtype=dtype, device=device, batches=batches, cast_bf16=cast, ce_chunks=ce_chunks,
                         grad_ckpt=ckpt > 0, ckpt_layers=ckpt if ckpt > 0 else None,
                         autocast=use_autocast, causal_attn=attention == "causal", mode=mode, backend=backend,
-                        eager_numerics=numerics)
+                        eager_numerics=numerics, scope=scope,
+                        # regional: the layers' inputs cannot be marked dynamic from outside
+                        dynamic=True if scope == "regional" and mark else None)
     choices["cast"], reasons["cast"] = fast.cast, "non-LoRA weights cast to the compute dtype"
     pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
-    forward = _wrap(fast.forward, pad_multiple, pad_id, mark, memory_budget)
+    forward = _wrap(fast.forward, pad_multiple, pad_id, mark and scope == "whole", memory_budget)
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
                      fast=fast, _pad_id=pad_id)

@@ -166,7 +166,7 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
                  batches: Iterable[dict] | None = None, cast_bf16: bool = True, ce_chunks: int = 4,
                  grad_ckpt: bool = False, ckpt_layers: int | None = None, autocast: bool = False,
                  causal_attn: bool = False, mode: str | None = None, backend: Any = "inductor",
-                 eager_numerics: bool = False) -> FastPrepared:
+                 eager_numerics: bool = False, scope: str = "whole", dynamic: bool | None = None) -> FastPrepared:
     """Apply the fast recipe to a loaded PEFT QLoRA model (see the module docstring).
 
     Args:
@@ -186,6 +186,9 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
         mode: the inductor mode (None: default).
         backend: the Dynamo backend.
         eager_numerics: Inductor rounds where eager does (``prepare_for_compile``'s option).
+        scope: ``"whole"`` (one graph) or ``"regional"`` (each decoder layer compiled; the rest,
+            the chunked loss included, eager): ``prepare_for_compile``'s option.
+        dynamic: ``torch.compile``'s ``dynamic`` (``prepare_for_compile``'s option).
 
     Returns:
         A :class:`FastPrepared`; call ``undo()`` when done (in a ``finally``).
@@ -207,7 +210,7 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
     try:
         target = ChunkedLossLM(model, ce_chunks) if ce_chunks else model
         prepared = prepare_for_compile(target, grad_ckpt=bool(grad_ckpt), mode=mode, backend=backend,
-                                       eager_numerics=eager_numerics)
+                                       eager_numerics=eager_numerics, scope=scope, dynamic=dynamic)
     except BaseException:  # leave the model as it was given, but for the cast
         if attn is not None:
             attn.undo()
