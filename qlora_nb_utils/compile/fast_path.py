@@ -191,20 +191,25 @@ class Optimized:
         return "optimize: " + "; ".join(parts)
 
     def install(self, model: torch.nn.Module) -> None:
-        """Make ``model(**batch)`` run the optimized forward (for ``Trainer``/``SFTTrainer``).
+        """Make ``model(**batch)`` run the optimized step (how a ``Trainer``/``SFTTrainer`` trains with it).
 
-        The model's own ``forward`` is replaced on the instance (undone by :meth:`undo`);
-        keyword arguments the recipe does not take (``num_items_in_batch``, ...) are dropped.
+        The model's ``forward`` is replaced on the instance (undone by :meth:`undo`) by one that
+        takes a Trainer's arguments (:func:`~qlora_nb_utils.compile.hf_forward.trainer_forward`:
+        ``num_items_in_batch``, TRL's ``fused_lm_head``); calls without labels still reach the
+        model's own forward. :func:`qlora_nb_utils.training.hf_trainer.optimized_trainer` does
+        this for a built trainer.
+
+        Raises:
+            ValueError: the loss is the model's own (``ce_chunks=0``): the compiled module is then
+                the model itself, whose forward this would replace.
         """
+        if not self.choices["loss"].startswith("chunked"):
+            raise ValueError("install() needs the chunked loss (ce_chunks > 0): with the model's own loss the "
+                             "compiled module is the model, whose forward install() replaces")
+        from .hf_forward import trainer_forward
+
         handle = PatchHandle("optimize.install", {"model": type(model).__name__})
-        fwd = self.forward
-
-        def forward(input_ids=None, attention_mask=None, labels=None, position_ids=None, **_ignored):
-            batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-                     "position_ids": position_ids}
-            return fwd(**{k: v for k, v in batch.items() if v is not None})
-
-        set_attribute(handle, model, "forward", forward)
+        set_attribute(handle, model, "forward", trainer_forward(self, model.forward))
         self._extra.append(handle)
 
     def undo(self) -> None:

@@ -3,7 +3,8 @@
 - ``nf4``: an NF4 dequantize as a ``torch.library.custom_op`` with a fake kernel
   (``dequantize_nf4``), checked with ``torch.library.opcheck``.
 - ``losses``: linear + cross-entropy in chunks that never holds the full fp32 logits
-  (``chunked_cross_entropy``, ``ChunkedLossLM``).
+  (``chunked_cross_entropy``, ``ChunkedLossLM``), and its per-token form for trainers that
+  reduce the loss themselves (``chunked_token_log_probs``).
 - ``attention``: causal-only SDPA and flex attention for right-padded training batches,
   registered through transformers' ``AttentionInterface`` and reversible
   (``use_causal_sdpa``, ``use_causal_flex``, ``use_causal_attention``, ``causal_block_mask``).
@@ -17,6 +18,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "dequantize_nf4": "nf4",
     "chunked_cross_entropy": "losses",
     "ChunkedLossLM": "losses",
+    "chunked_token_log_probs": "losses",
+    "TokenStats": "losses",
     "use_causal_sdpa": "attention",
     "use_causal_flex": "attention",
     "use_causal_attention": "attention",

@@ -18,14 +18,24 @@ around each chunk's matmul. The numbers are those of ``F.cross_entropy`` over
 ``ForCausalLMLoss`` computes), checked in ``tests/test_peers.py`` for loss and gradients.
 Liger-Kernel's fused linear cross-entropy and torchtune's chunked output loss are the same
 idea. :class:`ChunkedLossLM` puts it in place of a PEFT causal LM's own loss.
+
+:func:`chunked_token_log_probs` is the per-token form, for trainers that reduce the loss
+themselves (TRL's ``SFTTrainer`` asks the model for each label's log-probability, the
+next-token entropy and whether the label is the top-1 token, and sums them itself). Each
+token's log-probability depends on its own row of hidden states only, so what the backward
+needs is again one hidden-sized tensor, ``d log p / d hidden`` per row, scaled row by row by
+the incoming gradient: any per-token weighting of the loss gets the exact gradient.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "causal_lm_targets", "ChunkedLossLM"]
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "chunked_token_log_probs", "TokenStats", "causal_lm_targets",
+           "ChunkedLossLM"]
 
 IGNORE_INDEX = -100
 
@@ -112,15 +122,93 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     Raises:
         ValueError: ``chunks`` < 1, or shapes that do not fit together.
     """
+    _check_head_inputs(hidden, weight, labels, chunks)
+    h, t = causal_lm_targets(hidden, labels, ignore_index)
+    grad_on = torch.is_grad_enabled()
+    return _ChunkedLinearCrossEntropy.apply(h, weight, t, chunks, ignore_index,
+                                            grad_on and h.requires_grad, grad_on and weight.requires_grad)
+
+
+class TokenStats(NamedTuple):
+    """Per-token results of :func:`chunked_token_log_probs`, each ``(B, S-1)``, zero where ignored."""
+
+    log_probs: torch.Tensor  #: log-probability of each next-token label (fp32, differentiable)
+    entropy: torch.Tensor  #: entropy of the next-token distribution (fp32, no gradient)
+    is_top1: torch.Tensor  #: the label is the most likely token (bool)
+    label_mask: torch.Tensor  #: the label is not ignored (bool)
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """Per-token ``log_softmax(hidden @ weight.T)[label]``, entropy and top-1, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunks: int, ignore_index: int, want_hidden: bool):
+        log_probs, entropies, tops, grads = [], [], [], []
+        for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
+            logits = (h @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            valid = t != ignore_index
+            safe_t = torch.where(valid, t, torch.zeros_like(t))
+            picked = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+            probs = torch.exp(logits - lse.unsqueeze(1))
+            zero = torch.zeros_like(lse)
+            log_probs.append(torch.where(valid, picked - lse, zero))
+            entropies.append(torch.where(valid, lse - (probs * logits).sum(-1), zero))
+            tops.append((logits.argmax(-1) == t) & valid)
+            if want_hidden:  # d log p[label] / d logits = onehot - softmax, zero on ignored rows
+                g = (-probs).scatter_add(1, safe_t.unsqueeze(1), torch.ones_like(lse).unsqueeze(1))
+                grads.append((g * valid.unsqueeze(1)).to(hidden.dtype) @ weight)
+        entropy, top1 = torch.cat(entropies), torch.cat(tops)
+        ctx.save_for_backward(torch.cat(grads) if want_hidden else hidden.new_empty(0))
+        ctx.mark_non_differentiable(entropy, top1)
+        return torch.cat(log_probs), entropy, top1
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, _grad_entropy, _grad_top1):
+        (d_hidden,) = ctx.saved_tensors
+        gh = d_hidden * grad_log_probs.unsqueeze(1).to(d_hidden.dtype) if ctx.needs_input_grad[0] else None
+        return gh, None, None, None, None, None
+
+
+def chunked_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                            chunks: int = 4, ignore_index: int = IGNORE_INDEX) -> TokenStats:
+    """Each next-token label's log-probability under an LM head, without all the logits at once.
+
+    ``log_probs`` equals ``log_softmax((hidden[:, :-1] @ weight.T).float())`` at ``labels[:, 1:]``
+    (0 where the label is ignored), with its gradient to ``hidden``; ``-log_probs.sum() / n``
+    is the mean cross-entropy. The LM head must be frozen (as in (Q)LoRA): a per-token gradient
+    to the head's weight would need every chunk's logits kept.
+
+    Args:
+        hidden: ``(B, S, D)`` final hidden states.
+        weight: ``(V, D)`` LM-head weight, frozen.
+        labels: ``(B, S)`` token ids with ``ignore_index`` where no loss is taken.
+        chunks: how many pieces the ``B*(S-1)`` token rows are cut into (>= 1).
+        ignore_index: label value to skip.
+
+    Returns:
+        A :class:`TokenStats` of ``(B, S-1)`` tensors.
+
+    Raises:
+        ValueError: ``chunks`` < 1, shapes that do not fit, or a head weight that requires grad.
+    """
+    _check_head_inputs(hidden, weight, labels, chunks)
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("chunked_token_log_probs needs a frozen LM head (weight.requires_grad is True); "
+                         "use chunked_cross_entropy, which also computes the head's gradient")
+    h, t = causal_lm_targets(hidden, labels, ignore_index)
+    want = torch.is_grad_enabled() and h.requires_grad
+    log_probs, entropy, top1 = _ChunkedTokenLogProbs.apply(h, weight, t, chunks, ignore_index, want)
+    shape = labels[:, 1:].shape
+    return TokenStats(log_probs.view(shape), entropy.view(shape), top1.view(shape), t.view(shape) != ignore_index)
+
+
+def _check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunks: int) -> None:
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
     if hidden.dim() != 3 or labels.shape != hidden.shape[:2] or weight.shape[-1] != hidden.shape[-1]:
         raise ValueError(f"expected hidden (B, S, D), labels (B, S), weight (V, D); got "
                          f"{tuple(hidden.shape)}, {tuple(labels.shape)}, {tuple(weight.shape)}")
-    h, t = causal_lm_targets(hidden, labels, ignore_index)
-    grad_on = torch.is_grad_enabled()
-    return _ChunkedLinearCrossEntropy.apply(h, weight, t, chunks, ignore_index,
-                                            grad_on and h.requires_grad, grad_on and weight.requires_grad)
 
 
 class ChunkedLossLM(torch.nn.Module):
@@ -129,6 +217,8 @@ class ChunkedLossLM(torch.nn.Module):
     ``forward(input_ids, attention_mask, labels)`` runs the decoder stack, then the chunked
     head + loss; it returns a ``CausalLMOutputWithPast`` holding only ``loss``, so it drops into
     :func:`qlora_nb_utils.training.train` and :func:`qlora_nb_utils.compile.prepare_for_compile`.
+    With ``token_stats=True`` it returns the :class:`TokenStats` of
+    :func:`chunked_token_log_probs` instead (for trainers that reduce per-token losses themselves).
     """
 
     def __init__(self, model: torch.nn.Module, chunks: int = 4) -> None:
@@ -136,12 +226,14 @@ class ChunkedLossLM(torch.nn.Module):
         self.model = model
         self.chunks = chunks
 
-    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+    def forward(self, input_ids, attention_mask=None, labels=None, token_stats: bool = False, **kwargs):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         causal_lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
         weight = causal_lm.get_output_embeddings().weight
+        if token_stats:
+            return chunked_token_log_probs(hidden, weight, labels, chunks=self.chunks)
         return CausalLMOutputWithPast(loss=chunked_cross_entropy(hidden, weight, labels, chunks=self.chunks))
 
 

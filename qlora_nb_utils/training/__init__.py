@@ -11,8 +11,9 @@
   (a no-op unless ``$QLORA_NB_GPU_LOCK`` names a file).
 - ``parity``: the loss-parity verdict against the floor (``permute_rows``, ``judge``): two
   eager runs that differ only in summation order say how far a correct compiled run may drift.
-- ``hf_trainer``: the HF ``Trainer`` / TRL ``SFTTrainer`` with ``torch_compile=True``
-  (``trainer_patches(model)``, ``count_graph_breaks()``).
+- ``hf_trainer``: the HF ``Trainer`` / TRL ``SFTTrainer`` through ``optimize()``
+  (``optimized_trainer(trainer)``), or with their own ``torch_compile=True``
+  (``trainer_patches(model)``), and ``count_graph_breaks()``.
 - ``finetuning`` (with ``finetuning_run``): ``finetune(...)``, what ``qlora-nb train`` runs: QLoRA
   through ``optimize``, held-out evaluation, a PEFT adapter, ``metrics.json`` and a loss curve
   (``curve``); ``checkpoint``: resumable, atomic checkpoints and the SIGINT/SIGTERM stop
@@ -35,6 +36,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "peak_mem_gib": "device",
     "step_lock": "gpulock",
     "trainer_patches": "hf_trainer",
+    "optimized_trainer": "hf_trainer",
     **dict.fromkeys(("permute_rows", "loss_diffs", "judge"), "parity"),
     **dict.fromkeys(("finetune", "check_options", "build_finetune_batches"), "finetuning"),
     **dict.fromkeys(("evaluate", "complete"), "evaluation"),

@@ -1,4 +1,14 @@
-"""For users of HF `Trainer` / TRL `SFTTrainer` with `torch_compile=True`.
+"""For users of HF `Trainer` / TRL `SFTTrainer`: through `optimize()`, or with `torch_compile=True`.
+
+The fast route is `optimized_trainer(trainer)`: build the trainer as usual (without
+`torch_compile`), then `with optimized_trainer(trainer) as opt: trainer.train()`. It shows
+`optimize()` a sample of the trainer's own batches (so its choices fit the collator's shapes),
+makes the model's forward the optimized step for the Trainer's calls
+(`compile.hf_forward`: gradient accumulation's `num_items_in_batch`, TRL's per-token fused
+head), takes over the Trainer's `gradient_checkpointing=True` (the recipe checkpoints its own
+way, and the Trainer's would re-enable it on every layer at `train()`), and undoes it all.
+
+The other route, for comparison and for users who keep `torch_compile=True`:
 
 Most people will not write a training loop: they set `torch_compile=True` and let the
 Trainer call `torch.compile(model)`. The Trainer then also enables gradient checkpointing
@@ -16,13 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+import itertools
+import random
+from typing import Any, Iterator
 
 import torch
 
 from ..compile.patches import input_require_grads, use_cache_warning
 
-__all__ = ["BreakCount", "count_graph_breaks", "trainer_patches"]
+__all__ = ["BreakCount", "count_graph_breaks", "trainer_patches", "optimized_trainer"]
+_SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
 @dataclasses.dataclass
@@ -74,3 +87,99 @@ def trainer_patches(model: torch.nn.Module) -> Iterator[list]:
     finally:
         for handle in reversed(handles):
             handle.undo()
+
+
+def _sample_batches(trainer: Any, n: int) -> tuple[list[dict], bool]:
+    """Up to ``n`` of the trainer's own training batches, leaving every RNG as it was.
+
+    Returns:
+        The batches (sequence tensors only) and whether they are all the epoch's batches.
+    """
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        loader = trainer.get_train_dataloader()
+        batches = [{k: v for k, v in b.items() if k in _SEQ_KEYS and torch.is_tensor(v)}
+                   for b in itertools.islice(loader, n)]
+        try:
+            whole = len(loader) <= n
+        except TypeError:  # an iterable dataset: its length is unknown
+            whole = False
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    return batches, whole
+
+
+@contextlib.contextmanager
+def optimized_trainer(trainer: Any, *, sample_batches: int = 64, **options: Any) -> Iterator[Any]:
+    """Train a built HF ``Trainer`` / TRL ``SFTTrainer`` through :func:`qlora_nb_utils.optimize`.
+
+    ``with optimized_trainer(trainer) as opt: trainer.train()``; ``opt.description`` says what
+    was chosen. On exit everything is undone: the model's forward, the checkpointing and the
+    trainer's arguments are as they were (the non-LoRA weights stay in the compute dtype).
+
+    Args:
+        trainer: a ``transformers.Trainer`` (or subclass, e.g. TRL's ``SFTTrainer``) built with
+            ``torch_compile=False`` on a PEFT model, on one device.
+        sample_batches: how many of the trainer's batches ``optimize()`` sees to choose from.
+            When the epoch has more and they show more than one shape, CUDA graphs are not
+            chosen (a later batch could add a graph per new shape).
+        **options: passed to :func:`~qlora_nb_utils.compile.fast_path.optimize` (``grad_ckpt``,
+            ``max_memory_gib``, ``mode``, ``backend``, ...). Without ``grad_ckpt``, the trainer's
+            ``gradient_checkpointing=True`` becomes ``grad_ckpt=True``.
+
+    Yields:
+        The :class:`~qlora_nb_utils.compile.fast_path.Optimized` handle.
+
+    Raises:
+        ValueError: ``torch_compile=True`` (the model would be compiled twice), more than one
+            device or process, DeepSpeed/FSDP, a bad ``sample_batches`` or a bad option.
+    """
+    from ..compile.fast_path import optimize
+
+    args = trainer.args
+    if getattr(args, "torch_compile", False):
+        raise ValueError("optimized_trainer compiles the model through optimize(); build the trainer with "
+                         "torch_compile=False (with torch_compile=True it would be compiled a second time)")
+    if getattr(args, "n_gpu", 1) > 1 or getattr(args, "world_size", 1) > 1:
+        raise ValueError("optimized_trainer is for one device and one process (use the FSDP2 route in "
+                         "qlora_nb_utils.distributed for several)")
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        raise ValueError("optimized_trainer does not combine with DeepSpeed or FSDP")
+    if not isinstance(sample_batches, int) or isinstance(sample_batches, bool) or sample_batches < 1:
+        raise ValueError(f"sample_batches must be an integer >= 1, got {sample_batches!r}")
+    model = trainer.model
+    batches, whole = _sample_batches(trainer, sample_batches)
+    took_ckpt = bool(getattr(args, "gradient_checkpointing", False))
+    if took_ckpt:
+        options.setdefault("grad_ckpt", True)
+    shapes = {tuple(b["input_ids"].shape) for b in batches}
+    guard_graphs = options.get("mode", "auto") == "auto" and not whole and len(shapes) > 1
+    if guard_graphs:
+        options["mode"] = "default"
+    opt = optimize(model, batches=batches, **options)
+    if guard_graphs:
+        opt.reasons["mode"] = (f"{len(shapes)} shapes in the first {len(batches)} batches and more to come: "
+                               "no CUDA graphs")
+    if took_ckpt:
+        opt.reasons["ckpt_layers"] += " (the Trainer's gradient_checkpointing=True, taken over)"
+    own_forward = vars(model).get("forward")
+    had_original = "_original_forward" in vars(model)
+    try:
+        opt.install(model)
+        if took_ckpt:
+            args.gradient_checkpointing = False
+        yield opt
+    finally:
+        args.gradient_checkpointing = took_ckpt or args.gradient_checkpointing
+        opt.undo()
+        # accelerate wraps the forward it finds for mixed precision (and keeps _original_forward):
+        # put back exactly what the model had before, whoever wrapped it since
+        if own_forward is None:
+            vars(model).pop("forward", None)
+        else:
+            model.forward = own_forward
+        if not had_original:
+            vars(model).pop("_original_forward", None)

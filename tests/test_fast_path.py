@@ -1,0 +1,122 @@
+"""compile.fast_path: optimize()'s choices, its estimate, its errors, install() and undo()."""
+
+import pytest
+import torch
+
+from qlora_nb_utils import data as qdata
+from qlora_nb_utils import models, optimize
+from qlora_nb_utils.compile.fast_path import estimate_peak_gib, pad_batch
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    model, tok = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
+    return model, tok
+
+
+def _batches(tok, padding="fixed", max_len=64, steps=3, batch_size=2):
+    return qdata.build_batches(tok, batch_size=batch_size, steps=steps, max_len=max_len, padding=padding)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"mode": "turbo"}, "mode must be one of"),
+    ({"grad_ckpt": "sometimes"}, "grad_ckpt must be one of"),
+    ({"attention": "flash"}, "attention must be one of"),
+    ({"scope": "layer"}, "scope must be one of"),
+    ({"pad_multiple": 0}, "pad_multiple must be an integer"),
+    ({"max_memory_gib": -1}, "max_memory_gib must be None or a number"),
+    ({"max_memory_gib": 4}, "max_memory_gib needs batches"),
+    ({"ckpt_layers": 1, "grad_ckpt": False}, "needs grad_ckpt=True"),
+    ({"mode": "reduce-overhead", "backend": "eager"}, "is an Inductor option"),
+])
+def test_bad_options_are_refused_before_the_model_changes(loaded, options, message):
+    model, _ = loaded
+    before = {n: p.dtype for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=message):
+        optimize(model, **options)
+    assert {n: p.dtype for n, p in model.named_parameters()} == before and "forward" not in vars(model)
+
+
+def test_choices_follow_the_device_and_the_batches(loaded):
+    model, tok = loaded
+    fixed = _batches(tok)
+    opt = optimize(model, batches=fixed)  # inductor compiles at the first call: none is made here
+    try:
+        c, r = opt.choices, opt.reasons
+        assert c["mode"] == "default" and "no CUDA graphs on cpu" in r["mode"]
+        assert (c["attention"], c["dynamic"], c["ckpt_layers"]) == ("causal", False, "0/2")
+        assert opt.description.startswith("optimize: ") and all(name in opt.description for name in r)
+    finally:
+        opt.undo()
+    varied = _batches(tok, padding="longest", steps=6, max_len=256)
+    assert len({b["input_ids"].shape[1] for b in varied}) > 1
+    opt = optimize(model, batches=varied, backend="eager")
+    try:
+        assert opt.choices["dynamic"] is True and "dynamic from the first call" in opt.reasons["dynamic"]
+    finally:
+        opt.undo()
+    left = [dict(b) for b in fixed]
+    mask = left[0]["attention_mask"].clone()
+    mask[0, :5] = 0  # a left-padded row
+    left[0]["attention_mask"] = mask
+    opt = optimize(model, batches=left, backend="eager")
+    try:
+        assert opt.choices["attention"] == "mask" and "not right-padded" in opt.reasons["attention"]
+    finally:
+        opt.undo()
+    with pytest.raises(ValueError):
+        optimize(model, batches=left, attention="causal", backend="eager")
+
+
+def test_the_memory_target_picks_the_fewest_checkpointed_layers_that_fit(loaded):
+    model, tok = loaded
+    batches = _batches(tok, max_len=128, batch_size=8)
+    b, s = batches[0]["input_ids"].shape
+    est = [estimate_peak_gib(model, b, s, n, act_bytes=4) for n in range(3)]
+    assert est[0] > est[1] > est[2]  # checkpointing a layer keeps its input only
+    assert estimate_peak_gib(model, 2 * b, s, 0, act_bytes=4) > est[0]
+    for target, want in [((est[0] + est[1]) / 2, "1/2"), (est[0] + 1, "0/2"), (est[2] / 2, "2/2")]:
+        opt = optimize(model, batches=batches, max_memory_gib=target, backend="eager")
+        try:
+            assert opt.choices["ckpt_layers"] == want, (target, est, opt.reasons["ckpt_layers"])
+        finally:
+            opt.undo()
+    assert "even with every layer checkpointed" in opt.reasons["ckpt_layers"]
+
+
+def test_pad_batch_masks_and_ignores_what_it_adds():
+    batch = {"input_ids": torch.ones(2, 13, dtype=torch.long), "attention_mask": torch.ones(2, 13, dtype=torch.long),
+             "labels": torch.ones(2, 13, dtype=torch.long), "position_ids": torch.arange(13).expand(2, 13),
+             "other": "kept"}
+    out = pad_batch(batch, 8, pad_token_id=7)
+    assert out["input_ids"].shape == (2, 16) and out["other"] == "kept"
+    assert (out["input_ids"][:, 13:] == 7).all() and (out["attention_mask"][:, 13:] == 0).all()
+    assert (out["labels"][:, 13:] == -100).all() and out["position_ids"][0].tolist() == list(range(16))
+    assert pad_batch(out, 8) is out  # aligned already: untouched
+
+
+def test_compiled_step_equals_its_eager_recipe_and_install_undo_round_trip(loaded):
+    model, tok = loaded
+    batches = _batches(tok, max_len=61)  # not a multiple of 8: padded to 64
+    opt = optimize(model, batches=batches, backend="aot_eager")
+    try:
+        for batch in batches:
+            compiled, eager = opt.forward(**batch).loss, opt.eager(**batch).loss
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        assert opt.counter.compilations == 1
+        opt.install(model)
+        via_model = model(**batches[0]).loss  # a Trainer's call, through the installed forward
+        torch.testing.assert_close(via_model, opt.eager(**batches[0]).loss, rtol=1e-5, atol=1e-5)
+        logits = model(input_ids=batches[0]["input_ids"]).logits  # no labels: the model's own forward
+        assert logits.shape[-1] == model.config.vocab_size
+        with pytest.raises(TypeError, match="inputs_embeds"):
+            model(**batches[0], inputs_embeds=torch.zeros(1))
+    finally:
+        opt.undo()
+    assert "forward" not in vars(model)
+    opt = optimize(model, batches=batches, backend="eager", ce_chunks=0)
+    try:
+        with pytest.raises(ValueError, match="needs the chunked loss"):
+            opt.install(model)
+    finally:
+        opt.undo()

@@ -1,0 +1,83 @@
+"""ops.losses: the per-token chunked head against full logits, eager and compiled."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qlora_nb_utils.ops.losses import chunked_cross_entropy, chunked_token_log_probs
+
+
+def _inputs(seed=0, b=3, s=11, d=16, v=50):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, s, d, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, d, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, v, (b, s), generator=g)
+    labels[0, :4] = -100  # a prompt
+    labels[2, -3:] = -100  # padding
+    return hidden, weight, labels
+
+
+def _reference(hidden, weight, labels):
+    logits = hidden[:, :-1] @ weight.t()
+    logp = F.log_softmax(logits, dim=-1)
+    t = labels[:, 1:]
+    valid = t != -100
+    picked = logp.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    top1 = logits.argmax(-1) == t
+    zero = torch.zeros_like(picked)
+    return torch.where(valid, picked, zero), torch.where(valid, entropy, zero), top1 & valid, valid
+
+
+@pytest.mark.parametrize("chunks", [1, 4, 7])
+def test_token_log_probs_equal_full_logits_and_their_gradient_for_any_weighting(chunks):
+    hidden, weight, labels = _inputs()
+    stats = chunked_token_log_probs(hidden, weight, labels, chunks=chunks)
+    ref = _reference(hidden, weight, labels)
+    for got, want in zip(stats, ref):
+        assert got.shape == labels[:, 1:].shape
+        if got.dtype == torch.bool:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got.double(), want.double(), rtol=2e-5, atol=2e-5)  # logits go fp32
+    # an arbitrary per-token weighting (not a plain sum): the row-wise backward must still be exact
+    w = torch.rand(labels[:, 1:].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (g_got,) = torch.autograd.grad((stats.log_probs.double() * w).sum(), hidden)
+    (g_ref,) = torch.autograd.grad((ref[0] * w).sum(), hidden)
+    torch.testing.assert_close(g_got, g_ref, rtol=2e-5, atol=1e-6)
+    assert not stats.entropy.requires_grad
+
+
+def test_the_mean_of_token_log_probs_is_the_chunked_cross_entropy():
+    hidden, weight, labels = _inputs(seed=2)
+    stats = chunked_token_log_probs(hidden, weight, labels, chunks=3)
+    loss = -stats.log_probs.sum() / stats.label_mask.sum()
+    torch.testing.assert_close(loss.double(), chunked_cross_entropy(hidden, weight, labels, chunks=3).double())
+
+
+def test_token_log_probs_compile_in_one_graph_with_their_backward():
+    hidden, weight, labels = _inputs(seed=3)
+    hidden = hidden.detach().float().requires_grad_()
+    weight = weight.float()
+
+    def loss_of(h):
+        stats = chunked_token_log_probs(h, weight, labels, chunks=4)
+        return -(stats.log_probs.sum() / stats.label_mask.sum()), stats.is_top1.sum(), stats.entropy.sum()
+
+    compiled = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
+    got, want = compiled(hidden), loss_of(hidden)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    (g_got,) = torch.autograd.grad(got[0], hidden)
+    (g_ref,) = torch.autograd.grad(want[0], hidden)
+    torch.testing.assert_close(g_got, g_ref)
+
+
+def test_token_log_probs_refuse_a_trainable_head_and_bad_shapes():
+    hidden, weight, labels = _inputs()
+    with pytest.raises(ValueError, match="frozen LM head"):
+        chunked_token_log_probs(hidden, weight.clone().requires_grad_(), labels)
+    with pytest.raises(ValueError, match="chunks must be"):
+        chunked_token_log_probs(hidden, weight, labels, chunks=0)
+    with pytest.raises(ValueError, match="expected hidden"):
+        chunked_token_log_probs(hidden, weight, labels[:, :-1])
