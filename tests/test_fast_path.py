@@ -6,6 +6,7 @@ import torch
 from qlora_nb_utils import data as qdata
 from qlora_nb_utils import models, optimize
 from qlora_nb_utils.compile.fast_path import estimate_peak_gib, pad_batch
+from qlora_nb_utils.compile.patches import bnb_cpu_packing
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +41,20 @@ def test_bad_options_are_refused_before_the_model_changes(loaded, options, messa
 def test_choices_follow_the_device_and_the_batches(loaded):
     model, tok = loaded
     fixed = _batches(tok)
+    flags = [m.support_avx512bf16_for_cpu for m in bnb_cpu_packing.find_layers(model)]
+    assert flags
     opt = optimize(model, batches=fixed)  # inductor compiles at the first call: none is made here
     try:
         c, r = opt.choices, opt.reasons
         assert c["mode"] == "default" and "no CUDA graphs on cpu" in r["mode"]
         assert (c["attention"], c["dynamic"], c["ckpt_layers"]) == ("causal", False, "0/2")
         assert opt.description.startswith("optimize: ") and all(name in opt.description for name in r)
+        # a CPU NF4 model: an eval pass must not repack the weights (bnb_cpu_packing), until undo()
+        assert c["bnb_cpu_layout"] == "training"
+        assert not any(m.support_avx512bf16_for_cpu for m in bnb_cpu_packing.find_layers(model))
     finally:
         opt.undo()
+    assert [m.support_avx512bf16_for_cpu for m in bnb_cpu_packing.find_layers(model)] == flags
     varied = _batches(tok, padding="longest", steps=6, max_len=256)
     assert len({b["input_ids"].shape[1] for b in varied}) > 1
     opt = optimize(model, batches=varied, backend="eager")

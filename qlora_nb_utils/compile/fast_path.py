@@ -33,7 +33,9 @@ The choices, each overridable by passing it explicitly:
   ``emulate_precision_casts`` the compiled step rounds where eager does.
 
 The model is put in training mode first (Inductor's training graph asserts on an eval-mode
-model). ``undo()`` reverts everything but the cast of the non-LoRA weights (see
+model). On a CPU, bitsandbytes' NF4 layers are kept in their training layout
+(:mod:`~qlora_nb_utils.compile.patches.bnb_cpu_packing`), so that an evaluation between
+training steps (a Trainer's ``eval_steps``) cannot repack them and lose LoRA gradients. ``undo()`` reverts everything but the cast of the non-LoRA weights (see
 :class:`~qlora_nb_utils.compile.recipe.FastPrepared`).
 """
 
@@ -395,11 +397,32 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                         # regional: the layers' inputs cannot be marked dynamic from outside
                         dynamic=True if scope == "regional" and mark else None)
     choices["cast"], reasons["cast"] = fast.cast, "non-LoRA weights cast to the compute dtype"
+    extra = _keep_bnb_training_layout(model, device, choices, reasons)
     pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
     forward = _wrap(fast.forward, pad_multiple, pad_id, mark and scope == "whole", memory_budget)
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
-                     fast=fast, _pad_id=pad_id)
+                     fast=fast, _pad_id=pad_id, _extra=extra)
+
+
+def _keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choices: dict[str, Any],
+                              reasons: dict[str, str]) -> list[PatchHandle]:
+    """On a CPU, keep NF4 weights out of bitsandbytes' inference repack (an eval pass would break
+    the LoRA gradients: :mod:`~qlora_nb_utils.compile.patches.bnb_cpu_packing`)."""
+    if device.type != "cpu":
+        return []
+    from .patches import bnb_cpu_packing
+
+    if not bnb_cpu_packing.find_layers(model):
+        return []
+    try:
+        handle = bnb_cpu_packing.apply(model)
+    except RuntimeError as err:  # versions outside the verified range: say so, change nothing
+        choices["bnb_cpu_layout"], reasons["bnb_cpu_layout"] = "untouched", f"patch refused: {err}"
+        return []
+    choices["bnb_cpu_layout"] = "training"
+    reasons["bnb_cpu_layout"] = "an eval pass cannot repack NF4 for CPU inference (lost LoRA gradients)"
+    return [handle]
 
 
 def _wrap(compiled: Callable[..., Any], multiple: int, pad_id: int, mark_dynamic: bool,

@@ -8,6 +8,8 @@ users set it up. Each peer builds its model its library's way and trains for N s
   ``get_peft_model`` (bitsandbytes NF4, double quantization), eager.
 * ``ours-default-compile``: the same model under plain ``torch.compile``.
 * ``trl-sft-compile``: the same model through TRL ``SFTTrainer(torch_compile=True)``.
+* ``trl-sft-optimize``: the same ``SFTTrainer`` without ``torch_compile``, trained through
+  :func:`qlora_nb_utils.training.hf_trainer.optimized_trainer` (our fast path under TRL).
 * ``torchao-nf4``: torchtune's recipe (torchao ``NF4Tensor`` + LoRA, bf16, compiled), see
   :mod:`qlora_nb_utils.bench.peers.torchao`.
 * ``unsloth``: Unsloth's ``FastLanguageModel``, run by ``qlora_nb_utils.bench.peers.unsloth`` in its
@@ -41,7 +43,7 @@ __all__ = [
     "validate_ours_options",
 ]
 
-PEERS = ("hf-eager", "ours-default-compile", "trl-sft-compile", "torchao-nf4", "unsloth", "ours")
+PEERS = ("hf-eager", "ours-default-compile", "trl-sft-compile", "trl-sft-optimize", "torchao-nf4", "unsloth", "ours")
 UNSLOTH_SITE_ENV = "QLORA_NB_UNSLOTH_SITE"
 TORCHAO_SITE_ENV = "QLORA_NB_TORCHAO_SITE"
 

@@ -91,7 +91,7 @@ def run_peer(name: str, batches: list, *, model: str = "tiny", steps: int | None
             return _peer_unsloth(ctx, batches)
         if name in ("hf-eager", "ours-default-compile"):
             return _peer_hf(ctx, batches, compiled=name != "hf-eager")
-        if name == "trl-sft-compile":
+        if name in ("trl-sft-compile", "trl-sft-optimize"):
             return _peer_trl(ctx, batches)
         if name == "torchao-nf4":
             return _peer_torchao(ctx, batches)

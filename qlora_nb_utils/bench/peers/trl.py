@@ -1,7 +1,9 @@
-"""TRL's ``SFTTrainer(torch_compile=True)`` as a peer, on the HF recipe's model.
+"""TRL's ``SFTTrainer`` as a peer, on the HF recipe's model: compiled TRL's way, or through ``optimize()``.
 
 Why it exists: many users train QLoRA through TRL rather than a loop of their own, and TRL
-turns on ``torch.compile`` with one flag; this peer is what that flag gives. It trains the same
+turns on ``torch.compile`` with one flag; ``trl-sft-compile`` is what that flag gives, and
+``trl-sft-optimize`` the same trainer under
+:func:`~qlora_nb_utils.training.hf_trainer.optimized_trainer` (what a TRL user gets from us). It trains the same
 pre-tokenized batches in the same order as every other peer (a sequential sampler, constant
 learning rate, AdamW, grad-norm clip 1.0) and times each step with a ``TrainerCallback``; its
 losses are the ones the Trainer logs.
@@ -9,6 +11,7 @@ losses are the ones the Trainer logs.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from typing import Any
@@ -27,7 +30,7 @@ def _peer_trl(ctx: dict, batches: list) -> dict[str, Any]:
     from trl import SFTConfig, SFTTrainer
 
     from ...training.device import peak_mem_gib, reset_peak, sync
-    from ...training.hf_trainer import trainer_patches
+    from ...training.hf_trainer import optimized_trainer, trainer_patches
 
     device, dtype = _resolve_device_dtype(ctx["device"], ctx["dtype"])
     model, tok = _hf_model(ctx)
@@ -64,22 +67,30 @@ def _peer_trl(ctx: dict, batches: list) -> dict[str, Any]:
             return SequentialSampler(self.train_dataset)
 
     timer = Timer()
-    with tempfile.TemporaryDirectory() as out, trainer_patches(model):
+    ours = ctx["name"] == "trl-sft-optimize"
+    description = None
+    with tempfile.TemporaryDirectory() as out, (contextlib.nullcontext() if ours else trainer_patches(model)):
         args = SFTConfig(
             output_dir=out, max_steps=ctx["steps"], per_device_train_batch_size=ctx["batch_size"],
             learning_rate=ctx["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
             max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, report_to="none", save_strategy="no",
-            gradient_checkpointing=ctx["grad_ckpt"], torch_compile=True, bf16=dtype == torch.bfloat16,
+            gradient_checkpointing=ctx["grad_ckpt"], torch_compile=not ours, bf16=dtype == torch.bfloat16,
             fp16=dtype == torch.float16, use_cpu=device.type == "cpu", remove_unused_columns=False,
             dataset_kwargs={"skip_prepare_dataset": True}, seed=ctx["seed"], dataloader_num_workers=0,
             disable_tqdm=not ctx.get("progress", False), max_length=None)
         trainer = InOrderSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
                                     data_collator=collate, callbacks=[timer])
-        trainer.train()
+        if ours:
+            with optimized_trainer(trainer) as opt:
+                description = opt.description
+                trainer.train()
+        else:
+            trainer.train()
     tokens = [int(b["attention_mask"].sum()) for b in order]
     if len(timer.losses) != len(timer.ms):
         raise RuntimeError(f"TRL logged {len(timer.losses)} losses for {len(timer.ms)} steps")
-    notes = ("TRL SFTTrainer(torch_compile=True) on the same pre-tokenized batches in order; "
+    how = f"through optimized_trainer ({description})" if ours else "(torch_compile=True)"
+    notes = (f"TRL SFTTrainer {how} on the same pre-tokenized batches in order; "
              "constant lr, AdamW (torch), grad-norm clip 1.0; loss as logged by the Trainer")
     return summarize_run(ctx["name"], losses=timer.losses, step_ms=timer.ms, tokens=tokens,
                          peak_mem_gib=timer.peak, batch_size=ctx["batch_size"], seq_len=ctx["seq_len"],

@@ -25,7 +25,8 @@ repack runs only when it is True. :func:`apply` sets it False on each ``Linear4b
 before the first forward. A weight already repacked is converted back with bitsandbytes' inverse
 (gradients flow again; the scales keep their rounding). Only the CPU inference fast path is
 given up. It is not in :data:`~.PATCHES`: those are what
-``prepare_for_compile`` picks against graph breaks; this one is applied by whoever evaluates a
+``prepare_for_compile`` picks against graph breaks; this one is applied by ``optimize()`` on a CPU
+and by whoever evaluates a
 model it goes on training (``training.finetuning``).
 
 Smallest reproduction (``tests/test_finetune.py::test_an_eval_pass_keeps_bnb_gradients``)::
