@@ -135,7 +135,8 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--check-parity", type=_non_negative_int, default=0,
-                   help="first K steps eager, eager on permuted rows and compiled, judged (then undone)")
+                   help="first K steps eager, eager on rows permuted two ways and compiled, judged against that "
+                        "floor (then undone)")
     t.add_argument("--no-progress", action="store_true")
 
 

@@ -220,7 +220,7 @@ def finetune(*, out: str | Path = "runs/train", resume: bool = False, overwrite:
             ``lora_r``, ``lora_alpha``, ``eval_every`` / ``save_every`` (0: only at the end),
             ``eval_size``, ``mode``, ``backend``, ``max_memory_gib``, ``grad_ckpt``
             (``"auto"``, True, False), ``device``, ``dtype``, ``seed``, ``check_parity`` (K > 0:
-            K steps eager, eager on permuted rows and compiled first, judged, then undone).
+            K steps eager, eager on rows permuted two ways and compiled first, judged, then undone).
 
     Returns:
         The metrics, as written to ``out/metrics.json``.
