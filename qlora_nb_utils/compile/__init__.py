@@ -29,6 +29,7 @@ Entry points (imported lazily, on first use; importing the subpackage imports no
   from. It applies the recipe and makes the choices it can from the device and the batches
   (CUDA graphs, dynamic lengths, the attention path, how many layers to checkpoint for a
   memory target), and says what it chose; the names above are its building blocks.
+  :mod:`.memory_estimate` (``estimate_peak_gib``) is the calibrated peak it checkpoints by.
 """
 
 from .._lazy import lazy_exports
@@ -46,7 +47,8 @@ _EXPORTS = {
         "prepare_fast", "FastPrepared", "cast_non_lora", "checkpoint_first_layers",
         "autocast_forward", "activation_memory_budget",
     ), "recipe"),
-    **dict.fromkeys(("optimize", "Optimized", "estimate_peak_gib", "pad_batch"), "fast_path"),
+    **dict.fromkeys(("optimize", "Optimized", "pad_batch"), "fast_path"),
+    **dict.fromkeys(("estimate_peak_gib", "estimate_terms"), "memory_estimate"),
 }
 
 __all__ = list(_EXPORTS)

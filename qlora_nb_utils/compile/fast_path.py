@@ -42,12 +42,14 @@ training steps (a Trainer's ``eval_steps``) cannot repack them and lose LoRA gra
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
+from .memory_estimate import _config_of, estimate_peak_gib
 from .recipe import FastPrepared, activation_memory_budget, prepare_fast
 
 __all__ = ["Optimized", "optimize", "estimate_peak_gib", "pad_batch", "MAX_CUDAGRAPH_SHAPES", "MODES"]
@@ -58,12 +60,6 @@ MAX_CUDAGRAPH_SHAPES = 4
 MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 _PAD_FILL = {"attention_mask": 0, "labels": -100}
-# The estimate's calibration (estimate_peak_gib): saved activations of one un-checkpointed
-# decoder layer per token, in elements of the compute dtype, and a fixed allowance for the
-# allocator's workspace and the compile-time buffers; fitted to the 1B-shape peaks at 4 x 512 on
-# an H200 (results/peers_h200_search.json: 4.78 GiB without checkpointing, 3.11 GiB with 12 of 16).
-_ACT_PER_TOKEN = (6, 2.5)  # x hidden, x intermediate
-_OVERHEAD_GIB = 0.6
 
 
 def pad_batch(batch: dict, multiple: int, pad_token_id: int = 0) -> dict:
@@ -115,39 +111,6 @@ def _shapes(batches: list[dict] | None, multiple: int) -> list[tuple[int, int]] 
         if shape not in seen:
             seen.append(shape)
     return seen
-
-
-def _config_of(model: torch.nn.Module):
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(inner, "config", None)
-
-
-def estimate_peak_gib(model: torch.nn.Module, batch_size: int, seq_len: int, ckpt_layers: int,
-                      *, ce_chunks: int = 4, act_bytes: int = 2) -> float:
-    """A rough training-step peak (GiB) of the fast path on a CUDA device.
-
-    What is counted: every parameter and buffer as it is now, the LoRA weights' gradients and
-    AdamW state (fp32), the saved activations of each decoder layer (its input alone when it is
-    checkpointed), one chunk of fp32 logits, and a fixed allowance; the per-layer figure is
-    calibrated on measured peaks (see ``_ACT_PER_TOKEN``). It is an estimate for choosing how
-    many layers to checkpoint, not a measurement: the run's ``peak_mem_gib`` is the fact.
-    """
-    config = _config_of(model)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    layers = len(decoder_layers(model))
-    tokens = batch_size * seq_len
-    static = sum(p.numel() * p.element_size() for p in model.parameters())
-    static += sum(b.numel() * b.element_size() for b in model.buffers())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    static += trainable * 12  # fp32 gradient + AdamW's two moments
-    per_layer = tokens * (_ACT_PER_TOKEN[0] * hidden + _ACT_PER_TOKEN[1] * inter) * act_bytes
-    kept = tokens * hidden * act_bytes
-    n_ckpt = max(0, min(ckpt_layers, layers))
-    acts = n_ckpt * kept + (layers - n_ckpt) * per_layer
-    logits = tokens / max(ce_chunks, 1) * vocab * (act_bytes + 8)
-    return (static + acts + logits) / 2**30 + _OVERHEAD_GIB
 
 
 @dataclasses.dataclass
@@ -360,15 +323,14 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         ckpt, why = 0, "no memory target"
     else:
         b, s = max(shapes, key=lambda x: x[0] * x[1])
-        act_bytes = torch.finfo(dtype).bits // 8
-        ckpt = next((n for n in range(n_layers + 1)
-                     if estimate_peak_gib(model, b, s, n, ce_chunks=ce_chunks, act_bytes=act_bytes) <= max_memory_gib),
-                    None)
+        est_of = functools.partial(estimate_peak_gib, model, b, s, ce_chunks=ce_chunks,
+                                   act_bytes=torch.finfo(dtype).bits // 8, cast_dtype=dtype if cast else None)
+        ckpt = next((n for n in range(n_layers + 1) if est_of(n) <= max_memory_gib), None)
         if ckpt is None:
             ckpt = n_layers
             why = f"estimated peak above {max_memory_gib} GiB even with every layer checkpointed"
         else:
-            est = estimate_peak_gib(model, b, s, ckpt, ce_chunks=ce_chunks, act_bytes=act_bytes)
+            est = est_of(ckpt)
             why = f"estimated peak {est:.2f} GiB <= {max_memory_gib} GiB at {b} x {s}"
     choices["ckpt_layers"], reasons["ckpt_layers"] = f"{ckpt}/{n_layers}", why
 

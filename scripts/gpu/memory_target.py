@@ -24,7 +24,7 @@ compiles and are a side figure, noisier than the main job's.
 
 Last, the estimate is refitted to the measured peaks (:func:`fit`): in the form ``constants``
 only its two calibration constants are free (``c``, the saved elements per token and layer of
-an un-checkpointed layer, ``_ACT_PER_TOKEN``'s ``6 * hidden + 2.5 * intermediate``, and the
+an un-checkpointed layer, ``memory_estimate._ACT_PER_TOKEN`` times hidden and intermediate, and the
 overhead, ``_OVERHEAD_GIB``); in the form ``extended`` also a factor on its loss-chunk term and
 a transient paid once any layer is checkpointed. Least squares, then the overhead that puts
 every measured peak under its estimate, and the layers each target would then get.
@@ -64,31 +64,14 @@ def _parse_runs(specs: list[str]) -> list[tuple[int, int, float | None]]:
 # -- one run (a child process) ---------------------------------------------------------------
 
 
-def _estimate_terms(model, b: int, s: int, act_bytes: int, ce_chunks: int = 4) -> dict:
+def _estimate_terms(model, b: int, s: int, act_bytes: int, cast_dtype, ce_chunks: int = 4) -> dict:
     """The terms of ``estimate_peak_gib`` apart (GiB), so the constants can be refitted."""
-    from qlora_nb_utils.compile import fast_path
-    from qlora_nb_utils.compile.checkpointing import decoder_layers
+    from qlora_nb_utils.compile import memory_estimate
 
-    config = fast_path._config_of(model)
-    hidden, inter = int(config.hidden_size), int(config.intermediate_size)
-    tokens = b * s
-    static = sum(p.numel() * p.element_size() for p in model.parameters())
-    static += sum(x.numel() * x.element_size() for x in model.buffers())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {
-        "layers": len(decoder_layers(model)), "hidden": hidden, "intermediate": inter,
-        "vocab": int(config.vocab_size), "tokens": tokens, "act_bytes": act_bytes,
-        "static_gib": (static + trainable * 12) / _GIB,
-        "kept_per_layer_gib": tokens * hidden * act_bytes / _GIB,
-        "elems_per_token_layer": fast_path._ACT_PER_TOKEN[0] * hidden + fast_path._ACT_PER_TOKEN[1] * inter,
-        "logits_gib": tokens / max(ce_chunks, 1) * int(config.vocab_size) * (act_bytes + 8) / _GIB,
-        "overhead_gib": fast_path._OVERHEAD_GIB,
-    }
-
-
-def _estimate_from_terms(t: dict, n: int, elems: float, overhead: float) -> float:
-    full = t["tokens"] * elems * t["act_bytes"] / _GIB
-    return t["static_gib"] + n * t["kept_per_layer_gib"] + (t["layers"] - n) * full + t["logits_gib"] + overhead
+    terms = memory_estimate.estimate_terms(model, b, s, ce_chunks=ce_chunks, act_bytes=act_bytes,
+                                           cast_dtype=cast_dtype)
+    per = memory_estimate._ACT_PER_TOKEN
+    return {**terms, "elems_per_token_layer": per[0] * terms["hidden"] + per[1] * terms["intermediate"]}
 
 
 def child(model_name: str, b: int, s: int, target: float | None, steps: int, out: Path) -> None:
@@ -110,12 +93,13 @@ def child(model_name: str, b: int, s: int, target: float | None, steps: int, out
     if shapes != {(b, s)}:
         raise RuntimeError(f"expected every batch {b} x {s}, got {sorted(shapes)}")
     act_bytes = torch.finfo(dtype).bits // 8
-    # what optimize() sees: the model before its cast (kbit prep left the non-4-bit weights fp32)
-    terms = _estimate_terms(model, b, s, act_bytes)
-    table = [fast_path.estimate_peak_gib(model, b, s, n, ce_chunks=4, act_bytes=act_bytes)
+    # what optimize() counts: the weights at their size after its cast to the compute dtype
+    terms = _estimate_terms(model, b, s, act_bytes, dtype)
+    table = [fast_path.estimate_peak_gib(model, b, s, n, ce_chunks=4, act_bytes=act_bytes, cast_dtype=dtype)
              for n in range(terms["layers"] + 1)]
-    mine = [_estimate_from_terms(terms, n, terms["elems_per_token_layer"], terms["overhead_gib"])
-            for n in range(terms["layers"] + 1)]
+    from qlora_nb_utils.compile.memory_estimate import peak_from_terms
+
+    mine = [peak_from_terms(terms, n) for n in range(terms["layers"] + 1)]
     if max(abs(x - y) for x, y in zip(table, mine)) > 1e-6:
         raise RuntimeError(f"the terms do not add up to estimate_peak_gib: {table} vs {mine}")
 
@@ -174,6 +158,8 @@ FORMS = {"constants": ("c", "overhead"), "extended": ("c", "logits_factor", "ckp
 
 
 def _refit_estimate(t: dict, n: int, p: dict) -> float:
+    """The estimate with refitted numbers; ``logits_factor`` multiplies the current loss-chunk term
+    and ``ckpt_transient`` (hidden-sized vectors per token) replaces the current checkpointing one."""
     act = t["tokens"] * t["act_bytes"] / _GIB
     return (t["static_gib"] + n * t["kept_per_layer_gib"] + (t["layers"] - n) * act * p["c"]
             + p.get("logits_factor", 1.0) * t["logits_gib"] + (n > 0) * act * t["hidden"] * p.get("ckpt_transient", 0.0)
@@ -220,13 +206,20 @@ def fit(runs: list[dict], key: str, form: str = "constants") -> dict:
                        "estimate_gib": _refit_estimate(t, t["layers"] if n is None else n, cover)})
     return {
         "form": form, "measured": key, "points": len(pts), **p,
-        "was_c": t0["elems_per_token_layer"], "act_per_token": [round(6 * ratio, 3), round(2.5 * ratio, 3)],
+        "was_c": t0["elems_per_token_layer"],
+        "act_per_token": [round(x * ratio, 3) for x in _current_act_per_token()],
         "overhead_covering": cover["overhead"], "residuals_gib": resid,
         "would_choose_with_covering_overhead": choose,
         "note": "_ACT_PER_TOKEN = act_per_token (both scaled by one factor: one model cannot tell hidden from "
                 "intermediate apart); _OVERHEAD_GIB = overhead_covering keeps every measured peak <= its estimate; "
-                "static_gib is counted as optimize() sees the model, before its cast (kbit prep's fp32 weights)",
+                "static_gib counts the weights at their size after optimize()'s cast (estimate_terms' cast_dtype)",
     }
+
+
+def _current_act_per_token() -> tuple:
+    from qlora_nb_utils.compile.memory_estimate import _ACT_PER_TOKEN
+
+    return _ACT_PER_TOKEN
 
 
 def fits(runs: list[dict]) -> dict:

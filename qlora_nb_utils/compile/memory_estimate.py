@@ -1,0 +1,91 @@
+"""How much GPU memory a fast-path training step will need, before it runs.
+
+Why this module exists: ``optimize(max_memory_gib=...)`` has to pick how many decoder layers
+to checkpoint *before* the first step, so it needs a peak it can compute from the model and the
+batch shape. The terms are counted from the model (weights as they will be after the recipe's
+cast, LoRA gradients and AdamW state), and the activation terms are calibrated on measured
+peaks: ``results/memory_target_h200.json`` (``scripts/gpu/memory_target.py``; 1B shape, bf16,
+an H200, 4 x 512 and 16 x 1024, 0 to 14 checkpointed layers, 7 runs), against the peak
+*reserved* memory, which under CUDA graphs is what the device must hold:
+
+* an un-checkpointed layer saves ``6.93 * hidden + 2.89 * intermediate`` elements per token;
+* a checkpointed one keeps its input (``hidden`` per token), and once any layer is checkpointed
+  the backward holds one recomputed layer and its gradients at a time (1.64 layers' worth);
+* the chunked loss holds 1.90x one chunk's logits in fp32 + its compute-dtype copy;
+* the fixed allowance (0.55 GiB) puts every measured peak under its estimate (largest
+  residual 0.51 GiB).
+
+One model at two token counts fitted four numbers, so it is an estimate for choosing, not a
+measurement: the run's ``peak_mem_gib`` is the fact. :func:`estimate_terms` gives the terms
+apart, so the calibration script can refit them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .checkpointing import decoder_layers
+
+__all__ = ["estimate_terms", "estimate_peak_gib"]
+
+_GIB = 2**30
+_ACT_PER_TOKEN = (6.93, 2.89)  # x hidden, x intermediate: elements saved per token by one un-checkpointed layer
+_CKPT_TRANSIENT_LAYERS = 1.64  # with checkpointing: one recomputed layer and its backward, in layers
+_LOGITS_FACTOR = 1.90  # the chunked loss's transient, in (one chunk of logits, fp32 + compute dtype)
+_OVERHEAD_GIB = 0.55  # workspace, CUDA-graph pool slack, allocator rounding
+
+
+def _config_of(model: torch.nn.Module) -> Any:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(inner, "config", None)
+
+
+def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_chunks: int = 4,
+                   act_bytes: int = 2, cast_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The estimate's terms in GiB (and the shape numbers they come from).
+
+    Args:
+        model: the PEFT model, as handed to ``optimize()``.
+        batch_size: rows per batch.
+        seq_len: the (padded) length.
+        ce_chunks: the chunked loss's pieces (0: the model's own loss, counted as one piece).
+        act_bytes: bytes per element of the compute dtype.
+        cast_dtype: the dtype the recipe will cast the non-LoRA float weights to (None: as they are).
+    """
+    config = _config_of(model)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    tokens = batch_size * seq_len
+    static = 0
+    for name, p in model.named_parameters():
+        size = p.element_size()
+        if cast_dtype is not None and p.is_floating_point() and "lora_" not in name:
+            size = torch.finfo(cast_dtype).bits // 8
+        static += p.numel() * size
+    static += sum(b.numel() * b.element_size() for b in model.buffers())
+    static += sum(p.numel() for p in model.parameters() if p.requires_grad) * 12  # fp32 grad + AdamW moments
+    per_layer = tokens * (_ACT_PER_TOKEN[0] * hidden + _ACT_PER_TOKEN[1] * inter) * act_bytes / _GIB
+    return {"layers": len(decoder_layers(model)), "tokens": tokens, "hidden": hidden, "intermediate": inter,
+            "vocab": vocab, "act_bytes": act_bytes, "static_gib": static / _GIB, "per_layer_gib": per_layer,
+            "kept_per_layer_gib": tokens * hidden * act_bytes / _GIB,
+            "ckpt_transient_gib": _CKPT_TRANSIENT_LAYERS * per_layer,
+            "logits_gib": _LOGITS_FACTOR * tokens / max(ce_chunks, 1) * vocab * (act_bytes + 8) / _GIB,
+            "overhead_gib": _OVERHEAD_GIB}
+
+
+def peak_from_terms(terms: dict[str, Any], ckpt_layers: int) -> float:
+    """The estimated peak (GiB) with the first ``ckpt_layers`` layers checkpointed."""
+    n = max(0, min(ckpt_layers, terms["layers"]))
+    return (terms["static_gib"] + n * terms["kept_per_layer_gib"] + (terms["layers"] - n) * terms["per_layer_gib"]
+            + (terms["ckpt_transient_gib"] if n else 0.0) + terms["logits_gib"] + terms["overhead_gib"])
+
+
+def estimate_peak_gib(model: torch.nn.Module, batch_size: int, seq_len: int, ckpt_layers: int, *,
+                      ce_chunks: int = 4, act_bytes: int = 2, cast_dtype: torch.dtype | None = None) -> float:
+    """A training-step peak (GiB) of the fast path on a CUDA device (see the module docstring)."""
+    terms = estimate_terms(model, batch_size, seq_len, ce_chunks=ce_chunks, act_bytes=act_bytes,
+                           cast_dtype=cast_dtype)
+    return peak_from_terms(terms, ckpt_layers)
