@@ -12,6 +12,9 @@
   (``make_batches``) and what the padding costs (``padding_stats``).
 - ``batches``: the one builder every caller uses (``build_batches``), real text cut to any
   length (``make_length_batcher``) and greedy packing (``pack_rows``).
+- ``packing``: padding-free batches: whole examples packed best-fit decreasing into rows of one
+  fixed length, with positions restarting and document ids per token (``pack_examples``,
+  ``collate_packed``, ``best_fit_bins``, ``PackingStats``, ``PAD_DOCUMENT``).
 
 Importing it is cheap: torch and datasets are imported by the functions that need them.
 """
@@ -26,4 +29,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "tokenize_examples")},
     **{name: "collate" for name in ("PaddingCollator", "make_batches", "padding_stats")},
     **{name: "batches" for name in ("build_batches", "make_length_batcher", "pack_rows")},
+    **{name: "packing" for name in ("pack_examples", "collate_packed", "best_fit_bins", "PackingStats",
+                                    "PAD_DOCUMENT")},
 })

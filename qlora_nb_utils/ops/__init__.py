@@ -8,6 +8,9 @@
 - ``attention``: causal-only SDPA and flex attention for right-padded training batches,
   registered through transformers' ``AttentionInterface`` and reversible
   (``use_causal_sdpa``, ``use_causal_flex``, ``use_causal_attention``, ``causal_block_mask``).
+- ``doc_attention``: per-document causal attention for packed rows, the mask built outside the
+  compiled graph (``document_block_mask`` for flex, ``document_dense_mask`` for SDPA,
+  ``with_document_mask``, ``document_mask_mod``, ``varlen_available``).
 
 Nothing here imports the rest of the package except ``reversible`` (the undo handle).
 """
@@ -25,4 +28,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "use_causal_attention": "attention",
     "causal_block_mask": "attention",
     "check_right_padded": "attention",
+    **{name: "doc_attention" for name in ("DOC_MASK_KERNELS", "document_mask_mod", "document_block_mask",
+                                          "document_dense_mask", "with_document_mask", "varlen_available")},
 })
