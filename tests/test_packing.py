@@ -262,3 +262,29 @@ def test_compiled_sdpa_trains_packed_batches_with_one_compilation(tiny):
         torch.testing.assert_close(loss, eager, atol=ATOL, rtol=0)
     model.zero_grad(set_to_none=True)
     assert counter.to_dict()["compilations"] == 1
+
+
+def test_what_transformers_does_with_packed_position_ids_alone(tiny):
+    """Why the mask is built here: from packed ``position_ids`` alone (no ``attention_mask``),
+    transformers 5.17 finds the documents itself; with SDPA that compiles as one graph (a dense
+    mask built in the graph), with flex it breaks on ``create_block_mask``'s deprecation warning."""
+    model, _ = tiny
+    (b,), _ = packing.pack_examples(_docs(4, [20, 30, 14]), 64, rows_per_batch=1, pad_id=0)
+    ids, pos = b["input_ids"], b["position_ids"]
+    with torch.no_grad():
+        ref = doc_attention.with_document_mask(model, "sdpa")(input_ids=ids, document_ids=b["document_ids"]).logits
+        torch._dynamo.reset()
+        sdpa = diagnostics.graph_breaks(model, input_ids=ids, position_ids=pos)
+        counter = diagnostics.CompileCounter(backend="aot_eager")
+        logits = counter.compile(model, fullgraph=True)(input_ids=ids, position_ids=pos).logits
+        torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+        base = model.get_base_model()
+        base.set_attn_implementation("flex_attention")
+        try:
+            torch._dynamo.reset()
+            flex = diagnostics.graph_breaks(model, input_ids=ids, position_ids=pos)
+        finally:
+            base.set_attn_implementation("sdpa")
+    assert sdpa.graph_break_count == 0 and counter.to_dict()["compilations"] == 1
+    assert flex.graph_break_count > 0
+    assert any("warn" in r["reason"] for r in flex.break_reasons)
