@@ -4,8 +4,8 @@ Why it exists: the first compiled step pays for tracing, AOTAutograd and Inducto
 and autotuning; a Colab user pays it again after every reconnect. Three levers, measured here:
 
 * **Regional compilation**: compile one decoder layer's code (``scope="regional"`` in
-  :func:`qlora_nb_utils.compile.prepare_for_compile`); the layers share it, so the cost is
-  about one layer's instead of the whole stack's.
+  :func:`qlora_nb_utils.optimize`); the layers share it, so the cost is about one layer's
+  instead of the whole stack's.
 * **Inductor's on-disk caches** (``TORCHINDUCTOR_CACHE_DIR``: FX graph cache, AOTAutograd
   cache, compiled kernels): a second process on the same machine reuses them.
 * **Cache artifacts** (``torch.compiler.save_cache_artifacts()`` ->
@@ -14,7 +14,9 @@ and autotuning; a Colab user pays it again after every reconnect. Three levers, 
 
 An honest cold start needs a new process (Dynamo and Inductor keep in-memory caches), so
 :func:`measure` runs ``python -m qlora_nb_utils.bench.compile_time`` with its own cache folder and
-reads back the JSON it writes. What is timed: ``first_step_s`` (the first training step,
+reads back the JSON it writes. The process trains through :func:`qlora_nb_utils.optimize`, the
+one fast path (its description and choices are in the result), so what is timed is what a user
+gets. What is timed: ``first_step_s`` (the first training step,
 compile included), the steady ``median_step_ms``, ``compile_s`` (first step minus the steady
 step), and the process's whole wall time (imports and model load included) for context.
 """
@@ -32,7 +34,7 @@ from typing import Any, Sequence
 
 from .._paths import pythonpath_with_package
 
-__all__ = ["measure", "child_main"]
+__all__ = ["measure", "load_case", "child_main"]
 
 
 def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path, device: str = "cpu",
@@ -43,7 +45,7 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
 
     Args:
         model: a named model or checkpoint folder.
-        scope: ``"whole"`` or ``"regional"`` (see :func:`qlora_nb_utils.compile.prepare_for_compile`).
+        scope: ``"whole"`` or ``"regional"``, passed to :func:`qlora_nb_utils.optimize`.
         cache_dir: the process's ``TORCHINDUCTOR_CACHE_DIR`` (a fresh folder = a cold cache).
         device: device of the run.
         dtype: compute dtype.
@@ -55,7 +57,9 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
         timeout_s: limit for the process.
 
     Returns:
-        The child's JSON plus ``process_s`` (the whole process, imports included).
+        The child's JSON plus ``process_s`` (the whole process, imports included). The child's
+        JSON has the timings, ``compilations`` and ``recompile_reasons``, the ``losses``, and
+        ``optimize``: ``{"description": ..., "choices": {name: str(value)}}`` of the run.
 
     Raises:
         ValueError: a bad ``scope`` or ``steps`` < 2.
@@ -86,33 +90,57 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
     return {**json.loads(out.read_text()), "process_s": wall}
 
 
+def load_case(*, model: str = "tiny", device: str = "cpu", dtype: str = "float32", batch_size: int = 2,
+              seq_len: int = 128, steps: int = 3) -> tuple[Any, list[dict]]:
+    """The model and batches every measured process trains: the notebook's in-process look uses it too.
+
+    Args:
+        model: a named model or checkpoint folder (NF4 base, LoRA, no kbit preparation).
+        device: device of the run.
+        dtype: compute dtype.
+        batch_size: rows per batch.
+        seq_len: fixed padded length.
+        steps: how many batches.
+
+    Returns:
+        ``(model, batches)``.
+    """
+    from .. import models
+    from . import main_job as bench
+
+    loaded, tok = models.load_model(model, quant="nf4", dtype=dtype, device=device)
+    batches, _ = bench.make_bench_batches(tok, batch_size=batch_size, seq_len=seq_len, steps=steps)
+    return loaded, batches
+
+
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     import statistics
 
     import torch
 
-    from .. import models
-    from ..compile import prepare_for_compile
+    from ..compile.fast_path import optimize
     from ..training.loop import TrainConfig, train
-    from . import main_job as bench
 
     loaded = 0
     if args.load_artifacts:
         t0 = time.perf_counter()
         info = torch.compiler.load_cache_artifacts(Path(args.load_artifacts).read_bytes())
         loaded = time.perf_counter() - t0
-    model, tok = models.load_model(args.model, quant="nf4", dtype=args.dtype, device=args.device)
-    batches, _ = bench.make_bench_batches(tok, batch_size=args.batch_size, seq_len=args.seq_len,
-                                          steps=args.steps)
-    prepared = prepare_for_compile(model, scope=args.scope)
-    hist = train(model, batches, TrainConfig(steps=args.steps, progress=False), forward=prepared.forward)
+    model, batches = load_case(model=args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+                               seq_len=args.seq_len, steps=args.steps)
+    opt = optimize(model, batches=batches, scope=args.scope)
+    try:
+        hist = train(model, batches, TrainConfig(steps=args.steps, progress=False), forward=opt.forward)
+    finally:
+        opt.undo()
     ms = list(hist["step_ms"])
     steady = statistics.median(ms[1:])
     result = {"scope": args.scope, "model": args.model, "device": args.device, "dtype": args.dtype,
               "first_step_s": ms[0] / 1e3, "median_step_ms": steady, "compile_s": (ms[0] - steady) / 1e3,
-              "compilations": prepared.counter.compilations, "dynamo_compile_s": prepared.counter.compile_s,
-              "losses": [float(x) for x in hist["loss"]], "load_artifacts_s": loaded,
-              "loaded_artifacts": bool(args.load_artifacts)}
+              "compilations": opt.counter.compilations, "recompile_reasons": opt.counter.recompile_reasons,
+              "dynamo_compile_s": opt.counter.compile_s, "losses": [float(x) for x in hist["loss"]],
+              "load_artifacts_s": loaded, "loaded_artifacts": bool(args.load_artifacts),
+              "optimize": {"description": opt.description, "choices": {k: str(v) for k, v in opt.choices.items()}}}
     if args.load_artifacts:
         result["artifacts_loaded"] = info is not None
     if args.save_artifacts:
