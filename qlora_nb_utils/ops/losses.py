@@ -55,6 +55,15 @@ def causal_lm_targets(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: 
     return hidden[:, :-1, :].reshape(-1, d), labels[:, 1:].reshape(-1)
 
 
+def _chunk_scores(h, weight, t, ignore_index: int):
+    """One chunk's fp32 logits, their logsumexp, the valid mask, safe targets and the target logits."""
+    logits = (h @ weight.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = t != ignore_index
+    safe_t = torch.where(valid, t, torch.zeros_like(t))
+    return logits, lse, valid, safe_t, logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """mean CE of ``(hidden @ weight.T).float()``; gradients computed chunk by chunk in forward."""
 
@@ -70,11 +79,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Dynamo keeps the length symbolic instead of specialising on it.
         pieces = []
         for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
-            logits = (h @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            valid = t != ignore_index
-            safe_t = torch.where(valid, t, torch.zeros_like(t))
-            picked = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+            logits, lse, valid, safe_t, picked = _chunk_scores(h, weight, t, ignore_index)
             total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
             if not (want_hidden or want_weight):
                 continue
@@ -145,11 +150,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunks: int, ignore_index: int, want_hidden: bool):
         log_probs, entropies, tops, grads = [], [], [], []
         for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
-            logits = (h @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            valid = t != ignore_index
-            safe_t = torch.where(valid, t, torch.zeros_like(t))
-            picked = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+            logits, lse, valid, safe_t, picked = _chunk_scores(h, weight, t, ignore_index)
             probs = torch.exp(logits - lse.unsqueeze(1))
             zero = torch.zeros_like(lse)
             log_probs.append(torch.where(valid, picked - lse, zero))
