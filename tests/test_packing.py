@@ -288,3 +288,14 @@ def test_what_transformers_does_with_packed_position_ids_alone(tiny):
     assert sdpa.graph_break_count == 0 and counter.to_dict()["compilations"] == 1
     assert flex.graph_break_count > 0
     assert any("warn" in r["reason"] for r in flex.break_reasons)
+
+
+def test_real_tokens_counts_the_mask_the_documents_or_everything():
+    padded = {"input_ids": torch.zeros(2, 5, dtype=torch.long),
+              "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])}
+    assert packing.real_tokens(padded) == 8
+    batches, stats = packing.pack_examples([_ex(3), _ex(4), _ex(2)], 8, rows_per_batch=2, pad_id=0)
+    assert sum(packing.real_tokens(b) for b in batches) == stats.real_tokens == 9
+    assert packing.real_tokens({"input_ids": torch.zeros(3, 4, dtype=torch.long)}) == 12
+    with pytest.raises(ValueError, match="input_ids"):
+        packing.real_tokens({"labels": torch.zeros(1, 2)})

@@ -14,7 +14,8 @@
   length (``make_length_batcher``) and greedy packing (``pack_rows``).
 - ``packing``: padding-free batches: whole examples packed best-fit decreasing into rows of one
   fixed length, with positions restarting and document ids per token (``pack_examples``,
-  ``collate_packed``, ``best_fit_bins``, ``PackingStats``, ``PAD_DOCUMENT``).
+  ``collate_packed``, ``best_fit_bins``, ``PackingStats``, ``PAD_DOCUMENT``), and the one way
+  every run counts real (non-pad) tokens (``real_tokens``).
 
 Importing it is cheap: torch and datasets are imported by the functions that need them.
 """
@@ -30,5 +31,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     **{name: "collate" for name in ("PaddingCollator", "make_batches", "padding_stats")},
     **{name: "batches" for name in ("build_batches", "make_length_batcher", "pack_rows")},
     **{name: "packing" for name in ("pack_examples", "collate_packed", "best_fit_bins", "PackingStats",
-                                    "PAD_DOCUMENT")},
+                                    "PAD_DOCUMENT", "real_tokens")},
 })

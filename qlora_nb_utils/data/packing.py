@@ -36,7 +36,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-__all__ = ["PackingStats", "best_fit_bins", "pack_examples", "collate_packed", "PAD_DOCUMENT"]
+__all__ = ["PackingStats", "best_fit_bins", "pack_examples", "collate_packed", "real_tokens", "PAD_DOCUMENT"]
 
 #: The document id of a row's tail padding.
 PAD_DOCUMENT = -1
@@ -69,6 +69,27 @@ class PackingStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def real_tokens(batch: dict) -> int:
+    """The real (non-pad) tokens of a batch, counted one way for every run that reports tokens/s.
+
+    A padded batch counts its ``attention_mask``; a packed batch (no mask) counts the tokens of
+    its documents (``document_ids`` not :data:`PAD_DOCUMENT`); a batch with neither counts every
+    token (nothing in it says which are padding).
+
+    Raises:
+        ValueError: ``batch`` has no ``input_ids``.
+    """
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return int(mask.sum())
+    docs = batch.get("document_ids")
+    if docs is not None:
+        return int((docs != PAD_DOCUMENT).sum())
+    if batch.get("input_ids") is None:
+        raise ValueError(f"a batch needs input_ids to count tokens; got keys {sorted(batch)}")
+    return int(batch["input_ids"].numel())
 
 
 def _check_seq_len(seq_len: Any) -> None:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 import pandas as pd
 import torch
 
+from ..data.packing import real_tokens
 from .device import peak_mem_gib, reset_peak, sync
 from .gpulock import step_lock
 
@@ -290,7 +291,7 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
         loss = forward(**batch).loss
         (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach()
-        tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+        tokens += real_tokens(batch)
     grad_norm = float("nan")
     if cfg.max_grad_norm is not None:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))

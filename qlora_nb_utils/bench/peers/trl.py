@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ...data.packing import real_tokens
 from ...env import resolve_device_dtype as _resolve_device_dtype
 from .common import _hf_model
 from .results import summarize_run
@@ -86,7 +87,7 @@ def _peer_trl(ctx: dict, batches: list) -> dict[str, Any]:
                 trainer.train()
         else:
             trainer.train()
-    tokens = [int(b["attention_mask"].sum()) for b in order]
+    tokens = [real_tokens(b) for b in order]
     if len(timer.losses) != len(timer.ms):
         raise RuntimeError(f"TRL logged {len(timer.losses)} losses for {len(timer.ms)} steps")
     how = f"through optimized_trainer ({description})" if ours else "(torch_compile=True)"
