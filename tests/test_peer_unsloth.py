@@ -96,12 +96,34 @@ def test_load_batches_rejects_other_content(tmp_path, content, message):
         pu.load_batches(path)
 
 
-def test_step_summary_uses_the_median_after_warmup():
-    s = pu.step_summary([1000.0, 900.0, 10.0, 30.0, 20.0], warmup=2, batch_size=4, seq_len=128)
+def test_step_summary_counts_real_tokens_like_every_peer():
+    from qlora_nb_utils.bench.peers.results import summarize_run
+
+    ms, tokens = [1000.0, 900.0, 10.0, 30.0, 20.0], [512, 512, 100, 300, 150]
+    s = pu.step_summary(ms, warmup=2, tokens=tokens)
     assert s["median_step_ms"] == 20.0
-    assert s["tokens_per_s"] == pytest.approx(4 * 128 / 0.020)
+    # the median of each step's real tokens / its time, not batch_size * seq_len / the median step
+    assert s["tokens_per_s"] == s["real_tokens_per_s"] == pytest.approx(10_000.0)
+    ref = summarize_run("x", losses=[0.0] * 5, step_ms=ms, tokens=tokens, peak_mem_gib=0.0, batch_size=4,
+                        seq_len=128, warmup=2)
+    assert s["real_tokens_per_s"] == pytest.approx(ref["real_tokens_per_s"])
     with pytest.raises(ValueError, match="no timed step"):
-        pu.step_summary([1.0, 2.0], warmup=2, batch_size=1, seq_len=1)
+        pu.step_summary([1.0, 2.0], warmup=2, tokens=[1, 1])
+    with pytest.raises(ValueError, match="token counts"):
+        pu.step_summary([1.0, 2.0], warmup=0, tokens=[1])
+
+
+def test_load_batches_takes_packed_batches_only_with_packed():
+    from qlora_nb_utils.data.packing import pack_examples
+
+    rows = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (5, 9, 4, 7)]
+    batches, _ = pack_examples(rows, 16, rows_per_batch=2, pad_id=0)
+    path = Path(pytest.importorskip("tempfile").mkdtemp()) / "packed.pt"
+    torch.save(batches, path)
+    got, bs, seq = pu.load_batches(path, packed=True)
+    assert (bs, seq) == (2, 16) and len(got) == len(batches)
+    with pytest.raises(ValueError, match="need --packed"):
+        pu.load_batches(path)
 
 
 def test_set_offline_env_keeps_callers_values():

@@ -15,6 +15,9 @@ registry, the run records and the running are kept apart from all of them.
   :mod:`qlora_nb_utils.compile.recipe`, measured), ``unsloth`` (the child, always a process of its
   own: ``python -m qlora_nb_utils.bench.peers.unsloth``) and ``unsloth_launcher`` (which starts
   it); ``common``: what they share.
+- The packing benchmark: ``packed`` (``run_packing``: packed and padded batches of the same
+  examples, one process per run, ``results/packing_<gpu>.json``) and ``packed_batches`` (a packed
+  batch in each library's own form).
 
 ``python -m qlora_nb_utils.bench.peers --spec SPEC.json --out RUN.json`` runs one peer in one
 process (what ``run_peers`` starts). This ``__init__`` imports nothing heavy (see
@@ -24,9 +27,10 @@ process (what ``run_peers`` starts). This ``__init__`` imports nothing heavy (se
 from ..._lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    **{name: "registry" for name in ("PEERS", "OURS_OPTIONS", "OURS_VARIANTS", "DEFAULT_VARIANT",
+    **{name: "registry" for name in ("PEERS", "PACKED_PEERS", "OURS_OPTIONS", "OURS_VARIANTS", "DEFAULT_VARIANT",
                                      "UNSLOTH_SITE_ENV", "TORCHAO_SITE_ENV", "peer_names",
                                      "validate_ours_options")},
     **{name: "results" for name in ("summarize_run", "error_run", "pick_ours")},
     **{name: "runner" for name in ("run_peer", "run_peers")},
+    "run_packing": "packed",
 })

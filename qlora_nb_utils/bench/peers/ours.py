@@ -7,6 +7,13 @@ model the way every HF-recipe peer does, training it on the shared batches, and 
 whose ``notes`` say exactly what the variant did (``optimize``'s description: how many weights
 were cast, the loss, how many layers checkpoint, autocast, the attention path, the mode, and
 how many compilations) and whose ``options`` are the variant's full options.
+
+On the packing benchmark's ``ours-packed`` run (:mod:`qlora_nb_utils.bench.peers.packed`) the
+same process also checks the two things the issue asks of packed training (:func:`_packing_checks`):
+the compilations over every packed batch of one epoch (a forward and backward each, target 1),
+and the per-step loss against the same recipe uncompiled (``Optimized.eager``) on the first
+steps' batches from the same LoRA start, judged against the bf16 floor of
+:mod:`qlora_nb_utils.training.parity` (that eager run again with the rows of each batch permuted).
 """
 
 from __future__ import annotations
@@ -36,8 +43,14 @@ def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, 
                        grad_ckpt=grad_ckpt, ckpt_layers=opts["ckpt_layers"], autocast=opts["autocast"],
                        attention="causal" if opts["causal_attn"] else "mask", mode=opts["mode"] or "default",
                        backend=opts["backend"], memory_budget=opts["memory_budget"], dynamic=False)
+    from ...training.loop import trainable_state
+
+    start = trainable_state(model) if ctx.get("parity_steps") else None
+    checks: dict[str, Any] = {}
     try:
         hist = train(model, batches, _train_cfg(ctx), forward=opt.forward, label=ctx["name"])
+        if ctx.get("epoch_batches") or start is not None:
+            checks = _packing_checks(model, opt, ctx, batches, start, list(hist["loss"]))
     finally:
         opt.undo()
     stats = opt.counter.to_dict()
@@ -47,4 +60,43 @@ def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, 
     run["optimize"] = {k: str(v) for k, v in opt.choices.items()}
     run["compilations"] = stats.get("compilations")
     run["dynamo_compile_s"] = stats.get("compile_s")
+    run.update(checks)
     return run
+
+
+def _packing_checks(model, opt, ctx: dict, batches: list, start: dict | None, losses: list) -> dict[str, Any]:
+    """Compilations over one epoch of packed batches, and the loss against the uncompiled recipe."""
+    import torch
+
+    from ...training.loop import TrainConfig, load_trainable_state, train
+    from ...training.parity import judge, permute_rows
+
+    out: dict[str, Any] = {}
+    if ctx.get("epoch_batches"):
+        epoch = torch.load(ctx["epoch_batches"])
+        device = next(p.device for p in model.parameters() if p.requires_grad)
+        for batch in epoch:  # a forward and backward of each; the weights do not change
+            opt.forward(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
+            model.zero_grad(set_to_none=True)
+        out["epoch_batches"] = len(epoch)
+        out["epoch_compilations"] = opt.counter.to_dict().get("compilations")
+        out["epoch_how"] = ("after the timed steps, a forward and backward of every packed batch of the epoch "
+                            "through the same compiled step; compilations counted by optimize()'s counter over "
+                            "the whole process (timed steps included)")
+    if start is not None:
+        k = min(int(ctx["parity_steps"]), len(losses))
+        cfg = TrainConfig(steps=k, lr=ctx["lr"], seed=ctx["seed"], progress=False)
+        runs = []
+        for these in (batches[:k], permute_rows(batches[:k])):
+            load_trainable_state(model, start)
+            runs.append(list(train(model, these, cfg, forward=opt.eager, label="eager")["loss"]))
+        verdict = judge(runs[0], runs[1], losses[:k])
+        out["parity"] = {key: verdict[key] for key in (
+            "max_abs_loss_diff", "mean_abs_loss_diff", "floor_max_abs_loss_diff", "floor_mean_abs_loss_diff",
+            "within_floor", "steps_over_floor", "diffs", "floor_diffs")} | {
+            "steps": k, "eager_losses": runs[0],
+            "how": "the same recipe uncompiled (Optimized.eager) from the same LoRA start on the first steps' "
+                   "packed batches; floor: that eager run with the rows of each batch permuted "
+                   "(training.parity.judge)"}
+        out["max_abs_loss_diff"] = verdict["max_abs_loss_diff"]
+    return out

@@ -14,6 +14,8 @@ users set it up. Each peer builds its model its library's way and trains for N s
   :mod:`qlora_nb_utils.bench.peers.torchao`.
 * ``unsloth``: Unsloth's ``FastLanguageModel``, run by ``qlora_nb_utils.bench.peers.unsloth`` in its
   own process (Unsloth patches transformers on import).
+* ``hf-eager-packed``, ``trl-sft-packed``, ``unsloth-packed``, ``ours-packed``: the same on
+  packed batches, each library's own way (:mod:`qlora_nb_utils.bench.peers.packed`).
 * ``ours``: the HF recipe, then every non-LoRA float weight cast back to the compute dtype
   (``prepare_model_for_kbit_training`` upcasts embeddings, the tied head and the norms to
   fp32, which turns the whole residual stream fp32), the loss computed by
@@ -34,6 +36,7 @@ from typing import Any, Sequence
 
 __all__ = [
     "PEERS",
+    "PACKED_PEERS",
     "OURS_OPTIONS",
     "OURS_VARIANTS",
     "DEFAULT_VARIANT",
@@ -43,7 +46,11 @@ __all__ = [
     "validate_ours_options",
 ]
 
-PEERS = ("hf-eager", "ours-default-compile", "trl-sft-compile", "trl-sft-optimize", "torchao-nf4", "unsloth", "ours")
+PEERS = ("hf-eager", "ours-default-compile", "trl-sft-compile", "trl-sft-optimize", "torchao-nf4", "unsloth", "ours",
+         "hf-eager-packed", "trl-sft-packed", "unsloth-packed")
+#: The peers that take packed batches (``document_ids``; see :mod:`qlora_nb_utils.bench.peers.packed`);
+#: ``ours-packed`` is ``optimize()`` on them.
+PACKED_PEERS = ("ours-packed", "hf-eager-packed", "trl-sft-packed", "unsloth-packed")
 UNSLOTH_SITE_ENV = "QLORA_NB_UNSLOTH_SITE"
 TORCHAO_SITE_ENV = "QLORA_NB_TORCHAO_SITE"
 
@@ -79,6 +86,9 @@ OURS_VARIANTS: dict[str, dict[str, Any]] = {
     "fast-ro": {**_FAST, "mode": "reduce-overhead"},
     **{f"fast-ckpt{n}-ro": {**_FAST, "grad_ckpt": True, "ckpt_layers": n, "mode": "reduce-overhead"} for n in (8, 12)},
     "fast-ckpt-ro": {**_FAST, "grad_ckpt": True, "mode": "reduce-overhead"},
+    # the packing benchmark: optimize() makes every choice, on packed or on padded batches
+    "packed": {"auto": True},
+    "padded": {"auto": True},
 }
 DEFAULT_VARIANT = "chunked"
 

@@ -3,8 +3,10 @@
 Why it exists: every peer, whatever library trains it and in whichever process, must come back
 as the same record, so that one table and one set of plots compare them; and a peer that fails
 must come back as a row that says why, never as a missing row. Each run dict: ``name``,
-``batch_size``, ``seq_len``, ``steps``, ``warmup``, ``median_step_ms``, ``tokens_per_s`` (real,
-non-padding tokens, median), ``mfu`` (model FLOPs of
+``batch_size``, ``seq_len``, ``steps``, ``warmup``, ``median_step_ms``, ``tokens_per_s`` and its
+twin ``real_tokens_per_s`` (the median over the steps after warm-up of each step's real,
+non-padding tokens, :func:`qlora_nb_utils.data.packing.real_tokens` of the batch as written,
+over that step's time: the same count for every peer, Unsloth's child included), ``mfu`` (model FLOPs of
 :func:`qlora_nb_utils.bench.flops.train_step_flops`, the same for every peer, over the measured
 matmul rate), ``peak_mem_gib``, ``compile_s`` (first step minus the median step: compilation
 and first-call costs), ``losses``, ``step_ms``, ``notes``, ``options``; or ``error``.
@@ -41,7 +43,7 @@ def summarize_run(name: str, *, losses: Sequence[float], step_ms: Sequence[float
         mfu = _mfu(flops_per_step, median_ms / 1e3, peak_tflops * 1e12)
     return {
         "name": name, "batch_size": batch_size, "seq_len": seq_len, "steps": len(step_ms),
-        "warmup": warmup, "median_step_ms": median_ms, "tokens_per_s": tps, "mfu": mfu,
+        "warmup": warmup, "median_step_ms": median_ms, "tokens_per_s": tps, "real_tokens_per_s": tps, "mfu": mfu,
         "peak_mem_gib": float(peak_mem_gib), "compile_s": max(0.0, (step_ms[0] - median_ms) / 1e3),
         "first_step_s": step_ms[0] / 1e3, "losses": [float(x) for x in losses],
         "step_ms": [float(x) for x in step_ms], "notes": notes, "options": options or {},

@@ -44,7 +44,8 @@ __all__ = ["run_peer", "run_peers"]
 def run_peer(name: str, batches: list, *, model: str = "tiny", steps: int | None = None, warmup: int = 3,
              lr: float = 2e-4, seed: int = 0, lora_r: int = 16, lora_alpha: float = 32, device: Any = "auto",
              dtype: Any = "auto", grad_ckpt: bool = False, peak_tflops: float | None = None,
-             variants: dict[str, dict] | None = None, progress: bool = False) -> dict[str, Any]:
+             variants: dict[str, dict] | None = None, progress: bool = False,
+             extra: dict | None = None) -> dict[str, Any]:
     """Train one peer for ``steps`` steps on ``batches`` in this process and return its run dict.
 
     A failure inside the peer becomes a run with ``error`` (the exception's type and message),
@@ -66,6 +67,8 @@ def run_peer(name: str, batches: list, *, model: str = "tiny", steps: int | None
         peak_tflops: the device's measured matmul rate, for MFU (None: no MFU).
         variants: extra ``ours`` variants (name -> options).
         progress: progress bars.
+        extra: more of the run's context for the peer (the packing benchmark's epoch check:
+            ``epoch_batches``, ``parity_steps``; see :mod:`qlora_nb_utils.bench.peers.packed`).
 
     Returns:
         The run dict (see the module docstring).
@@ -83,15 +86,15 @@ def run_peer(name: str, batches: list, *, model: str = "tiny", steps: int | None
     ctx = {"name": name, "model": model, "steps": steps, "warmup": warmup, "lr": lr, "seed": seed,
            "lora_r": lora_r, "lora_alpha": lora_alpha, "device": str(dev), "dtype": str(dt).replace("torch.", ""),
            "grad_ckpt": grad_ckpt,
-           "batch_size": b, "seq_len": s, "peak_tflops": peak_tflops, "progress": progress}
+           "batch_size": b, "seq_len": s, "peak_tflops": peak_tflops, "progress": progress, **(extra or {})}
     ctx["flops_per_step"] = _flops_per_step(model, b, s, lora_r)
     torch.manual_seed(seed)
     try:
-        if name == "unsloth":
+        if name in ("unsloth", "unsloth-packed"):
             return _peer_unsloth(ctx, batches)
-        if name in ("hf-eager", "ours-default-compile"):
-            return _peer_hf(ctx, batches, compiled=name != "hf-eager")
-        if name in ("trl-sft-compile", "trl-sft-optimize"):
+        if name in ("hf-eager", "ours-default-compile", "hf-eager-packed"):
+            return _peer_hf(ctx, batches, compiled=name == "ours-default-compile")
+        if name in ("trl-sft-compile", "trl-sft-optimize", "trl-sft-packed"):
             return _peer_trl(ctx, batches)
         if name == "torchao-nf4":
             return _peer_torchao(ctx, batches)
@@ -241,7 +244,7 @@ def run_peers(model_name: str, peers: Sequence[str], batch_size: int, seq_len: i
 
 def _run_peer_process(peer: str, ctx: dict, batches: list, batches_path: Path, limit: float, work: Path) -> dict:
     shape = {"batch_size": ctx["batch_size"], "seq_len": ctx["seq_len"]}
-    if peer == "unsloth":
+    if peer in ("unsloth", "unsloth-packed"):
         return _peer_unsloth({**ctx, "name": peer}, batches, str(batches_path), limit)
     spec = work / f"spec_{peer}_{ctx['batch_size']}x{ctx['seq_len']}.json"
     run_path = spec.with_name(spec.name.replace("spec_", "run_"))
@@ -268,6 +271,7 @@ def _child_main(argv: Sequence[str] | None = None) -> int:
     run = run_peer(spec["name"], batches, model=spec["model"], steps=spec["steps"], warmup=spec["warmup"],
                    lr=spec["lr"], seed=spec["seed"], lora_r=spec["lora_r"], lora_alpha=spec["lora_alpha"],
                    device=spec["device"], dtype=spec["dtype"], grad_ckpt=spec["grad_ckpt"],
-                   peak_tflops=spec["peak_tflops"], variants=spec.get("variants") or None)
+                   peak_tflops=spec["peak_tflops"], variants=spec.get("variants") or None,
+                   extra=spec.get("extra"))
     _write_json(Path(args.out), run)
     return 0

@@ -7,6 +7,16 @@ turns on ``torch.compile`` with one flag; ``trl-sft-compile`` is what that flag 
 pre-tokenized batches in the same order as every other peer (a sequential sampler, constant
 learning rate, AdamW, grad-norm clip 1.0) and times each step with a ``TrainerCallback``; its
 losses are the ones the Trainer logs.
+
+``trl-sft-packed`` is TRL's padding-free training (``SFTConfig(padding_free=True)``, eager, TRL's
+own ``DataCollatorForLanguageModeling``; a custom collator is refused with padding-free) on
+the packing benchmark's packed batches: each dataset example is one packed row's documents
+concatenated with their ``seq_lengths`` (:func:`~qlora_nb_utils.bench.peers.packed_batches.row_documents`),
+``per_device_train_batch_size`` is the rows per batch, so each step is one of the packed
+batches, flattened by TRL into one row with position ids restarting per document: the same
+documents and real tokens per step as every packed peer. TRL 1.16 checks no attention
+implementation for padding-free; the model keeps SDPA (no flash-attn package on the GPU machine),
+on which transformers builds the document mask from the restarting positions.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import torch
 from ...data.packing import real_tokens
 from ...env import resolve_device_dtype as _resolve_device_dtype
 from .common import _hf_model
+from .packed_batches import row_documents
 from .results import summarize_run
 
 
@@ -35,13 +46,21 @@ def _peer_trl(ctx: dict, batches: list) -> dict[str, Any]:
 
     device, dtype = _resolve_device_dtype(ctx["device"], ctx["dtype"])
     model, tok = _hf_model(ctx)
+    packed = ctx["name"] == "trl-sft-packed"
     keys = ("input_ids", "attention_mask", "labels")
     order = [batches[i % len(batches)] for i in range(ctx["steps"])]
-    rows = {k: [row.tolist() for b in order for row in b[k]] for k in keys}
-    dataset = datasets.Dataset.from_dict(rows)
+    collate = None  # padding-free: TRL's own collator (it refuses another)
+    if packed:
+        docs = [row_documents(b) for b in order]
+        if any(len(d) != ctx["batch_size"] for d in docs):
+            raise ValueError("trl-sft-packed needs batches without all-padding rows (every step one packed batch)")
+        dataset = datasets.Dataset.from_list([row for d in docs for row in d])
+    else:
+        rows = {k: [row.tolist() for b in order for row in b[k]] for k in keys}
+        dataset = datasets.Dataset.from_dict(rows)
 
-    def collate(features):
-        return {k: torch.tensor([f[k] for f in features], dtype=torch.long) for k in keys}
+        def collate(features):
+            return {k: torch.tensor([f[k] for f in features], dtype=torch.long) for k in keys}
 
     class Timer(TrainerCallback):
         def __init__(self):
@@ -69,13 +88,14 @@ def _peer_trl(ctx: dict, batches: list) -> dict[str, Any]:
 
     timer = Timer()
     ours = ctx["name"] == "trl-sft-optimize"
+    compile_ = not ours and not packed
     description = None
-    with tempfile.TemporaryDirectory() as out, (contextlib.nullcontext() if ours else trainer_patches(model)):
+    with tempfile.TemporaryDirectory() as out, (trainer_patches(model) if compile_ else contextlib.nullcontext()):
         args = SFTConfig(
             output_dir=out, max_steps=ctx["steps"], per_device_train_batch_size=ctx["batch_size"],
             learning_rate=ctx["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
             max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, report_to="none", save_strategy="no",
-            gradient_checkpointing=ctx["grad_ckpt"], torch_compile=not ours, bf16=dtype == torch.bfloat16,
+            gradient_checkpointing=ctx["grad_ckpt"], torch_compile=compile_, padding_free=packed, bf16=dtype == torch.bfloat16,
             fp16=dtype == torch.float16, use_cpu=device.type == "cpu", remove_unused_columns=False,
             dataset_kwargs={"skip_prepare_dataset": True}, seed=ctx["seed"], dataloader_num_workers=0,
             disable_tqdm=not ctx.get("progress", False), max_length=None)
@@ -91,9 +111,13 @@ def _peer_trl(ctx: dict, batches: list) -> dict[str, Any]:
     if len(timer.losses) != len(timer.ms):
         raise RuntimeError(f"TRL logged {len(timer.losses)} losses for {len(timer.ms)} steps")
     how = f"through optimized_trainer ({description})" if ours else "(torch_compile=True)"
+    if packed:
+        how = ("(padding_free=True, eager, TRL's collator; each step one packed batch's documents flattened into "
+               "one row, position_ids restarting per document; SDPA)")
     notes = (f"TRL SFTTrainer {how} on the same pre-tokenized batches in order; "
              "constant lr, AdamW (torch), grad-norm clip 1.0; loss as logged by the Trainer")
     return summarize_run(ctx["name"], losses=timer.losses, step_ms=timer.ms, tokens=tokens,
                          peak_mem_gib=timer.peak, batch_size=ctx["batch_size"], seq_len=ctx["seq_len"],
                          warmup=ctx["warmup"], flops_per_step=ctx.get("flops_per_step"),
-                         peak_tflops=ctx.get("peak_tflops"), notes=notes, options={"compiled": True})
+                         peak_tflops=ctx.get("peak_tflops"), notes=notes,
+                         options={"compiled": compile_ or ours, "packed": packed})

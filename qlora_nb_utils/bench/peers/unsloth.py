@@ -12,12 +12,20 @@ Nothing here imports transformers: the package's ``__init__`` imports nothing he
 
 The training loop is deliberately plain (no Trainer): AdamW over the trainable parameters at a
 constant learning rate, weight decay 0, no clipping, one synchronised `perf_counter` pair around
-each step (host-to-device copy of the batch excluded). Any failure after the arguments are parsed
+each step (host-to-device copy of the batch excluded). Tokens per second count the real (non-pad)
+tokens of each step's batch as written to the batches file,
+:func:`qlora_nb_utils.data.packing.real_tokens` (the one count every peer uses). With
+``--packed`` the batches are packed (:func:`qlora_nb_utils.data.packing.pack_examples`) and each
+is trained the way Unsloth's own padding-free path trains (``unsloth.utils.packing``, what its
+``SFTTrainer`` patch feeds the model): all documents flattened into one row, position ids
+restarting per document, ``packed_seq_lengths``, no attention mask
+(:func:`qlora_nb_utils.bench.peers.packed_batches.flatten_packed`). Any failure after the arguments are parsed
 is written to the JSON file as ``{"name": "unsloth", "error": ...}`` and the exit status is 0, so
 the caller can put a failed peer in its table without parsing stderr; bad arguments exit 2.
 
     python -m qlora_nb_utils.bench.peers.unsloth --model-dir DIR --batches FILE.pt --steps N \
-        --warmup W --lr LR --seed S --lora-r 16 --lora-alpha 32 --out RUN.json [--grad-ckpt]
+        --warmup W --lr LR --seed S --lora-r 16 --lora-alpha 32 --out RUN.json [--grad-ckpt] \
+        [--packed --name unsloth-packed]
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any, Sequence
 NAME = "unsloth"
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BATCH_KEYS = ("input_ids", "attention_mask", "labels")
+PACKED_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
 VERSION_PACKAGES = ("unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes", "torch")
 
 # Set before unsloth is imported: no hub, no statistics ping, no silent CPU fallback.
@@ -51,7 +60,9 @@ OFFLINE_ENV = {
 }
 
 NOTES = (
-    "tokens_per_s = batch_size * seq_len / median step time (padded tokens, not only non-pad ones); "
+    "tokens_per_s = real_tokens_per_s = median over the steps after warm-up of real (non-pad) tokens / step time, "
+    "real tokens counted by qlora_nb_utils.data.packing.real_tokens on each step's batch as written (the same "
+    "count as every peer; before this change this peer counted batch_size * seq_len, padding included); "
     "plain loop: torch.optim.AdamW(trainable params, constant lr, weight_decay=0, no clipping); "
     "each step timed with torch.cuda.synchronize + perf_counter, batch copy to GPU excluded; "
     "median over steps after the warm-up steps; peak_mem_gib = torch.cuda.max_memory_allocated "
@@ -103,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-alpha", type=_positive_float, default=32.0)
     p.add_argument("--out", required=True, type=Path, help="RUN.json to write")
     p.add_argument("--grad-ckpt", action="store_true", help='use_gradient_checkpointing="unsloth"')
+    p.add_argument("--packed", action="store_true",
+                   help="packed batches (document_ids): trained through Unsloth's padding-free path")
+    p.add_argument("--name", default=NAME, help="the run's name in RUN.json")
     return p
 
 
@@ -130,12 +144,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- pure helpers (tested on CPU)
 
 
-def load_batches(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int, int]:
+def load_batches(path: str | os.PathLike, packed: bool = False) -> tuple[list[dict[str, Any]], int, int]:
     """Read the batch file and check that every batch has one shape.
 
     Args:
         path: a file written by ``torch.save`` holding a non-empty list of dicts with
-            ``input_ids``, ``attention_mask`` and ``labels``: 2-D int64 CPU tensors of equal shape.
+            ``input_ids``, ``attention_mask`` and ``labels`` (padded) or ``input_ids``,
+            ``labels``, ``position_ids`` and ``document_ids`` (``packed``): 2-D int64 CPU
+            tensors of equal shape.
+        packed: the batches are packed.
 
     Returns:
         ``(batches, batch_size, seq_len)``.
@@ -145,6 +162,7 @@ def load_batches(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int, in
     """
     import torch
 
+    keys = PACKED_KEYS if packed else BATCH_KEYS
     batches = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(batches, (list, tuple)) or not batches:
         raise ValueError(f"{path}: expected a non-empty list of batch dicts, got {type(batches).__name__}")
@@ -152,10 +170,11 @@ def load_batches(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int, in
     for i, batch in enumerate(batches):
         if not isinstance(batch, dict):
             raise ValueError(f"{path}: batch {i} is a {type(batch).__name__}, not a dict")
-        missing = [k for k in BATCH_KEYS if k not in batch]
+        missing = [k for k in keys if k not in batch]
         if missing:
-            raise ValueError(f"{path}: batch {i} lacks {missing}")
-        for key in BATCH_KEYS:
+            raise ValueError(f"{path}: batch {i} lacks {missing}" + ("" if packed else " (packed batches need --packed)"
+                                                                    if "document_ids" in batch else ""))
+        for key in keys:
             t = batch[key]
             if not torch.is_tensor(t) or t.dim() != 2 or t.dtype != torch.int64:
                 got = f"{t.dtype} {tuple(t.shape)}" if torch.is_tensor(t) else type(t).__name__
@@ -170,17 +189,23 @@ def load_batches(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int, in
     return list(batches), shape[0], shape[1]
 
 
-def step_summary(step_ms: Sequence[float], warmup: int, batch_size: int, seq_len: int) -> dict[str, float]:
-    """Median step time after warm-up, and tokens/s from it (tokens = batch_size * seq_len).
+def step_summary(step_ms: Sequence[float], warmup: int, tokens: Sequence[int]) -> dict[str, float]:
+    """Median step time after warm-up, and real tokens/s: the median of ``tokens[i] / step i's time``.
+
+    The same statistic as :func:`qlora_nb_utils.bench.peers.results.summarize_run`, over the
+    real tokens of each step (:func:`qlora_nb_utils.data.packing.real_tokens`).
 
     Raises:
-        ValueError: no step is left after the warm-up steps.
+        ValueError: no step is left after the warm-up steps, or the lists differ in length.
     """
-    steady = list(step_ms)[warmup:]
+    if len(step_ms) != len(tokens):
+        raise ValueError(f"{len(step_ms)} step times but {len(tokens)} token counts")
+    steady = list(zip(step_ms, tokens))[warmup:]
     if not steady:
         raise ValueError(f"no timed step left: {len(step_ms)} steps, warmup {warmup}")
-    median = float(statistics.median(steady))
-    return {"median_step_ms": median, "tokens_per_s": batch_size * seq_len / (median / 1000.0)}
+    median = float(statistics.median(ms for ms, _ in steady))
+    tps = float(statistics.median(t / (ms / 1000.0) for ms, t in steady))
+    return {"median_step_ms": median, "tokens_per_s": tps, "real_tokens_per_s": tps}
 
 
 def package_versions(names: Sequence[str] = VERSION_PACKAGES) -> dict[str, str | None]:
@@ -200,11 +225,11 @@ def package_versions(names: Sequence[str] = VERSION_PACKAGES) -> dict[str, str |
     return out
 
 
-def error_record(exc: BaseException, tail_chars: int = 4000) -> dict[str, Any]:
+def error_record(exc: BaseException, tail_chars: int = 4000, name: str = NAME) -> dict[str, Any]:
     """The JSON written when the run fails: name, ``"<type>: <message>"`` and the traceback's tail."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return {
-        "name": NAME,
+        "name": name,
         "error": f"{type(exc).__name__}: {exc}",
         "traceback_tail": tb[-tail_chars:],
         "versions": package_versions(),
@@ -251,11 +276,14 @@ def train_unsloth(args: argparse.Namespace, FastLanguageModel, batches, batch_si
     """Load, add LoRA, train `args.steps` steps; return the RUN.json record."""
     import torch
 
+    from qlora_nb_utils.bench.peers.packed_batches import flatten_packed
+    from qlora_nb_utils.data.packing import real_tokens
+
     torch.manual_seed(args.seed)
     t_load = time.perf_counter()
     model, _tokenizer = FastLanguageModel.from_pretrained(
         model_name=str(args.model_dir),
-        max_seq_length=seq_len,
+        max_seq_length=batch_size * seq_len if args.packed else seq_len,
         dtype=torch.bfloat16,
         load_in_4bit=True,
     )
@@ -270,15 +298,26 @@ def train_unsloth(args: argparse.Namespace, FastLanguageModel, batches, batch_si
         random_state=args.seed,
     )
     load_s = time.perf_counter() - t_load
+    how = "padded batches as written"
+    if args.packed:
+        from unsloth.utils import packing as unsloth_packing
+
+        unsloth_packing.mark_allow_overlength(model)  # what its SFTTrainer patch does before packed training
+        how = ("padding-free: each packed batch flattened into one row (tail padding dropped), "
+               "position_ids restarting per document, packed_seq_lengths, no attention_mask "
+               "(Unsloth's own padding-free input; unsloth.utils.packing)")
     model.train()
     device = next(p.device for p in model.parameters() if p.requires_grad)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
 
     torch.cuda.reset_peak_memory_stats(device)
-    losses, step_ms = [], []
+    losses, step_ms, tokens = [], [], []
     for step in range(args.steps):
-        batch = {k: v.to(device, non_blocking=True) for k, v in batches[step % len(batches)].items()}
+        written = batches[step % len(batches)]
+        tokens.append(real_tokens(written))
+        batch = flatten_packed(written) if args.packed else written
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         loss = model(**batch).loss
@@ -291,9 +330,10 @@ def train_unsloth(args: argparse.Namespace, FastLanguageModel, batches, batch_si
         if not losses[-1] == losses[-1]:
             raise FloatingPointError(f"loss is NaN at step {step}")
 
-    summary = step_summary(step_ms, args.warmup, batch_size, seq_len)
+    summary = step_summary(step_ms, args.warmup, tokens)
     return {
-        "name": NAME,
+        "name": args.name,
+        "packed": bool(args.packed),
         "batch_size": batch_size,
         "seq_len": seq_len,
         "steps": args.steps,
@@ -315,7 +355,8 @@ def train_unsloth(args: argparse.Namespace, FastLanguageModel, batches, batch_si
         "versions": package_versions(),
         "command": " ".join([sys.executable, "-m", __spec__.name if __spec__ else __name__, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "notes": NOTES,
+        "real_tokens": tokens,
+        "notes": f"{how}; {NOTES}",
     }
 
 
@@ -323,11 +364,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the peer; 0 also when the run failed (the error is in the JSON), 2 for bad arguments."""
     args = parse_args(argv)
     try:
-        batches, batch_size, seq_len = load_batches(args.batches)
+        batches, batch_size, seq_len = load_batches(args.batches, packed=args.packed)
         FastLanguageModel = import_unsloth()
         record = train_unsloth(args, FastLanguageModel, batches, batch_size, seq_len)
     except (Exception, SystemExit) as exc:  # recorded, not raised: the caller tabulates failed peers
-        record = error_record(exc)
+        record = error_record(exc, name=args.name)
         print(f"unsloth peer failed: {record['error']}", file=sys.stderr)
     write_json(args.out, record)
     return 0

@@ -32,11 +32,12 @@ def _peer_unsloth(ctx: dict, batches: list | None, batches_path: str | None = No
                   timeout_s: float | None = None) -> dict[str, Any]:
     """Run ``python -m qlora_nb_utils.bench.peers.unsloth`` (always a subprocess) and read its run."""
     shape = {"batch_size": ctx["batch_size"], "seq_len": ctx["seq_len"]}
+    name = ctx.get("name", "unsloth")
     site = os.environ.get(UNSLOTH_SITE_ENV, "").strip()
     if site and not Path(site).is_dir():
-        return error_run("unsloth", f"${UNSLOTH_SITE_ENV}={site} is not a folder", **shape)
+        return error_run(name, f"${UNSLOTH_SITE_ENV}={site} is not a folder", **shape)
     if importlib.util.find_spec("qlora_nb_utils.bench.peers.unsloth") is None:
-        return error_run("unsloth", "module qlora_nb_utils.bench.peers.unsloth is missing", **shape)
+        return error_run(name, "module qlora_nb_utils.bench.peers.unsloth is missing", **shape)
     with tempfile.TemporaryDirectory() as tmp:
         if batches_path is None:
             batches_path = str(Path(tmp) / "batches.pt")
@@ -48,13 +49,15 @@ def _peer_unsloth(ctx: dict, batches: list | None, batches_path: str | None = No
                "--lora-alpha", str(ctx["lora_alpha"]), "--out", str(out)]
         if ctx["grad_ckpt"]:
             cmd.append("--grad-ckpt")
+        if name == "unsloth-packed":
+            cmd += ["--packed", "--name", name]
         code, tail = _run_child(cmd, _child_env("unsloth", Path(tmp) / "inductor"), timeout_s,
                                 Path(tmp) / "unsloth.log")
         if not out.is_file():
             why = f"timed out after {timeout_s:.0f} s" if code is None else f"exit code {code}"
-            return error_run("unsloth", f"peer_unsloth wrote no run ({why}): {tail}", **shape)
+            return error_run(name, f"peer_unsloth wrote no run ({why}): {tail}", **shape)
         run = json.loads(out.read_text())
-    run.setdefault("name", "unsloth")
+    run.setdefault("name", name)
     run.update(shape)
     if "error" not in run and ctx.get("flops_per_step") and ctx.get("peak_tflops") and run.get("median_step_ms"):
         from ..flops import mfu

@@ -1,0 +1,276 @@
+"""The packing benchmark: packed and padded training of the same examples, one process per run.
+
+Why it exists: issue 19's question is real (non-pad) tokens per second at a given memory, so
+every run here trains the same examples, packed (:func:`qlora_nb_utils.data.packing.pack_examples`,
+best-fit decreasing into rows of ``seq_len``) or padded (one example per row, fixed padding to
+``seq_len``, the padding collator :func:`qlora_nb_utils.data.build_batches` uses), and counts
+its tokens one way: :func:`qlora_nb_utils.data.packing.real_tokens` of each step's batch as
+written. Packed and padded batches have the same shape ``(rows, seq_len)``, so a padded step
+does the same work on fewer real tokens; every packed run trains the very same packed batches
+(the same documents and real tokens per step), each library its own way
+(:mod:`qlora_nb_utils.bench.peers.packed_batches`):
+
+* ``ours-packed`` / ``ours-padded``: :func:`qlora_nb_utils.optimize` making every choice, on the
+  packed / padded batches; ``ours-packed`` also counts the compilations over one whole epoch of
+  packed batches and compares its loss with the recipe uncompiled (:mod:`.ours`).
+* ``hf-eager-packed`` / ``hf-eager``: the HF recipe eager; packed through transformers' own
+  restarting-``position_ids`` path (SDPA).
+* ``trl-sft-packed``: TRL ``SFTTrainer(padding_free=True)``, eager.
+* ``unsloth-packed`` / ``unsloth``: Unsloth's padding-free input, or padded.
+
+A run that cannot run is a row with ``error`` (what blocked it). The results file is rewritten
+after every run (a time-out loses only that run). Data sets: ``kjv`` (the shipped
+``data/kjv_continue_train.jsonl``) and ``long-tail`` (:mod:`qlora_nb_utils.bench.lengths`).
+
+    python -m qlora_nb_utils.bench.peers.packed --model llama-3.2-1b-shape --data kjv,long-tail \\
+        --seq-len 1024 --rows 8 --steps 12 --warmup 4 --out results/packing_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["RUNS", "LIBRARY", "build_data", "run_packing"]
+
+#: Every run of the benchmark, in the order they are run (most wanted first).
+RUNS = ("ours-packed", "ours-padded", "unsloth-packed", "hf-eager-packed", "trl-sft-packed", "hf-eager", "unsloth")
+LIBRARY = {"ours": "ours", "hf": "hf", "trl": "trl", "unsloth": "unsloth"}
+DATA_SETS = ("kjv", "long-tail")
+#: Runs whose library flattens a packed batch into one row without its tail padding.
+_FLATTENED = ("trl-sft-packed", "unsloth-packed")
+
+
+def _library(name: str) -> str:
+    return LIBRARY[name.split("-")[0]]
+
+
+def build_data(tokenizer: Any, data: str, *, seq_len: int, rows: int, seed: int = 0,
+               long_tail_examples: int = 800) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """The packed and the padded batches of the same examples, and what they hold.
+
+    Args:
+        tokenizer: the model's tokenizer (pad token, vocabulary size).
+        data: ``"kjv"`` (the shipped data) or ``"long-tail"``.
+        seq_len: the row length of both.
+        rows: rows per batch of both.
+        seed: the order of the packed rows and of the padded examples.
+        long_tail_examples: how many examples ``long-tail`` draws.
+
+    Returns:
+        ``(packed, padded, info)``: the batches, and ``info`` (source, examples, tokens, the
+        packing stats, the padded batches' pad fraction, examples cut to ``seq_len``).
+
+    Raises:
+        ValueError: an unknown data set.
+    """
+    from ... import data as qdata
+    from ..lengths import long_tail_examples as draw
+
+    if data == "kjv":
+        examples = qdata.tokenize_examples(qdata.load_examples(None), tokenizer, max_len=1 << 20)
+        source = "the shipped data/kjv_continue_train.jsonl, tokenized with the model's tokenizer"
+    elif data == "long-tail":
+        examples = draw(long_tail_examples, len(tokenizer), seed=seed)
+        source = ("synthetic token sequences, lengths log-normal with ShareGPT's published mean per round "
+                  "(qlora_nb_utils.bench.lengths: source, numbers and assumptions)")
+    else:
+        raise ValueError(f"unknown data set {data!r}; valid: {list(DATA_SETS)}")
+    pad = tokenizer.pad_token_id
+    packed, stats = qdata.pack_examples(examples, seq_len, rows_per_batch=rows, pad_id=pad, truncate=True, seed=seed)
+    cut = [{"input_ids": list(e["input_ids"])[:seq_len], "labels": list(e["labels"])[:seq_len]} for e in examples]
+    if data == "kjv":  # the one builder (it tokenizes again, with its cut at seq_len: the same examples)
+        padded = qdata.build_batches(tokenizer, batch_size=rows, steps=1 << 30, max_len=seq_len, padding="fixed",
+                                     seed=seed)
+    else:
+        collator = qdata.PaddingCollator(pad_token_id=pad, policy="fixed", max_length=seq_len)
+        padded = list(qdata.make_batches(cut, rows, collator, seed=seed))
+    padded_real = sum(qdata.real_tokens(b) for b in padded)
+    lengths = sorted(len(e["input_ids"]) for e in examples)
+    info = {"source": source, "examples": len(examples), "seq_len": seq_len, "rows": rows,
+            "lengths": {"min": lengths[0], "median": lengths[len(lengths) // 2], "max": lengths[-1],
+                        "mean": sum(lengths) / len(lengths), "over_seq_len": sum(n > seq_len for n in lengths)},
+            "packing": stats.to_dict(), "packed_batches": len(packed), "padded_batches": len(padded),
+            "padded_pad_fraction": 1 - padded_real / sum(b["input_ids"].numel() for b in padded),
+            "padded_real_tokens": padded_real,
+            "padded_how": "one example per row, cut at seq_len, fixed padding to seq_len; the last partial batch "
+                          "dropped (data.make_batches drop_last)"}
+    return packed, padded, info
+
+
+def _full(packed: list[dict]) -> list[dict]:
+    """The packed batches without all-padding rows (the last batch's filler), for the timed runs."""
+    return [b for b in packed if bool((b["document_ids"] != -1).any(dim=1).all())]
+
+
+def _pad_fraction(batches: list[dict], steps: int) -> float:
+    from ...data.packing import real_tokens
+
+    used = [batches[i % len(batches)] for i in range(steps)]
+    return 1 - sum(real_tokens(b) for b in used) / sum(b["input_ids"].numel() for b in used)
+
+
+def _row(run: dict, *, model: str, data: str, packed: bool, pad_fraction: float) -> dict:
+    name = run["name"]
+    compilations = run.get("compilations")
+    if compilations is None and name in ("hf-eager", "hf-eager-packed", "trl-sft-packed") and "error" not in run:
+        compilations = 0  # eager: nothing compiled by the peer
+    row = {"name": name, "library": _library(name), "model": model, "data": data, "packed": packed,
+           "real_tokens_per_s": run.get("real_tokens_per_s", run.get("tokens_per_s")),
+           "peak_mem_gib": run.get("peak_mem_gib"), "pad_fraction": pad_fraction, "compilations": compilations,
+           "median_step_ms": run.get("median_step_ms"), "steps": run.get("steps")}
+    if "error" in run:
+        row["error"] = run["error"]
+    keep = ("batch_size", "seq_len", "warmup", "losses", "step_ms", "compile_s", "first_step_s", "notes", "options",
+            "optimize", "epoch_batches", "epoch_compilations", "epoch_how", "parity", "max_abs_loss_diff",
+            "real_tokens", "versions", "traceback_tail", "wall_s")
+    return row | {k: run[k] for k in keep if k in run}
+
+
+def run_packing(model: str, data_sets: Sequence[str], *, seq_len: int, rows: int, steps: int, warmup: int,
+                out: str | Path, runs: Sequence[str] = RUNS, seed: int = 0, lr: float = 2e-4,
+                parity_steps: int = 6, long_tail_examples: int = 800, timeout_s: dict[str, float] | None = None,
+                budget_s: float | None = None, command: str | None = None,
+                log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run each of ``runs`` on each data set in a process of its own; rows appended to ``out``.
+
+    An existing ``out`` keeps its rows of other (model, data, name). A run that would start with
+    less than 30 s of ``budget_s`` left is a row with ``error`` ("skipped").
+
+    Raises:
+        ValueError: an unknown run or data set, or ``warmup >= steps`` (before anything runs).
+    """
+    import torch
+
+    from ... import env, models
+    from .process import _write_json
+
+    bad = [r for r in runs if r not in RUNS] + [d for d in data_sets if d not in DATA_SETS]
+    if bad or not 0 <= warmup < steps:
+        raise ValueError(f"unknown runs/data {bad} (valid: {list(RUNS)}, {list(DATA_SETS)}) or warmup >= steps")
+    t0 = time.monotonic()
+    out = Path(out)
+    work = Path(tempfile.mkdtemp(prefix="packing_"))
+    dev = env.resolve_device("auto")
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    results.update({"device": env.device_info(dev), "versions": env.versions(),
+                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                    "command": command or shlex.join(sys.argv)})
+    results.setdefault("calls", []).append({k: results[k] for k in ("command", "date")})
+    results.setdefault("runs", [])
+    results.setdefault("data", {})
+    tok = models.load_tokenizer(model)
+    base = {"model": model, "steps": steps, "warmup": warmup, "lr": lr, "seed": seed, "lora_r": 16,
+            "lora_alpha": 32, "device": str(dev), "dtype": "auto", "grad_ckpt": False, "peak_tflops": None}
+    prepared = {}
+    for data in data_sets:
+        packed, padded, info = build_data(tok, data, seq_len=seq_len, rows=rows, seed=seed,
+                                          long_tail_examples=long_tail_examples)
+        results["data"][f"{model}/{data}"] = info
+        timed = _full(packed)
+        files = {"packed": work / f"{data}_packed.pt", "padded": work / f"{data}_padded.pt",
+                 "epoch": work / f"{data}_epoch.pt"}
+        torch.save(timed, files["packed"])
+        torch.save(padded, files["padded"])
+        torch.save(packed, files["epoch"])
+        prepared[data] = (timed, padded, files)
+        log(f"== {model} / {data}: {info['examples']} examples, packed pad fraction "
+            f"{info['packing']['pad_fraction']:.3f}, padded {info['padded_pad_fraction']:.3f}")
+    for name in runs:  # each run on every data set before the next: a budget cut loses the last runs only
+        for data in data_sets:
+            timed, padded, files = prepared[data]
+            is_packed = name.endswith("-packed")
+            batches = timed if is_packed else padded
+            n = min(steps, len(batches))
+            limit = (timeout_s or {}).get(name, (timeout_s or {}).get("default", 300))
+            if budget_s is not None:
+                limit = min(limit, budget_s - (time.monotonic() - t0))
+            results["runs"] = [r for r in results["runs"] if (r["model"], r["data"], r["name"]) != (model, data, name)]
+            if limit < 30:
+                run = {"name": name, "error": f"skipped: {limit:.0f} s of the budget left"}
+            else:
+                log(f"==> {name} on {data} ({n} steps, limit {limit:.0f} s)")
+                run = _one_run(name, data, n, limit, {**base, "batch_size": rows, "seq_len": seq_len},
+                               files, work, parity_steps, warmup)
+            frac = 0.0 if name in _FLATTENED else _pad_fraction(batches, n)
+            row = _row(run, model=model, data=data, packed=is_packed, pad_fraction=frac)
+            results["runs"].append(row)
+            _write_json(out, results)
+            log(f"    {name}: " + (f"ERROR {row['error'][:300]}" if "error" in row else
+                                   f"{row['real_tokens_per_s']:.0f} real tok/s, {row['peak_mem_gib']:.2f} GiB, "
+                                   f"{row['median_step_ms']:.1f} ms/step, compilations {row['compilations']}"))
+    results["notes"] = NOTES
+    _write_json(out, results)
+    return results
+
+
+def _one_run(name: str, data: str, steps: int, limit: float, base: dict, files: dict, work: Path,
+             parity_steps: int, warmup: int) -> dict:
+    """One run in a process of its own (Unsloth's through its launcher); its run dict, or an error."""
+    from .process import _child_env, _run_child, _write_json
+    from .unsloth_launcher import _peer_unsloth
+
+    is_packed = name.endswith("-packed")
+    ctx = {**base, "name": name, "steps": steps, "warmup": min(warmup, steps - 1)}
+    if name == "ours-packed":
+        ctx["extra"] = {"epoch_batches": str(files["epoch"]), "parity_steps": min(parity_steps, steps)}
+    t0 = time.monotonic()
+    batches = str(files["packed" if is_packed else "padded"])
+    if name.startswith("unsloth"):
+        run = _peer_unsloth(ctx, None, batches, limit)
+    else:
+        spec, run_path = work / f"spec_{data}_{name}.json", work / f"run_{data}_{name}.json"
+        _write_json(spec, {**ctx, "batches": batches})
+        # one Inductor cache for our runs (the same graph compiles once); a fresh one for any other
+        cache = work / "inductor_ours" if name.startswith("ours") else Path(tempfile.mkdtemp(dir=work))
+        cmd = [sys.executable, "-m", "qlora_nb_utils.bench.peers", "--spec", str(spec), "--out", str(run_path)]
+        code, tail = _run_child(cmd, _child_env(name, cache), limit, work / f"log_{data}_{name}.txt")
+        run = json.loads(run_path.read_text()) if run_path.is_file() else {"name": name, "error": (
+            f"timed out after {limit:.0f} s" if code is None else f"exit code {code}") + f": {tail}"}
+    run["wall_s"] = time.monotonic() - t0
+    return run
+
+
+NOTES = (
+    "real_tokens_per_s: median over the steps after warm-up of real (non-pad) tokens / step time, the tokens "
+    "counted by qlora_nb_utils.data.packing.real_tokens on each step's batch as written to the batches file, "
+    "the same way for every library (Unsloth's child included). Packed and padded batches have one shape "
+    "(rows x seq_len); packed runs train the very same packed batches (same documents, same real tokens per "
+    "step); padded runs train the same examples one per row. pad_fraction: of the batches the run computed on "
+    "(0 for trl-sft-packed and unsloth-packed, whose libraries flatten a packed batch into one row without its "
+    "tail padding). compilations: optimize()'s counter for ours; 0 for the eager peers; null where the library "
+    "compiles pieces of its own that are not counted (Unsloth). Each run is a process of its own; our two runs "
+    "share one Inductor cache (the second data set's compile is warm: its compile_s is not a cold compile).")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m qlora_nb_utils.bench.peers.packed", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", default=",".join(DATA_SETS))
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--parity-steps", type=int, default=6)
+    p.add_argument("--long-tail-examples", type=int, default=800)
+    p.add_argument("--timeouts", default="{}", help='JSON: run name (or "default") -> seconds')
+    p.add_argument("--budget-s", type=float, default=None)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    run_packing(a.model, a.data.split(","), seq_len=a.seq_len, rows=a.rows, steps=a.steps, warmup=a.warmup,
+                out=a.out, runs=a.runs.split(","), parity_steps=a.parity_steps,
+                long_tail_examples=a.long_tail_examples, timeout_s=json.loads(a.timeouts), budget_s=a.budget_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
