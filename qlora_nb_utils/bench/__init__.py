@@ -16,6 +16,9 @@
 - ``compile_time``: cold, regional, cached and artifact starts, each in a new process.
 - ``optim_bench``: the AdamW step eager (foreach, fused) against compiled.
 - ``flops``: model FLOPs of a (Q)LoRA step, the measured matmul rate, MFU.
+- ``profile``: where a step's time and memory go: kernel time grouped by kind (dequantize,
+  base/LoRA matmuls, attention, norms/RoPE/activations, loss, optimizer, other) and what is
+  alive at the memory peak (``profile_training``, ``classify_kernel``, ``memory_breakdown``).
 
 This ``__init__`` imports nothing heavy: ``python -m qlora_nb_utils.bench.peers.unsloth``
 must reach ``import unsloth`` before transformers is loaded.
@@ -27,4 +30,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     **dict.fromkeys(("run_bench", "write_results", "markdown_table", "make_bench_batches", "resolve_device_dtype",
                      "DEFAULTS", "RUNS", "validate_options"), "main_job"),
     **dict.fromkeys(("side_by_side", "compiled_run", "compare", "mark_dynamic", "warm_shapes"), "pairwise"),
+    **dict.fromkeys(("profile_training", "classify_kernel", "group_kernels", "memory_breakdown", "phase_marker"),
+                    "profile"),
 })
