@@ -35,13 +35,15 @@ whose ``quant_state`` (absmax, code, shape) lives on the parameter object.
   weights untouched and replicated on every rank (what accelerate 1.15 does for uint8
   ``Params4bit``); only LoRA, norms, embeddings and the LM head are sharded. Zero breaks too,
   no all-gather traffic for the base, but every rank holds the whole 4-bit base.
-* Mixed precision: ``MixedPrecisionPolicy(param_dtype=bf16)`` casts every sharded parameter
-  to bf16 before the all-gather. torch 2.13 skips non-floating parameters (so a uint8 packed
-  weight survives), but a floating quant storage of another dtype would be cast and
-  destroyed. ``quant_storage="auto"`` therefore stores the packed weight in the policy's
-  ``param_dtype`` (``bnb_4bit_quant_storage``, the accelerate/HF recipe), so no version of
-  FSDP2 casts it, and :func:`apply_fsdp2` checks the all-gathered dtype and refuses loudly if
-  a cast happened anyway.
+* Mixed precision and the bytes on CUDA: FSDP2 copies every shard into its all-gather buffer
+  with ``_foreach_copy_``, which on CUDA widens bf16/fp16 elements to float and narrows them
+  back, rewriting every packed word that reads as a NaN to 0x7FFF (0.07% of the words on 2
+  H200s, loss off by 0.12; gloo's CPU copy is a memcpy, so CI was exact).
+  :mod:`qlora_nb_utils.distributed.packed_words` has the full trace and the rule: a unit that
+  holds packed words must not all-gather in a 16-bit float. ``sharded_nf4_precision`` keeps it
+  (no ``param_dtype`` cast, packed words stored as float32), :func:`apply_fsdp2` checks the
+  plan before sharding and refuses an unsafe one off the CPU, and a floating storage of another
+  dtype than a casting policy's is refused too (the cast would destroy the bytes).
 * torchao's ``NF4Tensor`` (which torchtune shards with FSDP2 through its
   ``fsdp_pre_all_gather`` extension) is the other lead; torchao is not in this project's pins
   (nor on the GPU machine), so it was not pursued.
@@ -114,6 +116,7 @@ class Sharded:
     nf4: str
     nf4_count: int
     prepared: Any = None
+    bytes_check: dict | None = None
 
     def compile_stats(self) -> dict[str, Any] | None:
         """Compilations, recompilations (with reasons) and compile time, or None (eager)."""
@@ -141,9 +144,13 @@ def packed_checksums(model: nn.Module) -> dict[int, tuple[int, int]]:
     return sums
 
 
-def _attach_quant_states(model: nn.Module, expected_sums: dict[int, tuple[int, int]] | None = None) -> None:
+def _attach_quant_states(model: nn.Module, expected_sums: dict[int, tuple[int, int]] | None = None,
+                         snapshot: dict | None = None) -> dict | None:
     """Give FSDP2's persistent all-gathered 4-bit weights their quant state (module docstring);
-    with ``expected_sums``, also check that the all-gather gave back the packed bytes exactly."""
+    with ``expected_sums`` (checksums) or ``snapshot`` (every byte, :func:`packed_words.snapshot_packed`),
+    also check that the all-gather gave back the packed bytes exactly. Returns the check's record."""
+    from .packed_words import compare_packed
+
     modules = _fsdp_modules(model)
     expected = {id(m): m.weight.dtype for m in _linear4bit_modules(model)}
     for fsdp_module in modules:
@@ -158,6 +165,14 @@ def _attach_quant_states(model: nn.Module, expected_sums: dict[int, tuple[int, i
                     "quant_storage='auto' (the policy's param_dtype) or nf4='replicate'")
             if getattr(weight, "quant_state", None) is None:
                 weight.quant_state = m.quant_state
+        record = None
+        if snapshot is not None:
+            record = {"method": "every byte", **compare_packed(model, snapshot)}
+            if not record["equal"]:
+                raise RuntimeError(
+                    f"FSDP2's all-gather changed {record['changed_bytes']} of {record['bytes']} packed 4-bit "
+                    f"bytes in {len(record['changed_weights'])}+ weights (16-bit words before->after: "
+                    f"{record['samples']}); see qlora_nb_utils/distributed/packed_words.py")
         if expected_sums is not None:
             now = packed_checksums(model)
             bad = [n for n, m in model.named_modules() if id(m) in expected_sums and now.get(id(m)) != expected_sums[id(m)]]
@@ -166,6 +181,8 @@ def _attach_quant_states(model: nn.Module, expected_sums: dict[int, tuple[int, i
                     f"FSDP2's all-gather changed the packed 4-bit bytes of {len(bad)} of {len(expected_sums)} "
                     f"weights (first: {bad[0]}): a floating quant storage does not survive this "
                     "backend's sharding round trip bit-exactly. Use nf4='replicate' (--nf4 replicate)")
+            record = {"method": "checksums", "equal": True, "weights": len(expected_sums)}
+        return record
     finally:
         for fsdp_module in modules:
             fsdp_module.reshard()
@@ -174,7 +191,7 @@ def _attach_quant_states(model: nn.Module, expected_sums: dict[int, tuple[int, i
 def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shard",
                 cpu_offload: bool = False, reshard_after_forward: bool = True,
                 grad_ckpt: bool = False, compile_layers: bool = False,
-                backend: str = "inductor", fullgraph: bool = True, verify: bool = True,
+                backend: str = "inductor", fullgraph: bool = True, verify: bool | str = True,
                 frozen: str = "shard") -> Sharded:
     """Shard a (Q)LoRA model with FSDP2: one ``fully_shard`` per decoder layer, one for the root.
 
@@ -198,17 +215,19 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
             2 H200s with the 8B shape at batch 1 the sharded embeddings and LM head (2 x 1 GiB
             in bf16, gathered in forward and again in backward) are the main per-step cost.
         verify: with ``nf4="shard"``, checksum every packed 4-bit weight before sharding and
-            after the first all-gather, and refuse a model whose bytes changed. On 2 H200s
-            (NCCL, bf16 quant storage, torch 2.11) the all-gather changed 0.07% of the packed
-            16-bit words, bit-exact on CPU/gloo; results/fsdp2_h200_diag.json shows it.
+            after the first all-gather (``True``), or compare every byte (``"exact"``: a CPU
+            copy of the packed bytes is kept until then), and refuse a model whose bytes
+            changed; the record is ``Sharded.bytes_check``. On 2 H200s (NCCL, bf16 storage,
+            bf16 policy, torch 2.11) 0.07% of the words changed (:mod:`.packed_words` says why).
 
     Returns:
         A :class:`Sharded`.
 
     Raises:
         ValueError: an unknown ``nf4`` mode, or no decoder layer found.
-        RuntimeError: mixed precision cast the packed 4-bit bytes (see the module docstring), or
-            (``verify``) the sharding round trip changed them.
+        RuntimeError: mixed precision cast the packed 4-bit bytes (see the module docstring),
+            off the CPU a unit would all-gather packed words in a 16-bit float
+            (:func:`packed_words.unsafe_units`), or (``verify``) the round trip changed them.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -239,17 +258,44 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
         ignored |= {p for p in model.parameters() if not p.requires_grad and id(p) not in q}
     if ignored:
         kwargs["ignored_params"] = ignored
-    expected = packed_checksums(model) if (nf4 == "shard" and quantized and verify) else None
+    bytes_check = None
+    if nf4 == "shard" and quantized:
+        _refuse_unsafe_plan(model, layers, kwargs["mp_policy"], ignored)
+    snapshot = expected = None
+    if nf4 == "shard" and quantized and verify == "exact":
+        from .packed_words import snapshot_packed
+
+        snapshot = snapshot_packed(model)
+    elif nf4 == "shard" and quantized and verify:
+        expected = packed_checksums(model)
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     if nf4 == "shard" and quantized:
-        _attach_quant_states(model, expected)
+        bytes_check = _attach_quant_states(model, expected, snapshot)
     prepared = None
     if compile_layers:
         prepared = prepare_for_compile(model, grad_ckpt=None, scope="regional", backend=backend,
                                        fullgraph=fullgraph)
-    return Sharded(model=model, layers=layers, nf4=nf4, nf4_count=len(quantized), prepared=prepared)
+    return Sharded(model=model, layers=layers, nf4=nf4, nf4_count=len(quantized), prepared=prepared,
+                   bytes_check=bytes_check)
+
+
+def _refuse_unsafe_plan(model: nn.Module, layers: list[nn.Module], mp_policy, ignored: set) -> None:
+    """Off the CPU, refuse units that would all-gather packed words in bf16/fp16 (the CUDA
+    ``_foreach_copy_`` NaN rewrite, :mod:`qlora_nb_utils.distributed.packed_words`)."""
+    from .packed_words import unsafe_units
+
+    if next(model.parameters()).device.type == "cpu":
+        return  # gloo's CPU copy-in is a memcpy: exact for every dtype
+    bad = unsafe_units(model, layers, mp_policy.param_dtype, ignored)
+    if bad:
+        first = next(iter(bad))
+        raise RuntimeError(
+            f"{len(bad)} FSDP2 unit(s) (first: {first}) would all-gather packed 4-bit words as "
+            f"{bad[first]}: CUDA's same-dtype _foreach_copy_ rewrites every word that reads as a NaN "
+            "to 0x7FFF. Use packed_words.sharded_nf4_precision (no param_dtype cast, float32 "
+            "storage) or nf4='replicate'")
 
 
 def sharding_report(model: nn.Module) -> list[dict[str, Any]]:

@@ -76,12 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per layer")
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPUOffloadPolicy")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--frozen", default="shard", choices=FROZEN_MODES,
+    p.add_argument("--frozen", default="auto", choices=("auto",) + tuple(FROZEN_MODES),
                    help="shard or replicate the other frozen weights (embeddings, LM head, norms): "
-                        "replicate trades memory for no all-gather traffic")
+                        "replicate trades memory for no all-gather traffic; auto: replicate on CUDA "
+                        "(331 vs 375 ms/step on 2 H200s at the 8B shape), shard on CPU")
     p.add_argument("--nf4", default="auto", choices=("auto",) + tuple(NF4_MODES),
                    help="shard or replicate the 4-bit weights; auto: shard on CPU (gloo), replicate on "
-                        "CUDA (NCCL's all-gather rewrote NaN-patterned packed words on 2 H200s)")
+                        "CUDA until a 2-GPU run confirms the sharded fix (distributed/packed_words.py)")
+    p.add_argument("--check-bytes", action="store_true",
+                   help="compare every packed 4-bit byte after the first all-gather with a copy taken "
+                        "before sharding (summary: bytes_check)")
+    p.add_argument("--permute-rows", type=int, default=None, metavar="SEED",
+                   help="permute the rows of every global batch (the bf16 floor run, training/parity.py)")
+    p.add_argument("--eval", action="store_true",
+                   help="after training, the mean loss over the first global batch (summary: eval_loss)")
     p.add_argument("--quant-storage", default="auto", choices=QUANT_STORAGE_CHOICES)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32)
@@ -153,17 +161,23 @@ def _truncate_log(path: Path, start: int) -> None:
 def _setup(args, info):
     """Load, shard and (optionally) compile the model; returns (sharded, tok, dtype, mp, storage)."""
     from .fsdp import apply_fsdp2
+    from .packed_words import sharded_nf4_precision
     from .setup import load_qlora, mixed_precision, resolve_quant_storage
 
     dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
         else getattr(torch, args.dtype)
-    mp = mixed_precision(dtype)
-    storage = resolve_quant_storage(args.quant_storage, mp.param_dtype, dtype)
+    nf4 = resolve_nf4_mode(args.nf4, info.backend)
+    if nf4 == "shard" and args.quant == "nf4":
+        mp, storage = sharded_nf4_precision(dtype, args.quant_storage)  # no 16-bit all-gather of packed words
+    else:
+        mp = mixed_precision(dtype)
+        storage = resolve_quant_storage(args.quant_storage, mp.param_dtype, dtype)
     model, tok = load_qlora(args.model, quant=args.quant, dtype=dtype, device=info.device,
                             quant_storage=storage, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                             seed=args.seed)
-    sharded = apply_fsdp2(model, mp_policy=mp, nf4=resolve_nf4_mode(args.nf4, info.backend),
-                          frozen=args.frozen, cpu_offload=args.cpu_offload,
+    frozen = frozen_mode(args, info)
+    sharded = apply_fsdp2(model, mp_policy=mp, nf4=nf4, verify="exact" if args.check_bytes else True,
+                          frozen=frozen, cpu_offload=args.cpu_offload,
                           reshard_after_forward=args.reshard_after_forward, grad_ckpt=args.grad_ckpt,
                           compile_layers=args.compile, backend=args.backend, fullgraph=args.fullgraph)
     return sharded, tok, dtype, mp, storage
@@ -284,6 +298,7 @@ def run(args: argparse.Namespace) -> dict | None:
             return None
     if args.probe:
         _save_probe(model, batches[0], info, out)
+    eval_loss = _eval_loss(model, batches[0], info, args) if args.eval else None
     if not args.no_adapter:
         save_adapter(model, out / "adapter", is_main=info.is_main)
     summary = None
@@ -292,6 +307,8 @@ def run(args: argparse.Namespace) -> dict | None:
         for r in records:
             r.setdefault("run_start", 0)
         summary = _summary(args, info, records, sharded, storage, dtype, start, breaks_before, peak)
+        summary.update(eval_loss=eval_loss, bytes_check=sharded.bytes_check, frozen=frozen_mode(args, info),
+                       mp_param_dtype=str(mp.param_dtype).replace("torch.", "") if mp.param_dtype else None)
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         print(f"[fsdp_train] world_size={info.world_size} steps={len(records)} "
               f"final_loss={records[-1]['loss']:.6f} tokens/s={summary['tokens_per_s']} "
@@ -299,6 +316,25 @@ def run(args: argparse.Namespace) -> dict | None:
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def frozen_mode(args, info) -> str:
+    """``--frozen auto``: replicate on NCCL, shard on gloo."""
+    return args.frozen if args.frozen != "auto" else ("replicate" if info.backend == "nccl" else "shard")
+
+
+def _eval_loss(model, batch: dict, info, args) -> float:
+    """Mean next-token loss over ``batch`` (every rank its rows, summed over ranks), under no
+    grad in train mode (LoRA dropout is 0; see :func:`_save_probe` for why not eval mode)."""
+    import torch.distributed as dist
+
+    n_targets = max(1, _target_count(batch))
+    total = torch.zeros((), device=info.device)
+    with torch.no_grad():
+        for micro in _local_micro_batches(batch, info, args):
+            total += _loss_sum(model, micro).float()
+    dist.all_reduce(total)
+    return float(total) / n_targets
 
 
 def _save_probe(model, batch: dict, info, out: Path, positions: int = 256) -> None:

@@ -23,8 +23,13 @@ def make_global_batches(tok, args) -> list[dict]:
     from ..data import build_batches
 
     need = args.steps * args.global_batch_size * (max(1, args.seq_len // 64) if args.pack else 1)
-    return build_batches(tok, batch_size=args.global_batch_size, steps=args.steps, max_len=args.seq_len,
-                         padding="fixed", limit=min(4000, max(64, need)), pack=args.pack, seed=args.seed)
+    batches = build_batches(tok, batch_size=args.global_batch_size, steps=args.steps, max_len=args.seq_len,
+                            padding="fixed", limit=min(4000, max(64, need)), pack=args.pack, seed=args.seed)
+    if getattr(args, "permute_rows", None) is not None:  # the floor run: same examples, other row order
+        from ..training.parity import permute_rows
+
+        batches = permute_rows(batches, seed=args.permute_rows)
+    return batches
 
 
 def _target_count(batch: dict) -> int:
