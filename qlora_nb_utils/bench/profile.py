@@ -172,6 +172,8 @@ def kernel_records(events: Iterable[Any], device: str = "cuda") -> list[dict[str
         by_id = {e.id: e for e in cpu if not e.is_async}
         picked = [(e, by_id.get(getattr(e, "linked_correlation_id", 0)), e.time_range.elapsed_us())
                   for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        if picked and all(op is None for _, op, _ in picked):  # a torch without the link: each op's kernels
+            picked = [(k, op, k.duration) for op in by_id.values() for k in op.kernels]
     out = []
     for ev, op, us in picked:
         chain = _chain(op) if op is not None else []
@@ -290,7 +292,6 @@ def memory_breakdown(snapshot: dict[str, Any], *, device: int = 0, vocab: int | 
         ValueError: the snapshot has no trace for ``device``.
     """
     from ..diagnostics.memprof import site_of
-
     traces = snapshot.get("device_traces") or []
     if device >= len(traces) or not traces[device]:
         raise ValueError(f"no allocation trace for device {device}")
@@ -428,7 +429,6 @@ def profile_training(step: Callable[[dict], Any], batches: Sequence[dict], *, wa
         done("profiled", result)
     if memory and cuda:
         from ..diagnostics.memprof import recording
-
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
