@@ -302,6 +302,8 @@ def test_trainer_mode_trains_and_saves_an_adapter(trainer_run):
     assert summary["world_size"] == 2 and len(summary["losses"]) == 2
     assert all(torch.isfinite(torch.tensor(summary["losses"])))
     assert (trainer_run / "adapter" / "adapter_config.json").is_file()
+    # sharded NF4 through the Trainer: float32 packed words, no 16-bit all-gather (packed_words.py)
+    assert summary["nf4"] == "shard" and summary["quant_storage"] == "float32"
 
 
 @pytest.mark.xfail(strict=True, reason="accelerate 1.15 enables its FSDP plugin only for accelerator "

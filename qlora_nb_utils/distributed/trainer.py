@@ -32,7 +32,12 @@ def run_trainer(args: argparse.Namespace) -> dict | None:
     Launch it with torchrun like the explicit loop. On GPUs the Trainer wraps each decoder
     layer and the root with ``fully_shard`` through accelerate's ``fsdp2_prepare_model``,
     which puts uint8 ``Params4bit`` into ``ignored_params`` (replicated, like
-    ``nf4="replicate"``) and shards a floating quant storage. With ``--compile`` each decoder
+    ``nf4="replicate"``) and shards a floating quant storage. ``--nf4 shard`` (the default on
+    CPU; ``auto`` replicates on NCCL) stores the packed words as float32 and turns the
+    Trainer's bf16/fp16 mixed precision off, so accelerate's FSDP2 policy casts nothing and no
+    unit all-gathers packed words in a 16-bit float (:mod:`.packed_words`; the 4-bit matmuls
+    still run in the compute dtype); the callback attaches the quant states to the sharded
+    weights as :func:`.fsdp.apply_fsdp2` does. ``--nf4 replicate`` loads uint8 storage. With ``--compile`` each decoder
     layer of the prepared model is compiled (``prepare_for_compile(scope="regional")``) in a
     callback at the start of training; the Trainer's own ``torch_compile`` compiles the whole
     model instead.
@@ -51,13 +56,20 @@ def run_trainer(args: argparse.Namespace) -> dict | None:
         The summary on rank 0 (also written to ``OUT/summary.json``), None elsewhere.
     """
     from .. import env
-    from .setup import init_distributed, load_qlora, mixed_precision, resolve_quant_storage
+    from .fsdp_train import resolve_nf4_mode
+    from .packed_words import sharded_nf4_precision
+    from .setup import init_distributed, load_qlora, resolve_quant_storage
 
     info = init_distributed(args.device)
     out = Path(args.out)
     dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
         else getattr(torch, args.dtype)
-    storage = resolve_quant_storage(args.quant_storage, mixed_precision(dtype).param_dtype, dtype)
+    nf4 = resolve_nf4_mode(args.nf4, info.backend)
+    if nf4 == "shard":  # float32 words, no accelerate mixed precision: no bf16 all-gather of packed words
+        storage = sharded_nf4_precision(dtype, args.quant_storage)[1]
+    else:  # accelerate replicates uint8 Params4bit (ignored_params)
+        storage = resolve_quant_storage("uint8" if args.quant_storage == "auto" else args.quant_storage, None, dtype)
+    args.trainer_mixed_precision = dtype if nf4 != "shard" else None
     model, tok = load_qlora(args.model, quant=args.quant, dtype=dtype, device=info.device,
                             quant_storage=storage, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                             seed=args.seed)
@@ -79,7 +91,7 @@ def run_trainer(args: argparse.Namespace) -> dict | None:
         summary = {"world_size": info.world_size, "trainer": args.trainer, "model": args.model,
                    "distributed_type": distributed_type, "fsdp_wrapped": fsdp_wrapped,
                    "losses": [float(h["loss"]) for h in logs], "train_runtime_s": result.metrics.get("train_runtime"),
-                   "fsdp_version": 2, "quant_storage": str(storage).replace("torch.", ""),
+                   "fsdp_version": 2, "quant_storage": str(storage).replace("torch.", ""), "nf4": nf4,
                    "device": env.device_info(info.device), "versions": env.versions(),
                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         out.mkdir(parents=True, exist_ok=True)
@@ -102,7 +114,8 @@ def _build_trainer(args, info, model, tok, rows, dtype, out: Path):
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
         max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else 0.0, seed=args.seed,
         save_strategy="no", report_to=[], use_cpu=info.device.type == "cpu",
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, dataloader_num_workers=0,
+        bf16=args.trainer_mixed_precision == torch.bfloat16, fp16=args.trainer_mixed_precision == torch.float16,
+        dataloader_num_workers=0,
         remove_unused_columns=False, optim="adamw_torch", weight_decay=0.0,
         gradient_checkpointing=args.grad_ckpt,
         gradient_checkpointing_kwargs={"use_reentrant": False} if args.grad_ckpt else None,
@@ -116,7 +129,7 @@ def _build_trainer(args, info, model, tok, rows, dtype, out: Path):
     from datasets import Dataset
 
     ds = Dataset.from_list([{"input_ids": r["input_ids"].tolist(), "labels": r["labels"].tolist()} for r in rows])
-    callbacks = [_RegionalCompileCallback(args.backend, args.fullgraph)] if args.compile else []
+    callbacks = [_RegionalCompileCallback(args.backend, args.fullgraph, args.compile)]
     if args.trainer == "trl":
         from trl import SFTConfig, SFTTrainer
 
@@ -134,14 +147,21 @@ def _regional_callback_base():
 
 
 class _RegionalCompileCallback(_regional_callback_base()):
-    """Compile each decoder layer of the model the Trainer sharded, once training starts."""
+    """Once training starts: give sharded 4-bit weights their quant state (as ``apply_fsdp2``
+    does, so bitsandbytes never re-creates the parameter) and compile each decoder layer."""
 
-    def __init__(self, backend: str, fullgraph: bool):
-        self.backend, self.fullgraph, self.prepared = backend, fullgraph, None
+    def __init__(self, backend: str, fullgraph: bool, compile_layers: bool = True):
+        self.backend, self.fullgraph, self.compile_layers, self.prepared = backend, fullgraph, compile_layers, None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        from ..compile import prepare_for_compile
+        from torch.distributed.tensor import DTensor
 
-        if model is not None and self.prepared is None:
+        from ..compile import prepare_for_compile
+        from .fsdp import _attach_quant_states, _fsdp_modules, _linear4bit_modules
+
+        if model is not None and _fsdp_modules(model) and any(
+                isinstance(m.weight, DTensor) for m in _linear4bit_modules(model)):
+            _attach_quant_states(model)  # accelerate sharded the float32-stored 4-bit weights
+        if model is not None and self.compile_layers and self.prepared is None:
             self.prepared = prepare_for_compile(model, grad_ckpt=None, scope="regional",
                                                 backend=self.backend, fullgraph=self.fullgraph)
