@@ -80,6 +80,8 @@ DEFAULTS: dict[str, Any] = {
     "attn_implementation": "sdpa",
     "grad_ckpt": "auto",
     "max_memory_gib": None,
+    "packing": False,
+    "limit": None,
 }
 
 
@@ -114,6 +116,11 @@ def validate_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"backend must be one of {valid_backends()}, got {opts['backend']!r}")
     if opts["grad_ckpt"] not in ("auto", True, False):
         raise ValueError(f"grad_ckpt must be 'auto', True or False, got {opts['grad_ckpt']!r}")
+    if opts["packing"] not in (True, False):
+        raise ValueError(f"packing must be True or False, got {opts['packing']!r}")
+    limit = opts["limit"]
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be None or an integer >= 1, got {limit!r}")
     mem = opts["max_memory_gib"]
     if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0):
         raise ValueError(f"max_memory_gib must be None or a number > 0, got {mem!r}")
@@ -127,14 +134,14 @@ def validate_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_bench_batches(tokenizer, *, batch_size: int, seq_len: int, steps: int, padding: str = "fixed", data=None,
-                       seed: int = 0):
+                       seed: int = 0, limit: int | None = None):
     """The list of micro-batches every run trains on, built once from the data.
 
     Returns:
         (batches, padding_stats) where batches is a list of `steps` dicts of CPU tensors.
     """
     batches = qdata.build_batches(tokenizer, batch_size=batch_size, steps=steps, max_len=seq_len,
-                                  padding=padding, data=data, seed=seed, require_all=True)
+                                  padding=padding, data=data, seed=seed, require_all=True, limit=limit)
     return batches, qdata.padding_stats(batches)
 
 
@@ -145,7 +152,9 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
         progress: show progress bars.
         log: where one-line status messages go (`print` by default).
         command: the command line to record in the results (defaults to `sys.argv`).
-        **options: any of `DEFAULTS`; `mode`, `grad_ckpt` and `max_memory_gib` go to `optimize()`.
+        **options: any of `DEFAULTS`; `mode`, `grad_ckpt` and `max_memory_gib` go to `optimize()`;
+            `packing=True` runs :func:`~qlora_nb_utils.bench.packing_job.run_packing_bench` instead
+            (packed against padded on the same examples; `limit` picks them).
 
     Returns:
         The results dict (see the module docstring and `write_results`): device, versions,
@@ -162,6 +171,10 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
     from ..compile.fast_path import optimize
 
     opts = validate_options(options)
+    if opts["packing"]:
+        from .packing_job import run_packing_bench
+
+        return run_packing_bench(opts, progress=progress, log=log, command=command)
     device, dtype = resolve_device_dtype(opts["device"], opts["dtype"])
     log(f"==> loading {opts['model']} ({opts['quant']}, {dtype}) on {device}, the HF way (kbit prep + LoRA)")
     model, tok = models.load_model(
@@ -171,7 +184,7 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
     )
     batches, pad_stats = make_bench_batches(
         tok, batch_size=opts["batch_size"], seq_len=opts["seq_len"], steps=opts["steps"],
-        padding=opts["padding"], data=opts["data"], seed=opts["seed"],
+        padding=opts["padding"], data=opts["data"], seed=opts["seed"], limit=opts["limit"],
     )
     cfg = TrainConfig(steps=opts["steps"], lr=opts["lr"], seed=opts["seed"], progress=progress)
     permuted = [permute_rows(batches, seed=opts["seed"] + k) for k in (1, 2)]  # two orders: the floor's range

@@ -21,7 +21,9 @@ The choices, each overridable by passing it explicitly:
   one compilation instead of a static one followed by a dynamic one. Unknown shapes: torch's
   default (static, then dynamic on the first change), so at most two.
 * **Attention**: causal-only SDPA (flash kernel, grouped K/V) when every batch shown is
-  right-padded, else SDPA with the padding mask.
+  right-padded, else SDPA with the padding mask. **Packed batches** (with ``document_ids``, from
+  :func:`~qlora_nb_utils.data.pack_examples`): a per-document causal mask built outside the
+  graph, flex attention's ``BlockMask`` on CUDA, SDPA's dense mask elsewhere (:mod:`.packed`).
 * **Checkpointing**: off without a memory target; with ``max_memory_gib``, on the fewest first
   decoder layers whose estimated peak (:func:`estimate_peak_gib`) fits the target.
 * **Autocast** for bf16/fp16 compute (the LoRA matmuls in bf16, fp32 master weights); nothing
@@ -50,6 +52,7 @@ import torch
 from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_peak_gib
+from .packed import DOC_ATTENTION, choose_doc_kernel, packed_batches, with_document_mask_outside
 from .recipe import FastPrepared, activation_memory_budget, prepare_fast
 
 __all__ = ["Optimized", "optimize", "estimate_peak_gib", "pad_batch", "MAX_CUDAGRAPH_SHAPES", "MODES"]
@@ -58,15 +61,16 @@ __all__ = ["Optimized", "optimize", "estimate_peak_gib", "pad_batch", "MAX_CUDAG
 MAX_CUDAGRAPH_SHAPES = 4
 #: What ``mode`` accepts: ``"auto"`` or an Inductor mode (None and ``"default"`` mean the default).
 MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
-_PAD_FILL = {"attention_mask": 0, "labels": -100}
+_SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "document_ids")
+_PAD_FILL = {"attention_mask": 0, "labels": -100, "document_ids": -1}
 
 
 def pad_batch(batch: dict, multiple: int, pad_token_id: int = 0) -> dict:
     """``batch`` with its sequence dimension padded on the right up to a multiple of ``multiple``.
 
     The new positions are masked (``attention_mask`` 0) and ignored by the loss (``labels`` -100);
-    ``input_ids`` get ``pad_token_id``; ``position_ids`` continue counting. Other keys pass.
+    ``input_ids`` get ``pad_token_id``; ``position_ids`` continue counting; ``document_ids`` get
+    the padding's document (-1). Other keys pass.
     """
     ids = batch["input_ids"]
     width = ids.shape[-1]
@@ -141,12 +145,15 @@ class Optimized:
         return self.forward(**batch)
 
     def eager(self, **batch: Any) -> Any:
-        """The same recipe uncompiled (padding, autocast, the chunked loss): parity's reference."""
+        """The same recipe uncompiled (padding, the document mask, autocast, the chunked loss): parity's reference."""
         batch = pad_batch(batch, self.choices["pad_multiple"], self._pad_id)
+        module = self.module
+        if self.choices.get("packing"):
+            module = with_document_mask_outside(module, self.choices["doc_attention"])
         if self.choices["autocast"]:
             with torch.autocast(self.choices["device"], dtype=self.choices["dtype"]):
-                return self.module(**batch)
-        return self.module(**batch)
+                return module(**batch)
+        return module(**batch)
 
     @property
     def description(self) -> str:
@@ -199,7 +206,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
              ckpt_layers: int | None = None, dtype: torch.dtype | None = None, backend: Any = "inductor",
              ce_chunks: int = 4, cast: bool = True, autocast: bool | str = "auto", pad_multiple: int = 8,
              dynamic: bool | str = "auto", memory_budget: float | None = None,
-             eager_numerics: bool | str = "auto", scope: str = "whole") -> Optimized:
+             eager_numerics: bool | str = "auto", scope: str = "whole", doc_attention: str = "auto") -> Optimized:
     """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
 
     Args:
@@ -209,7 +216,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         grad_ckpt: ``"auto"`` (off, or the fewest layers that fit ``max_memory_gib``), True or False.
         max_memory_gib: a peak-memory target in GiB for ``grad_ckpt="auto"`` (needs ``batches``).
         mode: ``"auto"``, or an Inductor mode (``"default"``/None, ``"reduce-overhead"``, ...).
-        attention: ``"auto"``, ``"causal"`` (causal-only SDPA; right-padded batches) or ``"mask"``.
+        attention: ``"auto"``, ``"causal"`` (causal-only SDPA; right-padded batches) or ``"mask"``;
+            packed batches (with ``document_ids``) always get the per-document mask.
         ckpt_layers: with checkpointing, how many first decoder layers checkpoint (None: decided).
         dtype: the compute dtype (None: the model's).
         backend: the Dynamo backend.
@@ -224,13 +232,16 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         scope: ``"whole"`` (one graph: the fastest step) or ``"regional"`` (each decoder layer
             compiled once for all of them, the rest eager: the shortest cold compile, see
             notebook 06); regional never uses CUDA graphs under ``mode="auto"``.
+        doc_attention: for packed batches, ``"auto"`` (flex attention on CUDA, SDPA elsewhere),
+            ``"flex_attention"`` or ``"sdpa"``.
 
     Returns:
         An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
 
     Raises:
         ValueError: an unknown choice (the message lists the valid ones), ``max_memory_gib``
-            without ``batches``, ``attention="causal"`` on batches that are not right-padded.
+            without ``batches``, ``attention="causal"`` on batches that are not right-padded,
+            packed and padded batches mixed, a packed batch with an ``attention_mask``.
     """
     _check("mode", mode, MODES + (None,))
     _check("grad_ckpt", grad_ckpt, ("auto", True, False))
@@ -239,6 +250,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("dynamic", dynamic, ("auto", True, False))
     _check("eager_numerics", eager_numerics, ("auto", True, False))
     _check("scope", scope, ("whole", "regional"))
+    _check("doc_attention", doc_attention, DOC_ATTENTION)
     if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
         raise ValueError(f"pad_multiple must be an integer >= 1, got {pad_multiple!r}")
     if max_memory_gib is not None and not (isinstance(max_memory_gib, (int, float)) and max_memory_gib > 0):
@@ -264,7 +276,17 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                                "scope": "one graph" if scope == "whole" else "one decoder layer's graph, shared"}
 
     # attention
-    if attention == "auto":
+    packed = packed_batches(batches)
+    choices["packing"] = packed
+    reasons["packing"] = ("batches carry document_ids: one fixed shape, per-document attention" if packed
+                          else "batches are padded" if batches else "no batches shown")
+    if packed:
+        if attention == "causal":
+            raise ValueError("attention='causal' would let packed documents attend to each other; use 'auto'")
+        kernel, why = choose_doc_kernel(device, doc_attention)
+        choices["doc_attention"], reasons["doc_attention"] = kernel, why
+        attention, why = "document", "packed rows: each token attends to its own document only"
+    elif attention == "auto":
         if batches is None:
             attention, why = "mask", "no batches shown to check right padding"
         else:
@@ -352,16 +374,31 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         choices["memory_budget"], reasons["memory_budget"] = memory_budget, "asked for"
 
     model.train()
-    fast = prepare_fast(model, dtype=dtype, device=device, batches=batches, cast_bf16=cast, ce_chunks=ce_chunks,
-                        grad_ckpt=ckpt > 0, ckpt_layers=ckpt if ckpt > 0 else None,
-                        autocast=use_autocast, causal_attn=attention == "causal", mode=mode, backend=backend,
-                        eager_numerics=numerics, scope=scope,
-                        # regional: the layers' inputs cannot be marked dynamic from outside
-                        dynamic=True if scope == "regional" and mark else None)
+    doc_handle = None
+    if packed:
+        from ..ops.doc_attention import use_document_attention
+
+        doc_handle = use_document_attention(model, choices["doc_attention"])
+    try:
+        fast = prepare_fast(model, dtype=dtype, device=device, batches=batches, cast_bf16=cast, ce_chunks=ce_chunks,
+                            grad_ckpt=ckpt > 0, ckpt_layers=ckpt if ckpt > 0 else None,
+                            autocast=use_autocast, causal_attn=attention == "causal", mode=mode, backend=backend,
+                            eager_numerics=numerics, scope=scope,
+                            # regional: the layers' inputs cannot be marked dynamic from outside
+                            dynamic=True if scope == "regional" and mark else None)
+    except BaseException:  # leave the model as it was given, but for the cast
+        if doc_handle is not None:
+            doc_handle.undo()
+        raise
     choices["cast"], reasons["cast"] = fast.cast, "non-LoRA weights cast to the compute dtype"
     extra = _keep_bnb_training_layout(model, device, choices, reasons)
+    if doc_handle is not None:
+        extra.insert(0, doc_handle)  # configs only: undone in any order
     pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
-    forward = _wrap(fast.forward, pad_multiple, pad_id, mark and scope == "whole", memory_budget)
+    compiled = fast.forward
+    if packed:
+        compiled = with_document_mask_outside(compiled, choices["doc_attention"])
+    forward = _wrap(compiled, pad_multiple, pad_id, mark and scope == "whole", memory_budget)
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
                      fast=fast, _pad_id=pad_id, _extra=extra)

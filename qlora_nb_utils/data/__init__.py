@@ -10,7 +10,8 @@
 - ``collate``: the padding policy that decides batch shapes under ``torch.compile``
   (``PaddingCollator``: ``longest``, ``multiple`` or ``fixed``), a seeded ``DataLoader``
   (``make_batches``) and what the padding costs (``padding_stats``).
-- ``batches``: the one builder every caller uses (``build_batches``), real text cut to any
+- ``batches``: the one builder every caller uses (``build_batches``; ``build_packed_batches``
+  for an epoch packed), real text cut to any
   length (``make_length_batcher``) and greedy packing (``pack_rows``).
 - ``packing``: padding-free batches: whole examples packed best-fit decreasing into rows of one
   fixed length, with positions restarting and document ids per token (``pack_examples``,
@@ -29,7 +30,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "validate_file", "validate_source", "load_examples", "load_splits", "format_example",
         "tokenize_examples")},
     **{name: "collate" for name in ("PaddingCollator", "make_batches", "padding_stats")},
-    **{name: "batches" for name in ("build_batches", "make_length_batcher", "pack_rows")},
+    **{name: "batches" for name in ("build_batches", "build_packed_batches", "pack_tokenized", "UNCUT",
+                                    "make_length_batcher", "pack_rows")},
     **{name: "packing" for name in ("pack_examples", "collate_packed", "best_fit_bins", "PackingStats",
                                     "PAD_DOCUMENT", "real_tokens")},
 })

@@ -6,20 +6,29 @@ and they differ only in how many examples they read, the padding policy and whet
 packed. Two runs that are compared (eager and compiled, one rank and N ranks) must see the
 same batches; building them in one place keeps that true.
 
+Packed training has its own builder, :func:`build_packed_batches`: a whole epoch of the same
+examples packed into rows with document ids (:mod:`.packing`), so that a packed run and a padded
+run of :func:`build_batches` can be compared on the same data.
+
 Also here: :func:`make_length_batcher`, real text cut to any requested length (the diagnosis
 over a list of sequence lengths), and :func:`pack_rows`, greedy packing of short rows into
-full windows.
+full windows (plain concatenation, no per-document mask: for throughput runs only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .collate import PaddingCollator, make_batches
 from .examples import IGNORE_INDEX, load_examples, tokenize_examples
+from .packing import PackingStats, pack_examples
 
-__all__ = ["build_batches", "make_length_batcher", "pack_rows"]
+__all__ = ["build_batches", "build_packed_batches", "pack_tokenized", "make_length_batcher", "pack_rows"]
+
+#: Tokenize whole (``tokenize_examples(max_len=UNCUT)``): the packer decides what a too-long example becomes.
+UNCUT = 1 << 30
 
 
 def build_batches(tokenizer: Any, *, batch_size: int, steps: int, max_len: int, padding: str = "fixed",
@@ -61,6 +70,50 @@ def build_batches(tokenizer: Any, *, batch_size: int, steps: int, max_len: int, 
     if require_all and len(batches) < steps:
         raise ValueError(f"the data gives {len(batches)} batches of {batch_size}; fewer than steps={steps}")
     return batches
+
+
+def build_packed_batches(tokenizer: Any, *, batch_size: int, max_len: int, data: str | Path | None = None,
+                         limit: int | None = None, seed: int = 0,
+                         truncate: bool = True) -> tuple[list[dict], PackingStats]:
+    """One epoch of the data packed into batches of ``batch_size`` rows of exactly ``max_len`` tokens.
+
+    The examples are the ones :func:`build_batches` reads (the same file, ``limit`` and
+    tokenization), tokenized whole and packed best-fit decreasing (:func:`pack_examples`); the
+    rows are shuffled by ``seed``. An example longer than ``max_len`` is cut on the right only
+    with ``truncate`` (the padded path's policy; counted in ``stats.truncated``), and one left
+    without a learned token is dropped, as :func:`tokenize_examples` does.
+
+    Returns:
+        ``(batches, stats)``: dicts of CPU int64 tensors ``input_ids``, ``labels``,
+        ``position_ids``, ``document_ids`` (no ``attention_mask``), and :class:`PackingStats`.
+
+    Raises:
+        ValueError: an example longer than ``max_len`` without ``truncate``; bad sizes.
+    """
+    rows = tokenize_examples(load_examples(data, limit=limit), tokenizer, max_len=UNCUT)
+    return pack_tokenized(rows, batch_size=batch_size, max_len=max_len, pad_id=tokenizer.pad_token_id,
+                          seed=seed, truncate=truncate)
+
+
+def pack_tokenized(rows: Any, *, batch_size: int, max_len: int, pad_id: int, seed: int = 0,
+                   truncate: bool = True) -> tuple[list[dict], PackingStats]:
+    """:func:`build_packed_batches` on rows already tokenized whole (``input_ids``, ``labels``).
+
+    Raises:
+        ValueError: a row longer than ``max_len`` without ``truncate``; bad sizes.
+    """
+    rows = list(rows)
+    long = [i for i, r in enumerate(rows) if len(r["input_ids"]) > max_len]
+    if long and not truncate:
+        raise ValueError(f"{len(long)} example(s) are longer than max_len={max_len} tokens (the first: example "
+                         f"{long[0]}, {len(rows[long[0]]['input_ids'])} tokens); raise max_len or allow truncation")
+    kept = []
+    for r in rows:
+        ids, labels = list(r["input_ids"])[:max_len], list(r["labels"])[:max_len]
+        if any(x != IGNORE_INDEX for x in labels[1:]):
+            kept.append({"input_ids": ids, "labels": labels})
+    batches, stats = pack_examples(kept, max_len, rows_per_batch=batch_size, pad_id=pad_id, seed=seed)
+    return batches, dataclasses.replace(stats, truncated=len(long))
 
 
 def make_length_batcher(tokenizer: Any, batch_size: int, *, data: str | Path | None = None,

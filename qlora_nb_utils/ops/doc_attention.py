@@ -36,8 +36,9 @@ reference the flex path is tested against.
 torch 2.13 (checked on the CPU build; :func:`varlen_available`). It takes cumulative sequence lengths instead of a mask and runs
 on CUDA only; it is the other candidate for issue 19, to be measured on the GPU.
 
-Nothing is patched: the model's attention implementation stays the one it was loaded with, so
-there is nothing to undo. Train with ``use_cache=False``.
+The model must run the kernel the mask is made for: :func:`use_document_attention` switches its
+configs' ``_attn_implementation`` (read at trace time) and ``undo()`` switches them back; no
+library code is patched. Train with ``use_cache=False``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ from typing import Any, Callable
 
 import torch
 
+from ..reversible import PatchHandle
+from .attention import _configs
+
 __all__ = ["DOC_MASK_KERNELS", "document_mask_mod", "document_block_mask", "document_dense_mask",
-           "with_document_mask", "varlen_available"]
+           "with_document_mask", "use_document_attention", "varlen_available"]
 
 #: The attention implementations :func:`with_document_mask` can build a mask for.
 DOC_MASK_KERNELS = ("flex_attention", "sdpa")
@@ -151,6 +155,29 @@ def with_document_mask(forward: Callable, kernel: str = "flex_attention", block_
         return forward(*args, **batch)
 
     return run
+
+
+def use_document_attention(model: torch.nn.Module, kernel: str) -> PatchHandle:
+    """Make ``model`` (a transformers causal LM, PEFT-wrapped or not) attend with ``kernel``.
+
+    Sets ``_attn_implementation`` on every config its modules hold, so that the mask
+    :func:`with_document_mask` builds for ``kernel`` reaches a kernel that takes it; ``undo()``
+    puts the previous values back. Call it before compiling (the name is read at trace time).
+
+    Raises:
+        ValueError: ``kernel`` not in :data:`DOC_MASK_KERNELS`, or no transformers config.
+    """
+    if kernel not in DOC_MASK_KERNELS:
+        raise ValueError(f"kernel must be one of {DOC_MASK_KERNELS}, got {kernel!r}")
+    configs = _configs(model)
+    if not configs:
+        raise ValueError(f"{type(model).__name__} holds no transformers config with an attention implementation")
+    handle = PatchHandle("document_attention", {"configs": len(configs), "implementation": kernel})
+    for cfg in configs:
+        old = cfg._attn_implementation  # a property: restore by setting the old value
+        cfg._attn_implementation = kernel
+        handle.add_undo(lambda cfg=cfg, old=old: setattr(cfg, "_attn_implementation", old))
+    return handle
 
 
 def varlen_available() -> bool:

@@ -20,6 +20,12 @@ Decisions, and why:
   static). ``"longest"`` wastes fewer pad tokens but shows many shapes, so no CUDA graphs;
   ``"fixed"`` shows one shape but pads every short example to ``seq_len``. At ``seq_len`` 128 on
   the shipped data nearly every row is cut to 128, so the buckets are one shape there.
+* **Packing where it pays** (``packing="auto"``): when the bucketed batches would be more than
+  :data:`PACK_WHEN_PADDING_OVER` padding, the epoch is packed instead (whole examples in rows of
+  ``seq_len``, each attending to itself only: :func:`~qlora_nb_utils.data.build_packed_batches`),
+  and the choice is stated with both pad fractions. On the shipped data at ``seq_len`` 128
+  nearly every example fills a row, so nothing is packed; at 1024 a padded batch is mostly
+  padding. The held-out batches stay padded: the loss per learned token is the same either way.
 * **Data order from the seed**: the batches of one epoch are built in a seeded order and step
   ``i`` trains on batch ``i mod len``, so a resumed run sees what the uninterrupted one saw.
 * **LR**: linear warm-up, then constant; a resume with a larger ``steps`` simply goes on.
@@ -50,15 +56,20 @@ from .checkpoint import (
     model_fingerprint,
 )
 
-__all__ = ["DEFAULTS", "OUTPUTS", "check_options", "build_finetune_batches", "finetune", "run_meta"]
+__all__ = ["DEFAULTS", "OUTPUTS", "PACK_WHEN_PADDING_OVER", "check_options", "build_finetune_batches", "finetune",
+           "run_meta"]
 
 #: The options of :func:`finetune` and their defaults (the CLI's defaults too).
 DEFAULTS: dict[str, Any] = {
     "model": "smollm2-135m", "data": None, "steps": 60, "batch_size": 4, "seq_len": 128, "lr": 2e-4,
     "warmup_steps": 5, "lora_r": 16, "lora_alpha": 32, "eval_every": 20, "eval_size": 32, "save_every": 20,
     "mode": "auto", "backend": "inductor", "max_memory_gib": None, "grad_ckpt": "auto", "device": "auto",
-    "dtype": "auto", "seed": 0, "check_parity": 0,
+    "dtype": "auto", "seed": 0, "check_parity": 0, "packing": "auto",
 }
+#: ``packing="auto"`` packs when the padded batches would hold more than this share of padding.
+PACK_WHEN_PADDING_OVER = 0.25
+#: What ``packing`` accepts.
+PACKING_CHOICES = ("auto", True, False)
 #: What a run writes into its output folder (``--overwrite`` removes exactly these).
 OUTPUTS = ("metrics.json", "loss_curve.png", "adapter", CHECKPOINT, CHECKPOINT + ".tmp", CHECKPOINT + ".old")
 _POSITIVE = ("steps", "batch_size", "seq_len", "lora_r")
@@ -67,7 +78,7 @@ _NON_NEGATIVE = ("warmup_steps", "eval_every", "save_every", "check_parity")
 
 def run_meta(opts: dict[str, Any]) -> dict[str, Any]:
     """The identity of a run (``meta.json``): what a resumed run must share with the checkpoint."""
-    keys = ("lora_r", "lora_alpha", "batch_size", "seq_len", "eval_size", "seed")
+    keys = ("lora_r", "lora_alpha", "batch_size", "seq_len", "eval_size", "seed", "packing")
     return {**model_fingerprint(opts["model"]), **data_fingerprint(opts["data"]), "quant": "nf4",
             **{k: opts[k] for k in keys}}
 
@@ -90,6 +101,8 @@ def _check_numbers(opts: dict[str, Any]) -> None:
         raise ValueError(f"max_memory_gib must be > 0, got {opts['max_memory_gib']!r}")
     if opts["grad_ckpt"] not in ("auto", True, False):
         raise ValueError(f"grad_ckpt must be 'auto', True or False, got {opts['grad_ckpt']!r}")
+    if opts["packing"] not in PACKING_CHOICES:
+        raise ValueError(f"packing must be 'auto', True or False, got {opts['packing']!r}")
 
 
 def check_options(*, out: str | Path, resume: bool = False, overwrite: bool = False,
@@ -158,19 +171,30 @@ def _bucket(seq_len: int) -> int:
 
 def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, batch_size: int = 4,
                            seq_len: int = 128, seed: int = 0, eval_size: int = 32,
-                           log: Callable[[str], None] | None = None) -> tuple[list, list, dict]:
+                           log: Callable[[str], None] | None = None,
+                           packing: bool | str = False) -> tuple[list, list, dict]:
     """The training and held-out batches of a run, and the held-out example shown as a sample.
 
     Training: one epoch of the training split, tokenized (prompt masked), shuffled by ``seed``,
     in batches of ``batch_size`` padded to buckets of a quarter of ``seq_len`` (module
-    docstring). Held out: ``data.load_splits(eval_size)``'s held-out split, in order, the same
-    padding. The same arguments give the same batches (what ``--resume`` relies on).
+    docstring), or packed (``packing=True``; ``"auto"``: packed when the padded batches would be
+    more than :data:`PACK_WHEN_PADDING_OVER` padding, the choice logged). Held out:
+    ``data.load_splits(eval_size)``'s held-out split, in order, padded. The same arguments give
+    the same batches (what ``--resume`` relies on).
 
     Returns:
         ``(train_batches, heldout_batches, sample_example)``: lists of dicts of CPU tensors, and
         the first held-out example as it is in the data.
     """
-    from ..data import PaddingCollator, load_splits, make_batches, tokenize_examples
+    from ..data import (
+        UNCUT,
+        PaddingCollator,
+        load_splits,
+        make_batches,
+        pack_tokenized,
+        padding_stats,
+        tokenize_examples,
+    )
 
     train_ds, held_ds = load_splits(data, max_eval=eval_size, seed=seed)
     with warnings.catch_warnings(record=True) as caught:
@@ -183,6 +207,20 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
                                multiple_of=_bucket(seq_len), max_length=seq_len)
     train = list(make_batches(rows, batch_size, collator, seed=seed))
     heldout = list(make_batches(held, batch_size, collator, shuffle=False, drop_last=False))
+    if packing is not False:
+        waste = padding_stats(train)["waste_fraction"]
+        if packing is True or waste > PACK_WHEN_PADDING_OVER:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the same notes as above, already shown
+                whole = tokenize_examples(train_ds, tokenizer, max_len=UNCUT)
+            train, stats = pack_tokenized(whole, batch_size=batch_size, max_len=seq_len,
+                                          pad_id=tokenizer.pad_token_id, seed=seed)
+            why = "asked for" if packing is True else f"padded batches would be {waste:.0%} padding"
+            (log or print)(f"==> packing: on ({why}): {len(train)} packed batches, {stats.pad_fraction:.0%} "
+                           f"padding, {stats.truncated} example(s) cut to {seq_len} tokens")
+        else:
+            (log or print)(f"==> packing: off (padded batches are {waste:.0%} padding, "
+                           f"<= {PACK_WHEN_PADDING_OVER:.0%})")
     return train, heldout, dict(held_ds[0])
 
 
@@ -218,7 +256,8 @@ def finetune(*, out: str | Path = "runs/train", resume: bool = False, overwrite:
             folder), ``data`` (None: the shipped data; a JSONL file or a ``save_to_disk``
             folder), ``steps``, ``batch_size``, ``seq_len``, ``lr``, ``warmup_steps``,
             ``lora_r``, ``lora_alpha``, ``eval_every`` / ``save_every`` (0: only at the end),
-            ``eval_size``, ``mode``, ``backend``, ``max_memory_gib``, ``grad_ckpt``
+            ``eval_size``, ``mode``, ``backend``, ``max_memory_gib``, ``grad_ckpt``, ``packing``
+            (``"auto"``: packed where padding would waste more than a quarter; True, False),
             (``"auto"``, True, False), ``device``, ``dtype``, ``seed``, ``check_parity`` (K > 0:
             K steps eager, eager on rows permuted two ways and compiled first, judged, then undone).
 

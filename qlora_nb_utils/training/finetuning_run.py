@@ -14,6 +14,7 @@ evaluations run eagerly on the very weights and attention path the compiled step
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from .. import env
+from ..data.packing import real_tokens
 from .checkpoint import CHECKPOINT, StopSignals, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .evaluation import complete, evaluate
 from .finetuning import DEFAULTS, build_finetune_batches, run_meta, utc_now
@@ -74,7 +76,10 @@ class Run:
         tok = models.load_tokenizer(o["model"])
         self.train_batches, self.eval_batches, self.example = build_finetune_batches(
             tok, data=o["data"], batch_size=o["batch_size"], seq_len=o["seq_len"], seed=o["seed"],
-            eval_size=o["eval_size"], log=self.log)
+            eval_size=o["eval_size"], log=self.log, packing=o["packing"])
+        self.packed = "document_ids" in self.train_batches[0]
+        slots = sum(b["input_ids"].numel() for b in self.train_batches)
+        self.pad_fraction = 1 - sum(real_tokens(b) for b in self.train_batches) / slots
         self.log(f"==> {len(self.train_batches)} training batches of {o['batch_size']} (one epoch, <= {o['seq_len']} "
                  f"tokens), {len(self.eval_batches)} held-out batches")
         self.log(f"==> loading {o['model']} (NF4 + LoRA r={o['lora_r']}, {_show(self.dtype)}) on {self.device}")
@@ -82,6 +87,7 @@ class Run:
             o["model"], quant="nf4", lora=True, lora_r=o["lora_r"], lora_alpha=o["lora_alpha"], dtype=self.dtype,
             device=self.device, prepare_kbit=True, seed=o["seed"])
         self.meta = run_meta(o)  # after the load: a named model's config.json exists now
+        self.loaded_attention = self.model.get_base_model().config._attn_implementation
         if self.device.type == "cpu":  # else an eval pass repacks NF4 weights and breaks gradients
             from ..compile.patches import bnb_cpu_packing
 
@@ -183,8 +189,17 @@ class Run:
         else:
             self.log(message)
 
+    def _as_loaded(self) -> Any:
+        """The model's own attention for padded batches and generation (packing switched it)."""
+        from ..ops.doc_attention import DOC_MASK_KERNELS, use_document_attention
+
+        if not self.packed or self.loaded_attention not in DOC_MASK_KERNELS:
+            return contextlib.nullcontext()
+        return use_document_attention(self.model, self.loaded_attention)  # undone on exit
+
     def _evaluate(self, step: int) -> float:
-        loss = evaluate(self.opt.module, self.eval_batches, autocast_dtype=self.autocast)
+        with self._as_loaded():
+            loss = evaluate(self.opt.module, self.eval_batches, autocast_dtype=self.autocast)
         self.history["eval_losses"].append({"step": step, "loss": loss})
         self._say(f"step {step}: held-out loss {loss:.4f}")
         return loss
@@ -203,8 +218,9 @@ class Run:
 
     def _complete(self) -> str:
         plain = not getattr(self.tok, "chat_template", None)
-        return complete(self.model, self.tok, self._rendered, max_new_tokens=32, autocast_dtype=self.autocast,
-                        add_special_tokens=plain)
+        with self._as_loaded():
+            return complete(self.model, self.tok, self._rendered, max_new_tokens=32, autocast_dtype=self.autocast,
+                            add_special_tokens=plain)
 
     def _parity(self, k: int) -> dict[str, Any]:
         """K steps eager, eager on rows permuted two ways, and compiled, from the same start; then undone."""
@@ -240,6 +256,7 @@ class Run:
             "losses": [r["loss"] for r in rows], "eval_losses": self.history["eval_losses"],
             "final_eval_loss": self.history["eval_losses"][-1]["loss"],
             "tokens_per_s": median_tokens_per_s(rows),
+            "packing": self.packed, "pad_fraction": self.pad_fraction,
             "graph_breaks": self.breaks.total, "break_reasons": self.breaks.by_reason,
             "compilations": counter, "compile_s": counter["compile_s"],
             "optimize": {"description": self.opt.description,

@@ -1,0 +1,91 @@
+"""Packed batches in :func:`~qlora_nb_utils.compile.fast_path.optimize`: what it decides and wraps.
+
+Why this module exists: a packed batch (:func:`qlora_nb_utils.data.pack_examples`) has one fixed
+shape and almost no padding, but it trains correctly only if every token attends to its own
+document alone. ``optimize()`` recognises packed batches by their ``document_ids`` and then
+needs three things that padded batches do not: a kernel that takes a per-document mask, the
+model switched to that kernel (reversibly), and the mask built from each batch's
+``document_ids`` *outside* the compiled graph, so that building it can neither break the graph
+nor recompile (:mod:`qlora_nb_utils.ops.doc_attention` says why inside the graph fails). They
+live here so that ``fast_path`` stays one page of choices.
+
+The kernel (``doc_attention="auto"``): flex attention with a document-causal ``BlockMask`` on
+CUDA (blocks where two documents do not meet are skipped), the dense boolean mask with SDPA
+elsewhere (torch has no flex-attention backward on a CPU). Either can be asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..ops.doc_attention import DOC_MASK_KERNELS, document_block_mask, document_dense_mask
+
+__all__ = ["DOC_ATTENTION", "packed_batches", "choose_doc_kernel", "with_document_mask_outside"]
+
+#: What ``optimize(doc_attention=...)`` accepts.
+DOC_ATTENTION = ("auto",) + DOC_MASK_KERNELS
+
+
+def packed_batches(batches: Sequence[dict] | None) -> bool:
+    """Whether the batches shown are packed (each has ``document_ids``).
+
+    Raises:
+        ValueError: some batches are packed and others not (one run trains one kind), or a
+            packed batch has an ``attention_mask`` or lacks ``position_ids``.
+    """
+    if not batches:
+        return False
+    flags = ["document_ids" in b for b in batches]
+    if not any(flags):
+        return False
+    if not all(flags):
+        raise ValueError(f"{flags.count(True)} of {len(flags)} batches are packed (have document_ids): "
+                         "train on packed or on padded batches, not both")
+    for i, batch in enumerate(batches):
+        if batch.get("attention_mask") is not None:
+            raise ValueError(f"packed batch {i} has an attention_mask: a packed batch takes its mask from "
+                             "document_ids (drop attention_mask)")
+        if batch.get("position_ids") is None:
+            raise ValueError(f"packed batch {i} has no position_ids: positions must restart at every document "
+                             "(pack with data.pack_examples)")
+    return True
+
+
+def choose_doc_kernel(device: torch.device, doc_attention: str) -> tuple[str, str]:
+    """The attention kernel for packed batches and why: ``(kernel, reason)``.
+
+    Raises:
+        ValueError: ``doc_attention`` not in :data:`DOC_ATTENTION`, or flex attention asked for
+            on a CPU (no backward there).
+    """
+    if doc_attention not in DOC_ATTENTION:
+        raise ValueError(f"doc_attention must be one of {list(DOC_ATTENTION)}, got {doc_attention!r}")
+    if doc_attention == "flex_attention" and device.type == "cpu":
+        raise ValueError("doc_attention='flex_attention' cannot train on a CPU (torch has no flex-attention "
+                         "backward there); use 'sdpa' or 'auto'")
+    if doc_attention != "auto":
+        return doc_attention, "asked for"
+    if device.type == "cuda":
+        return "flex_attention", "packed rows: document-causal BlockMask, blocks across documents skipped"
+    return "sdpa", f"packed rows: dense document mask (no flex-attention backward on {device.type})"
+
+
+def with_document_mask_outside(forward: Callable[..., Any], kernel: str, block_size: int = 128) -> Callable[..., Any]:
+    """``forward`` taking packed batches: the mask for ``kernel`` built from ``document_ids`` first.
+
+    Unlike :func:`~qlora_nb_utils.ops.doc_attention.with_document_mask`, a batch without
+    ``document_ids`` passes through untouched (a Trainer's evaluation batch, say).
+    """
+
+    def run(**batch: Any) -> Any:
+        docs = batch.pop("document_ids", None)
+        if docs is not None:
+            if batch.get("attention_mask") is not None:
+                raise ValueError("a packed batch takes its mask from document_ids; drop attention_mask")
+            batch["attention_mask"] = (document_block_mask(docs, block_size) if kernel == "flex_attention"
+                                       else document_dense_mask(docs))
+        return forward(**batch)
+
+    return run
