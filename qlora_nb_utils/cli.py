@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--packing", action="store_true", help="packed against padded on the same examples, in real "
                    "tokens/s: hf-eager (packed), fast-padded, fast (packed; the whole epoch if --steps allows)")
     b.add_argument("--limit", type=_positive_int, default=None, help="read only the first N examples of the data")
+    b.add_argument("--doc-attention", default="auto", choices=("auto", "flex_attention", "sdpa"),
+                   help="with --packing: the per-document attention kernel (auto: flex on CUDA, sdpa elsewhere)")
     b.add_argument("--data", default=None, help="a JSONL file (prompt/response, prompt/completion or chat messages) "
                    "or a datasets folder (default: the shipped KJV set)")
     b.add_argument("--out", default="out", help="folder for results.json and loss_curves.png")
@@ -246,7 +248,7 @@ def _bench(args: argparse.Namespace) -> int:
         padding=args.padding, device=args.device, dtype=args.dtype, lr=args.lr, warmup=args.warmup,
         seed=args.seed, mode=args.mode, backend=args.backend, data=args.data,
         grad_ckpt={"auto": "auto", "on": True, "off": False}[args.grad_ckpt], max_memory_gib=args.max_memory_gib,
-        packing=args.packing, limit=args.limit,
+        packing=args.packing, limit=args.limit, doc_attention=args.doc_attention,
     )
     paths = bench.write_results(results, args.out)
     print_bench_table(results)

@@ -82,6 +82,7 @@ DEFAULTS: dict[str, Any] = {
     "max_memory_gib": None,
     "packing": False,
     "limit": None,
+    "doc_attention": "auto",
 }
 
 
@@ -118,6 +119,10 @@ def validate_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"grad_ckpt must be 'auto', True or False, got {opts['grad_ckpt']!r}")
     if opts["packing"] not in (True, False):
         raise ValueError(f"packing must be True or False, got {opts['packing']!r}")
+    from ..compile.packed import DOC_ATTENTION
+
+    if opts["doc_attention"] not in DOC_ATTENTION:
+        raise ValueError(f"doc_attention must be one of {list(DOC_ATTENTION)}, got {opts['doc_attention']!r}")
     limit = opts["limit"]
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be None or an integer >= 1, got {limit!r}")

@@ -102,7 +102,7 @@ def run_packing_bench(opts: dict[str, Any], progress: bool = True, log=print, co
     _reset()
     load_trainable_state(model, start)
     opt = optimize(model, batches=packed, mode=opts["mode"], backend=opts["backend"], grad_ckpt=opts["grad_ckpt"],
-                   max_memory_gib=opts["max_memory_gib"])
+                   max_memory_gib=opts["max_memory_gib"], doc_attention=opts["doc_attention"])
     log(f"==> {opt.description}")
     try:
         run("fast-eager", opt.eager, packed)
