@@ -3,6 +3,8 @@
 # Use (on the lent GPU machine, repository root; carry .whl .gpucache .unsloth):
 #   bash scripts/gpu/gpu_packing.sh OUT_DIR [BUDGET_S=470] [MODEL=llama-3.2-1b-shape] [RUNS=all] [DATA=kjv,long-tail]
 #                                   [SEQ_LEN=1024] [ROWS=8] [STEPS=10]
+#   env EPOCH_DATA=long-tail: ours-packed's epoch check on those data sets only; DATA_OUTER=1: every
+#   run on the first data set before any on the next (a budget cut then loses the last data set).
 # The packing benchmark (qlora_nb_utils.bench.peers.packed): the same examples packed and padded,
 # one process per run (ours-packed, ours-padded, unsloth-packed, hf-eager-packed, trl-sft-packed,
 # hf-eager, unsloth), real tokens/s counted one way for all, into OUT_DIR/packing_<gpu>.json,
@@ -33,7 +35,10 @@ if [ ! -f "$file" ] && [ -f "results/packing_${gpu}.json" ]; then cp "results/pa
 python3 -c "from qlora_nb_utils import models; models.materialize('$model')"
 [ "$runs" = all ] && runs=ours-packed,ours-padded,unsloth-packed,hf-eager-packed,trl-sft-packed,hf-eager,unsloth
 left=$(( budget - ($(date +%s) - t_start) ))
-python3 -m qlora_nb_utils.bench.peers.packed --model "$model" --data "$data" --runs "$runs" --seq-len "$seq" \
+extra=()
+[ -n "${EPOCH_DATA:-}" ] && extra+=(--epoch-data "$EPOCH_DATA")
+[ "${DATA_OUTER:-0}" = 1 ] && extra+=(--data-outer)
+python3 -m qlora_nb_utils.bench.peers.packed "${extra[@]}" --command "EPOCH_DATA=${EPOCH_DATA:-} DATA_OUTER=${DATA_OUTER:-0} bash scripts/gpu/gpu_packing.sh $*" --model "$model" --data "$data" --runs "$runs" --seq-len "$seq" \
   --rows "$rows" --steps "$steps" --warmup 3 --parity-steps 4 --long-tail-examples 600 --budget-s "$left" \
   --timeouts '{"default": 120, "ours-packed": 170, "ours-padded": 150, "unsloth-packed": 120, "unsloth": 110, "hf-eager": 70, "hf-eager-packed": 70, "trl-sft-packed": 90}' \
   --out "$file" 2>&1 | grep -v -i "warning\|Loading weights" || true

@@ -137,12 +137,14 @@ def _row(run: dict, *, model: str, data: str, packed: bool, pad_fraction: float)
 def run_packing(model: str, data_sets: Sequence[str], *, seq_len: int, rows: int, steps: int, warmup: int,
                 out: str | Path, runs: Sequence[str] = RUNS, seed: int = 0, lr: float = 2e-4,
                 parity_steps: int = 6, long_tail_examples: int = 800, timeout_s: dict[str, float] | None = None,
-                budget_s: float | None = None, command: str | None = None,
-                log: Callable[[str], None] = print) -> dict[str, Any]:
+                budget_s: float | None = None, command: str | None = None, epoch_data: Sequence[str] | None = None,
+                data_outer: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run each of ``runs`` on each data set in a process of its own; rows appended to ``out``.
 
     An existing ``out`` keeps its rows of other (model, data, name). A run that would start with
-    less than 30 s of ``budget_s`` left is a row with ``error`` ("skipped").
+    less than 30 s of ``budget_s`` left is a row with ``error`` ("skipped"). ``epoch_data``: the
+    data sets on which ``ours-packed`` runs the epoch check (default: all); ``data_outer``: every
+    run on the first data set before any on the next (default: each run on every data set first).
 
     Raises:
         ValueError: an unknown run or data set, or ``warmup >= steps`` (before anything runs).
@@ -183,29 +185,31 @@ def run_packing(model: str, data_sets: Sequence[str], *, seq_len: int, rows: int
         prepared[data] = (timed, padded, files)
         log(f"== {model} / {data}: {info['examples']} examples, packed pad fraction "
             f"{info['packing']['pad_fraction']:.3f}, padded {info['padded_pad_fraction']:.3f}")
-    for name in runs:  # each run on every data set before the next: a budget cut loses the last runs only
-        for data in data_sets:
-            timed, padded, files = prepared[data]
-            is_packed = name.endswith("-packed")
-            batches = timed if is_packed else padded
-            n = min(steps, len(batches))
-            limit = (timeout_s or {}).get(name, (timeout_s or {}).get("default", 300))
-            if budget_s is not None:
-                limit = min(limit, budget_s - (time.monotonic() - t0))
-            results["runs"] = [r for r in results["runs"] if (r["model"], r["data"], r["name"]) != (model, data, name)]
-            if limit < 30:
-                run = {"name": name, "error": f"skipped: {limit:.0f} s of the budget left"}
-            else:
-                log(f"==> {name} on {data} ({n} steps, limit {limit:.0f} s)")
-                run = _one_run(name, data, n, limit, {**base, "batch_size": rows, "seq_len": seq_len},
-                               files, work, parity_steps, warmup)
-            frac = 0.0 if name in _FLATTENED else _pad_fraction(batches, n)
-            row = _row(run, model=model, data=data, packed=is_packed, pad_fraction=frac)
-            results["runs"].append(row)
-            _write_json(out, results)
-            log(f"    {name}: " + (f"ERROR {row['error'][:300]}" if "error" in row else
-                                   f"{row['real_tokens_per_s']:.0f} real tok/s, {row['peak_mem_gib']:.2f} GiB, "
-                                   f"{row['median_step_ms']:.1f} ms/step, compilations {row['compilations']}"))
+    order = ([(n, d) for d in data_sets for n in runs] if data_outer  # a budget cut loses the last pairs only
+             else [(n, d) for n in runs for d in data_sets])
+    for name, data in order:
+        timed, padded, files = prepared[data]
+        is_packed = name.endswith("-packed")
+        batches = timed if is_packed else padded
+        n = min(steps, len(batches))
+        limit = (timeout_s or {}).get(name, (timeout_s or {}).get("default", 300))
+        if budget_s is not None:
+            limit = min(limit, budget_s - (time.monotonic() - t0))
+        results["runs"] = [r for r in results["runs"] if (r["model"], r["data"], r["name"]) != (model, data, name)]
+        if limit < 30:
+            run = {"name": name, "error": f"skipped: {limit:.0f} s of the budget left"}
+        else:
+            log(f"==> {name} on {data} ({n} steps, limit {limit:.0f} s)")
+            epoch = epoch_data is None or data in epoch_data
+            run = _one_run(name, data, n, limit, {**base, "batch_size": rows, "seq_len": seq_len},
+                           files if epoch else {**files, "epoch": None}, work, parity_steps, warmup)
+        frac = 0.0 if name in _FLATTENED else _pad_fraction(batches, n)
+        row = _row(run, model=model, data=data, packed=is_packed, pad_fraction=frac)
+        results["runs"].append(row)
+        _write_json(out, results)
+        log(f"    {name}: " + (f"ERROR {row['error'][:300]}" if "error" in row else
+                               f"{row['real_tokens_per_s']:.0f} real tok/s, {row['peak_mem_gib']:.2f} GiB, "
+                               f"{row['median_step_ms']:.1f} ms/step, compilations {row['compilations']}"))
     results["notes"] = NOTES
     _write_json(out, results)
     return results
@@ -220,7 +224,8 @@ def _one_run(name: str, data: str, steps: int, limit: float, base: dict, files: 
     is_packed = name.endswith("-packed")
     ctx = {**base, "name": name, "steps": steps, "warmup": min(warmup, steps - 1)}
     if name == "ours-packed":
-        ctx["extra"] = {"epoch_batches": str(files["epoch"]), "parity_steps": min(parity_steps, steps)}
+        ctx["extra"] = {"epoch_batches": files["epoch"] and str(files["epoch"]),
+                        "parity_steps": min(parity_steps, steps)}
     t0 = time.monotonic()
     batches = str(files["packed" if is_packed else "padded"])
     if name.startswith("unsloth"):
@@ -264,11 +269,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--long-tail-examples", type=int, default=800)
     p.add_argument("--timeouts", default="{}", help='JSON: run name (or "default") -> seconds')
     p.add_argument("--budget-s", type=float, default=None)
+    p.add_argument("--epoch-data", default=None, help="data sets of ours-packed's epoch check (default: all)")
+    p.add_argument("--data-outer", action="store_true", help="every run on one data set before the next")
+    p.add_argument("--command", default=None, help="the command line to record")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     run_packing(a.model, a.data.split(","), seq_len=a.seq_len, rows=a.rows, steps=a.steps, warmup=a.warmup,
                 out=a.out, runs=a.runs.split(","), parity_steps=a.parity_steps,
-                long_tail_examples=a.long_tail_examples, timeout_s=json.loads(a.timeouts), budget_s=a.budget_s)
+                long_tail_examples=a.long_tail_examples, timeout_s=json.loads(a.timeouts), budget_s=a.budget_s,
+                command=a.command, epoch_data=a.epoch_data.split(",") if a.epoch_data else None,
+                data_outer=a.data_outer)
     return 0
 
 
