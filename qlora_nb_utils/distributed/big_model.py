@@ -1,0 +1,216 @@
+"""A 70B-shape QLoRA model with random NF4 weights, built one linear layer at a time, and its run.
+
+Why this module exists: the point of sharding NF4 weights is a model that does not fit on one
+GPU, and the reference result (Answer.AI's FSDP-QLoRA) is a 70B model on two 24 GB cards. A
+Llama-3.1-70B checkpoint cannot be downloaded here, and building one in bf16 first would need
+140 GB of memory for weights that are thrown away after quantization. :func:`build_nf4_model`
+instead creates the model on the ``meta`` device and materialises each linear layer of each
+decoder layer as random bf16 (std 0.02), quantizes it to NF4 at once (double quantization,
+like ``load_qlora``) and drops the bf16 tensor before the next one: at most one linear layer
+(the 70B MLP's 28672 x 8192, 0.47 GB) exists in bf16 at a time. Embeddings and the LM head are
+bf16 as in any QLoRA model. The weights are random, so losses are meaningless; memory and
+speed are those of the real shape.
+
+    torchrun --nproc-per-node 2 -m qlora_nb_utils.distributed.big_model --layers 20 --out big.json
+
+runs a few sharded training steps (NF4 sharded with the float32-word plan of
+:mod:`.packed_words`, activation checkpointing, optional CPU offload) and writes the per-GPU
+peak, tokens/s and, for a layer slice, the extrapolation to all layers (:func:`extrapolate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["SHAPES", "LINEARS", "llama_config", "build_nf4_model", "extrapolate", "main"]
+
+#: Llama-3.1-70B's published config (hidden 8192, 80 layers, GQA 64/8, vocab 128256).
+SHAPES = {
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                          rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                          tie_word_embeddings=False),
+    # the same structure at a size a CPU test runs (a CI dry run of the script's Python part)
+    "llama-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def llama_config(shape: str | dict = "llama-3.1-70b", layers: int | None = None):
+    """A ``LlamaConfig`` of ``shape`` (a name in :data:`SHAPES` or a dict), cut to ``layers``."""
+    from transformers import LlamaConfig
+
+    fields = dict(SHAPES[shape]) if isinstance(shape, str) else dict(shape)
+    if layers is not None:
+        if not 1 <= layers <= fields["num_hidden_layers"]:
+            raise ValueError(f"layers must be in 1..{fields['num_hidden_layers']}; got {layers}")
+        fields["num_hidden_layers"] = layers
+    return LlamaConfig(**fields, use_cache=False, attn_implementation="sdpa")
+
+
+def _nf4_linear(in_f: int, out_f: int, device, compute_dtype, storage, gen) -> nn.Module:
+    import bitsandbytes as bnb
+
+    lin = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=compute_dtype, compress_statistics=True,
+                            quant_type="nf4", quant_storage=storage, device="meta")
+    w = torch.empty(out_f, in_f, dtype=compute_dtype, device=device).normal_(0.0, 0.02, generator=gen)
+    lin.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True, quant_type="nf4",
+                                   quant_storage=storage).to(device)  # quantized here; w is dropped
+    lin.quant_state = lin.weight.quant_state  # the module's copy, which sharding re-attaches (fsdp.py)
+    return lin
+
+
+def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.bfloat16,
+                    quant_storage: torch.dtype = torch.float32, seed: int = 0,
+                    on_linear: Callable[[str], None] | None = None) -> nn.Module:
+    """A ``LlamaForCausalLM`` of ``config`` with random NF4 linear layers (module docstring).
+
+    Args:
+        config: from :func:`llama_config`.
+        device: where every weight is made (each rank: its GPU).
+        compute_dtype: bf16 weights before quantization, embeddings, norms, LM head.
+        quant_storage: the packed words' dtype (float32: the sharding plan of ``packed_words``).
+        seed: the same seed gives the same weights on every rank.
+        on_linear: called with each quantized layer's name (tests measure memory there).
+
+    Returns:
+        The model, frozen (no parameter requires grad), in train mode.
+    """
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    for i, layer in enumerate(model.model.layers):
+        for name in LINEARS:
+            parent_name, attr = name.split(".")
+            parent = getattr(layer, parent_name)
+            old = getattr(parent, attr)
+            setattr(parent, attr, _nf4_linear(old.in_features, old.out_features, device, compute_dtype,
+                                              quant_storage, gen))
+            if on_linear is not None:
+                on_linear(f"model.layers.{i}.{name}")
+    for module in (model.model.embed_tokens, model.lm_head):
+        module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=compute_dtype, device=device)
+                                     .normal_(0.0, 0.02, generator=gen))
+    for name, p in list(model.named_parameters()):
+        if p.is_meta:  # the RMSNorm weights
+            owner = model.get_submodule(name.rsplit(".", 1)[0])
+            owner.weight = nn.Parameter(torch.ones(p.shape, dtype=compute_dtype, device=device))
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config).to(device)
+    model.requires_grad_(False)
+    return model.train()
+
+
+def extrapolate(measured: dict, layers_run: int, layers_total: int) -> dict:
+    """Per-GPU peak and tokens/s of all layers from a slice: the per-layer part of the peak
+    (sharded NF4 + LoRA state + one checkpointed activation per layer) scales with the layer
+    count, the rest (embeddings, LM head, logits, one layer's working set) does not; step
+    time is taken as proportional to the layer count (the LM head is ignored: optimistic)."""
+    per_layer = measured["per_layer_gib_per_gpu"]
+    peak = measured["peak_mem_gib_per_gpu"] + per_layer * (layers_total - layers_run)
+    return {"layers": layers_total, "peak_mem_gib_per_gpu": peak,
+            "tokens_per_s": measured["tokens_per_s"] * layers_run / layers_total,
+            "fits_24gb": peak <= 24 * 1e9 / 2**30, "method": extrapolate.__doc__.split(":", 1)[1].strip()}
+
+
+def _per_layer_gib(model: nn.Module, layer: nn.Module, tokens_per_rank: int, hidden: int) -> float:
+    local = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in layer.parameters())
+    lora = sum(getattr(p, "_local_tensor", p).numel() * 4 * 3 for p in layer.parameters() if p.requires_grad)
+    return (local + lora + tokens_per_rank * hidden * 2) / 2**30  # + Adam states; + the checkpointed input
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build, shard and train a few steps on random tokens; rank 0 writes ``--out``."""
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m qlora_nb_utils.distributed.big_model")
+    p.add_argument("--shape", default="llama-3.1-70b", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="a slice of the decoder layers (default: all)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1, help="rows per rank")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--compile", action="store_true", help="compile each decoder layer (inductor)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    from .. import env
+    from ..training.device import peak_mem_gib, reset_peak, sync
+    from .fsdp import apply_fsdp2, clip_grad_norm
+    from .packed_words import sharded_nf4_precision
+    from .setup import init_distributed
+    from .summary import _max_over_ranks
+
+    info = init_distributed(args.device)
+    dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
+    plan, storage = sharded_nf4_precision(dtype)
+    config = llama_config(args.shape, args.layers)
+    t0 = time.perf_counter()
+    model = build_nf4_model(config, device=info.device, compute_dtype=dtype, quant_storage=storage)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
+        n.split(".")[-1] for n in LINEARS], task_type="CAUSAL_LM"))
+    build_s = time.perf_counter() - t0
+    sharded = apply_fsdp2(model, mp_policy=plan, nf4="shard", grad_ckpt=True, cpu_offload=args.cpu_offload,
+                          compile_layers=args.compile, fullgraph=False, frozen="shard")
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    gen = torch.Generator().manual_seed(info.rank)
+    reset_peak(info.device)
+    times = []
+    for _ in range(args.steps):
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=gen).to(info.device)
+        sync(info.device)
+        t = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        clip_grad_norm(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(info.device)
+        times.append(time.perf_counter() - t)
+    timed = sorted(times[1:] or times)
+    step_s = timed[len(timed) // 2]
+    peak = _max_over_ranks(peak_mem_gib(info.device), info.device)
+    measured = {"peak_mem_gib_per_gpu": peak, "tokens_per_s": args.batch * args.seq_len * info.world_size / step_s,
+                "median_step_s": step_s, "first_step_s": times[0], "build_s": build_s,
+                "per_layer_gib_per_gpu": _per_layer_gib(model, sharded.layers[0], args.batch * args.seq_len,
+                                                        config.hidden_size)}
+    total = SHAPES[args.shape]["num_hidden_layers"]
+    record = {"shape": args.shape, "layers_run": config.num_hidden_layers, "layers_total": total,
+              "world_size": info.world_size, "seq_len": args.seq_len, "batch_per_gpu": args.batch,
+              "nf4": sharded.nf4, "quant_storage": str(storage).replace("torch.", ""), "grad_ckpt": True,
+              "cpu_offload": args.cpu_offload, "compile": args.compile, "steps": args.steps, **measured,
+              "extrapolated": config.num_hidden_layers < total,
+              "extrapolation": extrapolate(measured, config.num_hidden_layers, total)
+              if config.num_hidden_layers < total else None,
+              "losses_note": "random weights and tokens: the loss is not meaningful",
+              "device": env.device_info(info.device), "versions": env.versions(), "command": " ".join(sys.argv),
+              "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+    if info.is_main:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2, default=str)
+        print(f"[big_model] {json.dumps({k: record[k] for k in ('layers_run', 'peak_mem_gib_per_gpu', 'tokens_per_s')})}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
