@@ -133,3 +133,19 @@ def test_compiled_step_equals_its_eager_recipe_and_install_undo_round_trip(loade
             opt.install(model)
     finally:
         opt.undo()
+
+
+def test_regional_scope_compiles_once_and_undo_removes_its_embedding_hook(loaded):
+    """Layer 0's input (the frozen embedding's output) is made to require grad like the others'."""
+    model, tok = loaded
+    batches = _batches(tok, steps=2)
+    opt = optimize(model, batches=batches, scope="regional", backend="aot_eager")
+    try:
+        for batch in batches:
+            opt(**batch).loss.backward()
+        stats = opt.counter.to_dict()
+        assert (stats["compilations"], stats["recompilations"]) == (1, 0), stats["recompile_reasons"]
+    finally:
+        opt.undo()
+        model.zero_grad(set_to_none=True)
+    assert not any(m._forward_hooks for m in model.modules())

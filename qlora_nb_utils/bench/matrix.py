@@ -34,7 +34,6 @@ import torch
 from .. import data as qdata
 from .. import diagnostics, env, models
 from ..compile import prepare_for_compile
-from ..compile.patches import input_require_grads
 from ..env import resolve_device_dtype
 from ..training.gpulock import lock_path
 from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
@@ -128,14 +127,10 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ck
     """Prepare `model` as the cell says, train it with `train_fn` (default `train`), undo."""
     torch.compiler.reset()
     load_trainable_state(model, start)
-    # Regional: the layers are compiled, the embedding is not. Every layer but the first gets an
-    # input that requires grad (the previous layer's LoRA output), so without the eager hook the
-    # first layer compiles a second graph (a requires_grad guard). Variable lengths cannot be
-    # marked on the layers' inputs from outside, so the layers are compiled dynamic (floats kept
-    # constant: see compile._with_static_floats, which removed a restarted trace per cell).
-    hook = None
-    if scope == "regional":
-        hook = model.get_input_embeddings().register_forward_hook(input_require_grads.requires_grad_unless_compiling)
+    # Regional: prepare_for_compile makes the first layer's input require grad like the others'
+    # (one compilation). Variable lengths cannot be marked on the layers' inputs from outside, so
+    # the layers are compiled dynamic (floats kept constant: see compile._with_static_floats,
+    # which removed a restarted trace per cell).
     dynamic = True if (scope == "regional" and lengths == "variable") else None
     # With checkpointing on, grad_ckpt=True gives the whole graph the recompute-everything policy
     # (compiled peak memory at eager's; see compile/prepare.py).
@@ -150,8 +145,6 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ck
     finally:
         stats = prepared.counter.to_dict()
         prepared.undo()
-        if hook is not None:
-            hook.remove()
         torch.compiler.reset()
     return hist, {"compilations": stats["compilations"], "recompilations": stats["recompilations"],
                   "recompile_reasons": stats["recompile_reasons"], "restarts": stats["restarts"],
@@ -253,7 +246,7 @@ def run_matrix(
                     "gpu_lock": lock_path() is not None,
                     "recommended": "prepare_for_compile(fullgraph=True); variable lengths: mark_dynamic on the "
                                    "sequence dimension (whole), dynamic=True (regional); regional: the "
-                                   "embedding output requires grad (eager hook)"},
+                                   "embedding output requires grad (prepare_for_compile's eager hook)"},
         "cells": [],
     }
     t0 = time.perf_counter()

@@ -50,7 +50,7 @@ import torch
 
 from ..reversible import PatchHandle, set_attribute
 from . import patches as _patches
-from .checkpointing import _configure_checkpointing, decoder_layers
+from .checkpointing import _configure_checkpointing, _has_traceable_hook, decoder_layers
 from .counting import CompileCounter
 from .optimizer import CompiledOptimizer, compiled_optimizer
 from .patches import input_require_grads
@@ -186,6 +186,13 @@ def _compile_regional(model, backend_fn, fullgraph, dynamic) -> PatchHandle:
         raise ValueError(f"scope='regional' found no decoder layer in {type(model).__name__}; "
                          "use scope='whole'")
     handle = PatchHandle("regional_compile", {"layers": len(layers)})
+    # The first layer's input is the frozen embedding's output, which does not require grad; every
+    # other layer's does (the previous layer's LoRA output), so the first layer would compile a
+    # second graph on a requires_grad guard. The traceable hook makes them alike: one compilation.
+    embeddings = next((m.get_input_embeddings() for m in model.modules() if hasattr(m, "get_input_embeddings")), None)
+    if embeddings is not None and not input_require_grads.find_hooks(model) and not _has_traceable_hook(model):
+        hook = embeddings.register_forward_hook(input_require_grads.requires_grad_unless_compiling)
+        handle.add_undo(hook.remove)
     for layer in layers:  # what Module.compile() does, recorded for undo
         compiled = torch.compile(layer._call_impl, backend=backend_fn, fullgraph=fullgraph, dynamic=dynamic)
         if dynamic is True:
