@@ -103,6 +103,24 @@ def test_memory_breakdown_categories_and_peak_phase():
     assert cats["logits"] > 0 and cats["cudagraph_pool"] == 0
     assert out["markers_found"] == list(P.PHASES) and out["resident_before_step_gib"] == 1.0
     assert [r["category"] for r in out["largest"]][:2] == ["logits", "saved_activations"]
+    assert out["by_site"][0] == {"gib": pytest.approx(125.25 / 1024, abs=1e-3), "category": "logits",
+                                 "site": "inductor_fwd.py:1:g"}
+
+
+def test_memory_breakdown_reads_the_innermost_frame():
+    """A compiled graph runs inside its module's frames (losses.py here): only the innermost one counts;
+    bitsandbytes' dequantize-then-matmul op returns an activation, not a dequantized weight."""
+    mib = 2**20
+    frames = lambda *fs: [{"filename": f, "line": 1, "name": n} for f, n in fs]  # noqa: E731
+    trace = [{"action": "alloc", "addr": 1, "size": 64 * mib,
+              "frames": frames(("/tmp/ind/3i/c3ii.py", "call"), ("qlora_nb_utils/ops/losses.py", "forward"))},
+             {"action": "alloc", "addr": 2, "size": 224 * mib,
+              "frames": frames(("bitsandbytes/backends/cuda/ops.py", "_dequant_linear_fallback"))},
+             {"action": "alloc", "addr": 3, "size": 112 * mib,
+              "frames": frames(("bitsandbytes/backends/cuda/ops.py", "_dequantize_4bit_impl"))}]
+    cats = P.memory_breakdown({"device_traces": [trace], "segments": []}, vocab=128256)["categories"]
+    assert cats["logits"] == 0 and cats["dequantized_weights"] == pytest.approx(112 / 1024, abs=1e-3)
+    assert cats["saved_activations"] == pytest.approx(288 / 1024, abs=1e-3)  # no markers: all one forward
     with pytest.raises(ValueError):
         P.memory_breakdown({"device_traces": []})
     with pytest.raises(ValueError):

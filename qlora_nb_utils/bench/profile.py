@@ -33,23 +33,23 @@ launch...), and, with ``record_shapes``, the input shapes of the nearest matmul 
    residual adds and LoRA scaling; eager elementwise kernels; copies and memsets).
 
 An Inductor kernel name (``triton_{poi,red,per,tem}_fused_<ops>_<n>``) lists the aten ops it
-fused (Inductor's default ``descriptive_names``), so rules 5 and 6 read those ops; a fused
-kernel that mixes kinds goes to the first rule it meets. What no rule can attribute stays in
-``other`` or ``matmul_unattributed``, and the total kernel time is always reported beside the
-groups, so the groups never claim more than was measured.
+fused (Inductor's default ``descriptive_names``), so rules 5 and 6 read those ops; a mixed
+kernel goes to the first rule it meets. What no rule attributes stays in ``other`` or
+``matmul_unattributed``, and the total kernel time is reported beside the groups.
 
 **What is alive at the peak** (:func:`memory_breakdown`) reads an allocator recording
 (:func:`qlora_nb_utils.diagnostics.memprof.recording`) of one step, whose phases the step marks
 with :func:`phase_marker` (a tiny allocation whose size names the phase). Each block alive at
 the peak is, first rule first: ``cudagraph_pool`` (its segment belongs to a private pool),
-``dequantized_weights`` (a frame of its stack says ``dequant``), ``logits`` (a frame names the
+``dequantized_weights`` (its innermost non-torch frame says ``dequant`` and not ``linear``/``gemm``:
+bitsandbytes' dequantize-then-matmul op returns an activation), ``logits`` (that frame names the
 LM head or the loss, or, for a vocabulary of at least 16384, its size is at least 512 whole bf16
 vocabulary rows, up to the allocator's 512-byte rounding), ``saved_activations``
 (allocated in the forward and still alive), ``backward_buffers`` (allocated after the forward),
-``workspace_other``. What was allocated before the recorded step (weights, LoRA, optimizer
-state) is ``resident_before_step``. Inductor's generated code allocates its buffers from its
-own frames, so in a compiled step a saved dequantized weight is only named when the op that
-made it (bitsandbytes' dequantize) left a Python frame on the stack.
+``workspace_other``; what was allocated before the step (weights, LoRA, optimizer state) is
+``resident_before_step``. A compiled graph allocates from Inductor's generated file, so only
+the phase and the size can name its buffers, and a weight dequantized inside an opaque op and
+kept for the backward would show as that op's own frame.
 """
 
 from __future__ import annotations
@@ -262,7 +262,8 @@ def _qlora_nb_phase_marker(nbytes: int) -> None:
     torch.empty(nbytes, dtype=torch.uint8, device="cuda")
 
 
-_LOGITS = re.compile(r"lm_head|logits|cross_entropy|losses\.py|fused_loss|_cce|chunked", _I)
+_LOGITS = re.compile(r"lm_head|logits|cross_entropy|fused_loss|_cce", _I)
+_NOT_A_WEIGHT = re.compile(r"linear|gemm|matmul", _I)  # bnb's dequantize-then-matmul op returns an activation
 CATEGORIES = ("cudagraph_pool", "dequantized_weights", "logits", "saved_activations", "backward_buffers",
               "workspace_other")
 
@@ -302,14 +303,13 @@ def memory_breakdown(snapshot: dict[str, Any], *, device: int = 0, vocab: int | 
     for i, e in enumerate(events):
         if e["action"] == "alloc":
             level += e["size"]
-            frames = e.get("frames") or []
-            if e["size"] in sizes and any(f.get("name") == _MARKER_FN for f in frames):
+            if e["size"] in sizes and any(f.get("name") == _MARKER_FN for f in e.get("frames") or []):
                 markers.setdefault(sizes[e["size"]], i)
         elif e["action"] == "free_completed":
             level -= e["size"]
         if level > best:
             best, best_at = level, i
-    live: dict[int, tuple[int, dict]] = {}
+    live: dict[int, tuple[int, dict]] = {}  # addr -> (event index, event), as of the peak
     for i, e in enumerate(events[: best_at + 1]):
         if e["action"] == "alloc":
             live[e["addr"]] = (i, e)
@@ -317,17 +317,15 @@ def memory_breakdown(snapshot: dict[str, Any], *, device: int = 0, vocab: int | 
             live.pop(e["addr"], None)
     fwd_end, start = markers.get("forward_end", len(events)), markers.get("step_start", -1)
     segments = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
-    cats, counts = defaultdict(int), defaultdict(int)
-    rows = []
+    cats, counts, by_site, rows = defaultdict(int), defaultdict(int), defaultdict(int), []
     for i, e in live.values():
-        frames = e.get("frames") or []
-        text = " ".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames)
+        site = site_of(e.get("frames") or [])  # the innermost frame only: a compiled graph runs inside its module's frames
         pool = _pool_of(segments, e["addr"])
         if pool is not None and tuple(pool) != (0, 0):
             cat = "cudagraph_pool"
-        elif _DEQUANT.search(text):
+        elif _DEQUANT.search(site) and not _NOT_A_WEIGHT.search(site):
             cat = "dequantized_weights"
-        elif _LOGITS.search(text) or (vocab and vocab * 2 >= 2**15 and e["size"] >= vocab * 2 * 512
+        elif _LOGITS.search(site) or (vocab and vocab * 2 >= 2**15 and e["size"] >= vocab * 2 * 512
                                       and e["size"] % (vocab * 2) < 512):
             cat = "logits"
         elif start <= i < fwd_end:
@@ -336,9 +334,9 @@ def memory_breakdown(snapshot: dict[str, Any], *, device: int = 0, vocab: int | 
             cat = "backward_buffers"
         else:
             cat = "workspace_other"
-        cats[cat] += e["size"]
-        counts[cat] += 1
-        rows.append((e["size"], cat, site_of(frames)))
+        cats[cat], counts[cat] = cats[cat] + e["size"], counts[cat] + 1
+        rows.append((e["size"], cat, site))
+        by_site[(site, cat)] += e["size"]
     phase = "before_step"
     for p in PHASES:
         if p in markers and markers[p] <= best_at:
@@ -350,6 +348,8 @@ def memory_breakdown(snapshot: dict[str, Any], *, device: int = 0, vocab: int | 
             "categories": {c: round(cats.get(c, 0) / gib, 3) for c in CATEGORIES},
             "counts": {c: counts.get(c, 0) for c in CATEGORIES},
             "largest": [{"mib": round(s / 2**20, 1), "category": c, "site": site} for s, c, site in rows[:top]],
+            "by_site": [{"gib": round(v / gib, 3), "category": k[1], "site": k[0]}
+                        for k, v in sorted(by_site.items(), key=lambda kv: -kv[1])[:top]],
             "resident_before_step_gib": None if resident_before_step is None else round(resident_before_step / gib, 3),
             "markers_found": sorted(markers, key=PHASES.index)}
 
