@@ -162,11 +162,11 @@ def test_build_packed_batches_keeps_every_token_and_cuts_only_when_allowed(tiny)
 def test_bench_packing_writes_what_the_checks_name(tmp_path):
     out = tmp_path / "bench"
     argv = ["bench", "--packing", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--steps", "50",
-            "--warmup", "1", "--seq-len", "256", "--batch-size", "2", "--limit", "8", "--backend", "aot_eager",
+            "--warmup", "1", "--seq-len", "512", "--batch-size", "2", "--limit", "12", "--backend", "aot_eager",
             "--out", str(out), "--no-progress"]
     assert cli.main(argv) == 0
     r = json.loads((out / "results.json").read_text())
-    assert r["packing"] is True and r["whole_epoch"] is True  # 8 examples pack into fewer than 50 batches
+    assert r["packing"] is True and r["whole_epoch"] is True  # 12 examples pack into fewer than 50 batches
     assert [run["name"] for run in r["runs"]] == ["hf-eager", "fast-padded", "fast"]
     assert r["pad_fraction"] < r["padded_pad_fraction"]
     assert r["graph_breaks"] == 0 and r["compilations"] == 1 and r["fullgraph_ok"] is True
