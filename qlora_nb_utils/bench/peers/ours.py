@@ -37,7 +37,8 @@ def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, 
     device = env.resolve_device(ctx["device"])
     dtype = env.resolve_dtype(ctx["dtype"], device)
     if opts["auto"]:  # every choice optimize() can make, made by it
-        opt = optimize(model, batches=batches, dtype=dtype, grad_ckpt=True if grad_ckpt else "auto")
+        opt = optimize(model, batches=batches, dtype=dtype, grad_ckpt=True if grad_ckpt else "auto",
+                       max_memory_gib=opts["max_memory_gib"])
     else:  # the variant's choices, each stated
         opt = optimize(model, batches=batches, dtype=dtype, cast=opts["cast_bf16"], ce_chunks=opts["ce_chunks"],
                        grad_ckpt=grad_ckpt, ckpt_layers=opts["ckpt_layers"], autocast=opts["autocast"],

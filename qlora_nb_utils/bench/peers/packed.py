@@ -13,6 +13,8 @@ does the same work on fewer real tokens; every packed run trains the very same p
 * ``ours-packed`` / ``ours-padded``: :func:`qlora_nb_utils.optimize` making every choice, on the
   packed / padded batches; ``ours-packed`` also counts the compilations over one whole epoch of
   packed batches and compares its loss with the recipe uncompiled (:mod:`.ours`).
+* ``ours-lowmem-packed``: ``ours-packed`` with ``optimize(max_memory_gib=9.5)``, at most
+  Unsloth's padding-free peak at the 1B shape (checkpointing chosen by the estimate).
 * ``hf-eager-packed`` / ``hf-eager``: the HF recipe eager; packed through transformers' own
   restarting-``position_ids`` path (SDPA).
 * ``trl-sft-packed``: TRL ``SFTTrainer(padding_free=True)``, eager.
@@ -41,7 +43,8 @@ from typing import Any, Callable, Sequence
 __all__ = ["RUNS", "LIBRARY", "build_data", "run_packing"]
 
 #: Every run of the benchmark, in the order they are run (most wanted first).
-RUNS = ("ours-packed", "ours-padded", "unsloth-packed", "hf-eager-packed", "trl-sft-packed", "hf-eager", "unsloth")
+RUNS = ("ours-packed", "ours-padded", "unsloth-packed", "hf-eager-packed", "trl-sft-packed", "hf-eager", "unsloth",
+        "ours-lowmem-packed")
 LIBRARY = {"ours": "ours", "hf": "hf", "trl": "trl", "unsloth": "unsloth"}
 DATA_SETS = ("kjv", "long-tail")
 #: Runs whose library flattens a packed batch into one row without its tail padding.

@@ -66,6 +66,7 @@ OURS_OPTIONS: dict[str, Any] = {
     "causal_attn": False,   # causal-only SDPA (qlora_nb_utils.ops.attention): flash kernel + GQA; right padding only
     "ckpt_layers": None,    # with grad_ckpt: checkpoint only the first N decoder layers (None = all)
     "auto": False,          # let optimize() make every choice it can (the other options are then unused)
+    "max_memory_gib": None,  # with auto: optimize()'s peak-memory target (checkpointing chosen to fit it)
 }
 _FAST = {"autocast": True, "causal_attn": True}
 #: Named variants of ``ours`` (changes from :data:`OURS_OPTIONS`); ``ours`` alone is "chunked".
@@ -89,6 +90,8 @@ OURS_VARIANTS: dict[str, dict[str, Any]] = {
     # the packing benchmark: optimize() makes every choice, on packed or on padded batches
     "packed": {"auto": True},
     "padded": {"auto": True},
+    # packed, held to Unsloth's padding-free peak at the 1B shape (9.9 GiB in results/packing_h100.json)
+    "lowmem-packed": {"auto": True, "max_memory_gib": 9.5},
 }
 DEFAULT_VARIANT = "chunked"
 
@@ -136,6 +139,10 @@ def validate_ours_options(options: dict[str, Any]) -> dict[str, Any]:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not 0.0 <= budget <= 1.0):
         raise ValueError(f"memory_budget must be None or a number in [0, 1], got {budget!r}")
+    mem = opts["max_memory_gib"]
+    if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0
+                            or not opts["auto"]):
+        raise ValueError(f"max_memory_gib must be None or a number > 0, with auto=True; got {mem!r}")
     layers = opts["ckpt_layers"]
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
         raise ValueError(f"ckpt_layers must be None (all layers) or an integer >= 0, got {layers!r}")
