@@ -72,6 +72,7 @@ def test_group_kernels_totals_and_shares():
     assert sum(x["ms"] for x in g.values()) == pytest.approx(out["total_ms"])
     top = P.top_kernels(recs, 2, steps=2, lora_r=16)
     assert top[0]["name"] == "sm90_xmma_gemm" and top[0]["ms"] == pytest.approx(2.0) and top[0]["calls"] == 1
+    assert top[0]["groups"] == {"base_matmul": pytest.approx(1.5), "lora_matmul": pytest.approx(0.5)}
 
 
 def _event(action, addr, size, name="f", filename="x.py"):

@@ -188,13 +188,9 @@ def kernel_records(events: Iterable[Any], device: str = "cuda") -> list[dict[str
 
 def group_kernels(records: Sequence[dict[str, Any]], *, steps: int = 1, lora_r: int = 16,
                   vocab: int | None = None, top: int = 5) -> dict[str, Any]:
-    """Kernel time per group, per step: ms, share of the total, kernel count, top kernels, rules.
-
-    Returns:
-        ``{"total_ms", "groups": {group: {"ms", "share", "count", "by_phase", "rules", "top"}},
-        "norm_rope_act_split": {norm, rope, activation: ms}, "lm_head_ms", "steps"}``; every
-        group of :data:`GROUPS` is present (0 when empty).
-    """
+    """Kernel time per group, per step: ``{"total_ms", "steps", "lm_head_ms", "norm_rope_act_split",
+    "groups": {group: {"ms", "share", "count", "by_phase", "rules", "top"}}}``, with every group of
+    :data:`GROUPS` present (0 when empty) and the groups summing to ``total_ms``."""
     steps = max(int(steps), 1)
     groups: dict[str, dict[str, Any]] = {g: {"us": 0.0, "count": 0, "by_phase": defaultdict(float),
                                              "rules": defaultdict(float), "names": defaultdict(float)}
@@ -230,17 +226,18 @@ def _short(name: str, limit: int = 140) -> str:
 
 def top_kernels(records: Sequence[dict[str, Any]], n: int = 15, *, steps: int = 1, lora_r: int = 16,
                 vocab: int | None = None) -> list[dict[str, Any]]:
-    """The ``n`` kernels with the most time per step: name, ms, calls, group."""
-    agg: dict[str, list] = {}
+    """The ``n`` kernels with the most time per step: name, ms, calls, and ``groups`` (ms per group:
+    one cuBLAS kernel often serves base and LoRA matmuls alike)."""
+    agg: dict[str, dict] = defaultdict(lambda: {"us": 0.0, "calls": 0, "groups": defaultdict(float)})
     for r in records:
-        a = agg.setdefault(r["name"], [0.0, 0, r])
-        a[0] += r["us"]
-        a[1] += 1
-    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:n]
+        a = agg[r["name"]]
+        a["us"], a["calls"] = a["us"] + r["us"], a["calls"] + 1
+        a["groups"][classify_kernel(r["name"], r.get("context") or (), r.get("shapes"), lora_r=lora_r,
+                                    vocab=vocab)[0]] += r["us"]
     steps = max(int(steps), 1)
-    return [{"name": _short(k), "ms": round(v[0] / steps / 1e3, 3), "calls": v[1] // steps,
-             "group": classify_kernel(k, v[2].get("context") or (), v[2].get("shapes"), lora_r=lora_r,
-                                      vocab=vocab)[0]} for k, v in rows]
+    return [{"name": _short(k), "ms": round(v["us"] / steps / 1e3, 3), "calls": v["calls"] // steps,
+             "groups": {g: round(us / steps / 1e3, 3) for g, us in sorted(v["groups"].items(), key=lambda x: -x[1])}}
+            for k, v in sorted(agg.items(), key=lambda kv: -kv[1]["us"])[:n]]
 
 
 # ---------------------------------------------------------------- memory at the peak
