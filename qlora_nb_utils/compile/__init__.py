@@ -30,6 +30,8 @@ Entry points (imported lazily, on first use; importing the subpackage imports no
   (CUDA graphs, dynamic lengths, the attention path, how many layers to checkpoint for a
   memory target), and says what it chose; the names above are its building blocks.
   :mod:`.memory_estimate` (``estimate_peak_gib``) is the calibrated peak it checkpoints by.
+* :class:`CpuOffloader`, in :mod:`.offload`: checkpointed layers' saved inputs kept in pinned
+  CPU memory, copied on a side stream (``optimize(offload=...)``; ``offload.apply(model)``).
 """
 
 from .._lazy import lazy_exports
@@ -49,6 +51,7 @@ _EXPORTS = {
     ), "recipe"),
     **dict.fromkeys(("optimize", "Optimized", "pad_batch"), "fast_path"),
     **dict.fromkeys(("estimate_peak_gib", "estimate_terms"), "memory_estimate"),
+    **dict.fromkeys(("CpuOffloader", "OffloadStats"), "offload"),
 }
 
 __all__ = list(_EXPORTS)

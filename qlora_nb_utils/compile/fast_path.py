@@ -25,7 +25,8 @@ The choices, each overridable by passing it explicitly:
   :func:`~qlora_nb_utils.data.pack_examples`): a per-document causal mask built outside the
   graph, flex attention's ``BlockMask`` on CUDA, SDPA's dense mask elsewhere (:mod:`.packed`).
 * **Checkpointing**: off without a memory target; with ``max_memory_gib``, on the fewest first
-  decoder layers whose estimated peak (:func:`estimate_peak_gib`) fits the target.
+  decoder layers whose estimated peak (:func:`estimate_peak_gib`) fits the target; if even every
+  layer does not fit, their saved inputs offloaded to CPU memory (:mod:`.offload`, regional scope).
 * **Autocast** for bf16/fp16 compute (the LoRA matmuls in bf16, fp32 master weights); nothing
   for fp32.
 * **Eager's rounding** (``eager_numerics``) for bf16/fp16: Inductor keeps a fused kernel's
@@ -51,7 +52,8 @@ import torch
 
 from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
-from .memory_estimate import _config_of, estimate_peak_gib
+from .memory_estimate import _config_of, estimate_peak_gib, estimate_terms, peak_from_terms
+from .offload import plan
 from .packed import DOC_ATTENTION, choose_doc_kernel, packed_batches, with_document_mask_outside
 from .recipe import FastPrepared, activation_memory_budget, prepare_fast
 
@@ -206,7 +208,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
              ckpt_layers: int | None = None, dtype: torch.dtype | None = None, backend: Any = "inductor",
              ce_chunks: int = 4, cast: bool = True, autocast: bool | str = "auto", pad_multiple: int = 8,
              dynamic: bool | str = "auto", memory_budget: float | None = None,
-             eager_numerics: bool | str = "auto", scope: str = "whole", doc_attention: str = "auto") -> Optimized:
+             eager_numerics: bool | str = "auto", scope: str = "whole", doc_attention: str = "auto",
+             offload: bool | str = "auto") -> Optimized:
     """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
 
     Args:
@@ -234,6 +237,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             notebook 06); regional never uses CUDA graphs under ``mode="auto"``.
         doc_attention: for packed batches, ``"auto"`` (flex attention on CUDA, SDPA elsewhere),
             ``"flex_attention"`` or ``"sdpa"``.
+        offload: keep checkpointed layers' inputs in pinned CPU memory (:mod:`.offload`):
+            ``"auto"`` (only when ``max_memory_gib`` is not met by checkpointing every layer),
+            True or False. Offloading compiles in regional scope.
 
     Returns:
         An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
@@ -274,6 +280,22 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     reasons: dict[str, str] = {"device": "where the model is", "dtype": "the model's compute dtype"
                                if dtype == model_dtype else "asked for",
                                "scope": "one graph" if scope == "whole" else "one decoder layer's graph, shared"}
+
+    # checkpointing and offload (offload.plan): decided first, offloading makes the scope regional
+    n_layers = len(decoder_layers(model))
+    est, at = None, ""
+    if max_memory_gib is not None:
+        b, s = max(shapes, key=lambda x: x[0] * x[1])
+        terms = estimate_terms(model, b, s, ce_chunks=ce_chunks, act_bytes=torch.finfo(dtype).bits // 8,
+                               cast_dtype=dtype if cast else None)
+        est, at = functools.partial(peak_from_terms, terms), f"{b} x {s}"
+    ck = plan(n_layers, grad_ckpt=grad_ckpt, ckpt_layers=ckpt_layers, max_memory_gib=max_memory_gib,
+              offload=offload, scope=scope, estimate=est, shape=at)
+    ckpt, scope = ck.ckpt_layers, ck.scope
+    choices["ckpt_layers"], reasons["ckpt_layers"] = f"{ckpt}/{n_layers}", ck.ckpt_why
+    choices["offload"], reasons["offload"] = ck.offload, ck.offload_why
+    if ck.scope_why:
+        choices["scope"], reasons["scope"] = scope, ck.scope_why
 
     # attention
     packed = packed_batches(batches)
@@ -334,28 +356,6 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     choices["pad_multiple"], reasons["pad_multiple"] = pad_multiple, (
         "lengths aligned (no % 8 guard)" if pad_multiple > 1 else "asked for")
 
-    # checkpointing
-    n_layers = len(decoder_layers(model))
-    if grad_ckpt is True:
-        ckpt = n_layers if ckpt_layers is None else min(ckpt_layers, n_layers)
-        why = "asked for"
-    elif ckpt_layers is not None:
-        ckpt, why = min(ckpt_layers, n_layers), "asked for"
-    elif max_memory_gib is None:
-        ckpt, why = 0, "no memory target"
-    else:
-        b, s = max(shapes, key=lambda x: x[0] * x[1])
-        est_of = functools.partial(estimate_peak_gib, model, b, s, ce_chunks=ce_chunks,
-                                   act_bytes=torch.finfo(dtype).bits // 8, cast_dtype=dtype if cast else None)
-        ckpt = next((n for n in range(n_layers + 1) if est_of(n) <= max_memory_gib), None)
-        if ckpt is None:
-            ckpt = n_layers
-            why = f"estimated peak above {max_memory_gib} GiB even with every layer checkpointed"
-        else:
-            est = est_of(ckpt)
-            why = f"estimated peak {est:.2f} GiB <= {max_memory_gib} GiB at {b} x {s}"
-    choices["ckpt_layers"], reasons["ckpt_layers"] = f"{ckpt}/{n_layers}", why
-
     low = dtype in (torch.bfloat16, torch.float16)
     use_autocast = low and autocast is not False
     choices["autocast"] = use_autocast
@@ -383,7 +383,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         fast = prepare_fast(model, dtype=dtype, device=device, batches=batches, cast_bf16=cast, ce_chunks=ce_chunks,
                             grad_ckpt=ckpt > 0, ckpt_layers=ckpt if ckpt > 0 else None,
                             autocast=use_autocast, causal_attn=attention == "causal", mode=mode, backend=backend,
-                            eager_numerics=numerics, scope=scope,
+                            eager_numerics=numerics, scope=scope, offload=ck.offload,
                             # regional: the layers' inputs cannot be marked dynamic from outside
                             dynamic=True if scope == "regional" and mark else None)
     except BaseException:  # leave the model as it was given, but for the cast

@@ -15,6 +15,12 @@ an H200, 4 x 512 and 16 x 1024, 0 to 14 checkpointed layers, 7 runs), against th
 * the fixed allowance (0.55 GiB) puts every measured peak under its estimate (largest
   residual 0.51 GiB).
 
+With the checkpointed inputs offloaded to CPU memory (:mod:`.offload`), a checkpointed layer
+keeps nothing on the GPU, and the backward holds at most two inputs copied back (the one in use
+and the one prefetched): ``offload_transient_gib``. That term is counted, not fitted: no
+measured offload peak has calibrated it. The pinned CPU memory it takes instead is
+``ckpt_layers * kept_per_layer_gib``.
+
 One model at two token counts fitted four numbers, so it is an estimate for choosing, not a
 measurement: the run's ``peak_mem_gib`` is the fact. :func:`estimate_terms` gives the terms
 apart, so the calibration script can refit them.
@@ -35,6 +41,7 @@ _ACT_PER_TOKEN = (6.93, 2.89)  # x hidden, x intermediate: elements saved per to
 _CKPT_TRANSIENT_LAYERS = 1.64  # with checkpointing: one recomputed layer and its backward, in layers
 _LOGITS_FACTOR = 1.90  # the chunked loss's transient, in (one chunk of logits, fp32 + compute dtype)
 _OVERHEAD_GIB = 0.55  # workspace, CUDA-graph pool slack, allocator rounding
+_OFFLOAD_RELOADED = 2  # offloaded inputs back on the GPU at once: the one in use, the one prefetched
 
 
 def _config_of(model: torch.nn.Module) -> Any:
@@ -72,20 +79,24 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
             "vocab": vocab, "act_bytes": act_bytes, "static_gib": static / _GIB, "per_layer_gib": per_layer,
             "kept_per_layer_gib": tokens * hidden * act_bytes / _GIB,
             "ckpt_transient_gib": _CKPT_TRANSIENT_LAYERS * per_layer,
+            "offload_transient_gib": _OFFLOAD_RELOADED * tokens * hidden * act_bytes / _GIB,
             "logits_gib": _LOGITS_FACTOR * tokens / max(ce_chunks, 1) * vocab * (act_bytes + 8) / _GIB,
             "overhead_gib": _OVERHEAD_GIB}
 
 
-def peak_from_terms(terms: dict[str, Any], ckpt_layers: int) -> float:
-    """The estimated peak (GiB) with the first ``ckpt_layers`` layers checkpointed."""
+def peak_from_terms(terms: dict[str, Any], ckpt_layers: int, offload: bool = False) -> float:
+    """The estimated peak (GiB) with the first ``ckpt_layers`` layers checkpointed (their inputs
+    offloaded to CPU memory with ``offload``)."""
     n = max(0, min(ckpt_layers, terms["layers"]))
-    return (terms["static_gib"] + n * terms["kept_per_layer_gib"] + (terms["layers"] - n) * terms["per_layer_gib"]
+    kept = terms["offload_transient_gib"] if offload and n else n * terms["kept_per_layer_gib"]
+    return (terms["static_gib"] + kept + (terms["layers"] - n) * terms["per_layer_gib"]
             + (terms["ckpt_transient_gib"] if n else 0.0) + terms["logits_gib"] + terms["overhead_gib"])
 
 
 def estimate_peak_gib(model: torch.nn.Module, batch_size: int, seq_len: int, ckpt_layers: int, *,
-                      ce_chunks: int = 4, act_bytes: int = 2, cast_dtype: torch.dtype | None = None) -> float:
+                      ce_chunks: int = 4, act_bytes: int = 2, cast_dtype: torch.dtype | None = None,
+                      offload: bool = False) -> float:
     """A training-step peak (GiB) of the fast path on a CUDA device (see the module docstring)."""
     terms = estimate_terms(model, batch_size, seq_len, ce_chunks=ce_chunks, act_bytes=act_bytes,
                            cast_dtype=cast_dtype)
-    return peak_from_terms(terms, ckpt_layers)
+    return peak_from_terms(terms, ckpt_layers, offload)

@@ -22,6 +22,8 @@ thing the default setup gets wrong under ``torch.compile``, and each can be undo
 * **Autocast.** PEFT keeps the LoRA weights fp32 and casts every LoRA input to fp32 unless
   autocast is on; under ``torch.autocast`` the LoRA matmuls run in bf16 and the fp32 master
   weights stay.
+* **Offload.** With checkpointing in regional scope, the checkpointed layers' saved inputs can
+  live in pinned CPU memory, copied out and back on a side stream (:mod:`.offload`).
 * **Activation memory budget.** Inductor's ``activation_memory_budget`` (0..1) makes the
   compiled backward recompute more and save less (:func:`activation_memory_budget`).
 
@@ -41,6 +43,7 @@ import torch
 from ..ops.attention import check_right_padded, use_causal_sdpa
 from ..ops.losses import ChunkedLossLM
 from ..reversible import PatchHandle, set_attribute
+from . import offload as _offload
 from .checkpointing import decoder_layers
 from .prepare import Prepared, prepare_for_compile
 
@@ -144,6 +147,7 @@ class FastPrepared:
     autocast: bool
     dtype: torch.dtype
     layer_flags: PatchHandle | None = None
+    offload: PatchHandle | None = None
 
     @property
     def counter(self) -> CompileCounter:
@@ -155,6 +159,8 @@ class FastPrepared:
 
         The cast is not undone: cast back with :func:`cast_non_lora` if the fp32 copies matter.
         """
+        if self.offload is not None:
+            self.offload.undo()
         if self.layer_flags is not None:
             self.layer_flags.undo()
         self.prepared.undo()
@@ -166,7 +172,8 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
                  batches: Iterable[dict] | None = None, cast_bf16: bool = True, ce_chunks: int = 4,
                  grad_ckpt: bool = False, ckpt_layers: int | None = None, autocast: bool = False,
                  causal_attn: bool = False, mode: str | None = None, backend: Any = "inductor",
-                 eager_numerics: bool = False, scope: str = "whole", dynamic: bool | None = None) -> FastPrepared:
+                 eager_numerics: bool = False, scope: str = "whole", dynamic: bool | None = None,
+                 offload: bool = False) -> FastPrepared:
     """Apply the fast recipe to a loaded PEFT QLoRA model (see the module docstring).
 
     Args:
@@ -189,14 +196,20 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
         scope: ``"whole"`` (one graph) or ``"regional"`` (each decoder layer compiled; the rest,
             the chunked loss included, eager): ``prepare_for_compile``'s option.
         dynamic: ``torch.compile``'s ``dynamic`` (``prepare_for_compile``'s option).
+        offload: keep the checkpointed layers' saved inputs in CPU memory (:func:`.offload.apply`);
+            needs ``grad_ckpt`` and ``scope="regional"``.
 
     Returns:
         A :class:`FastPrepared`; call ``undo()`` when done (in a ``finally``).
 
     Raises:
         ValueError: ``ckpt_layers`` without ``grad_ckpt``, ``causal_attn`` without batches or with
-            batches that are not right-padded, or a bad ``prepare_for_compile`` option.
+            batches that are not right-padded, ``offload`` without checkpointing in regional scope,
+            or a bad ``prepare_for_compile`` option.
     """
+    if offload and not (grad_ckpt and scope == "regional"):
+        raise ValueError("offload needs grad_ckpt=True and scope='regional' (in one whole graph Dynamo refuses "
+                         "the saved-tensor hooks; see qlora_nb_utils.compile.offload)")
     if ckpt_layers is not None and not grad_ckpt:
         raise ValueError("ckpt_layers picks which layers gradient checkpointing covers; it needs grad_ckpt=True")
     if causal_attn and batches is None:
@@ -222,9 +235,15 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
         layer_flags = PatchHandle("checkpoint_first_layers", {"layers": ckpt_layers})
         n_ckpt = checkpoint_first_layers(model, ckpt_layers, layer_flags)
     forward = prepared.forward
+    fast = FastPrepared(forward=forward, prepared=prepared, attention=attn, cast=cast, ckpt_layers=n_ckpt,
+                        layers=len(layers), autocast=False, dtype=dtype, layer_flags=layer_flags)
+    if offload and n_ckpt:
+        try:
+            fast.offload = _offload.apply(model)
+        except BaseException:
+            fast.undo()
+            raise
     use_autocast = autocast and dtype in (torch.bfloat16, torch.float16)  # fp32 runs: nothing to do
     if use_autocast:
-        forward = autocast_forward(prepared.forward, device.type, dtype)
-    return FastPrepared(forward=forward, prepared=prepared, attention=attn, cast=cast, ckpt_layers=n_ckpt,
-                        layers=len(layers), autocast=use_autocast, dtype=dtype,
-                        layer_flags=layer_flags)
+        fast.forward, fast.autocast = autocast_forward(prepared.forward, device.type, dtype), True
+    return fast
