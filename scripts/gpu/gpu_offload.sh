@@ -11,7 +11,8 @@
 # WARMUP steps, then TIMED steps (median ms after a device sync), peak allocated and reserved GiB
 # over the steps after the compile, MFU (bench/flops.py: counted FLOPs over a measured bf16 matmul
 # rate), the losses. Settings, most needed first (skipped when the deadline is near):
-#   ckpt_all (every layer checkpointed), ckpt_all_offload (ours), ckpt_all_save_on_cpu (torch's
+#   ckpt_all (every layer checkpointed), ckpt_all_offload (ours), ckpt_all_offload_ce16 (and the
+#   chunked loss in 16 pieces instead of 4: the loss chunk is the next term), ckpt_all_save_on_cpu (torch's
 #   save_on_cpu(pin_memory=True) around the same checkpoint: the alternative), ckpt_half,
 #   no_ckpt, ckpt_all_offload_no_prefetch.
 # Also: optimize()'s own choice for a few max_memory_gib targets (no steps), and a probe of this
@@ -128,6 +129,7 @@ def save_on_cpu_patch(m):
 SETTINGS = [  # name, optimize kwargs, extra patch
     ("ckpt_all", dict(grad_ckpt=True, offload=False), None),
     ("ckpt_all_offload", dict(grad_ckpt=True, offload=True), None),
+    ("ckpt_all_offload_ce16", dict(grad_ckpt=True, offload=True, ce_chunks=16), None),
     ("ckpt_all_save_on_cpu", dict(grad_ckpt=True, offload=False), save_on_cpu_patch),
     ("ckpt_half", dict(grad_ckpt=True, ckpt_layers=n_layers // 2, offload=False), None),
     ("no_ckpt", dict(grad_ckpt=False, offload=False), None),
