@@ -40,6 +40,6 @@ extra=()
 [ "${DATA_OUTER:-0}" = 1 ] && extra+=(--data-outer)
 python3 -m qlora_nb_utils.bench.peers.packed "${extra[@]}" --command "EPOCH_DATA=${EPOCH_DATA:-} DATA_OUTER=${DATA_OUTER:-0} bash scripts/gpu/gpu_packing.sh $*" --model "$model" --data "$data" --runs "$runs" --seq-len "$seq" \
   --rows "$rows" --steps "$steps" --warmup 3 --parity-steps 4 --long-tail-examples 600 --budget-s "$left" \
-  --timeouts '{"default": 120, "ours-packed": 170, "ours-padded": 150, "unsloth-packed": 120, "unsloth": 110, "hf-eager": 70, "hf-eager-packed": 70, "trl-sft-packed": 90}' \
+  --timeouts '{"default": 120, "ours-lowmem-packed": 300, "ours-packed": 170, "ours-padded": 150, "unsloth-packed": 120, "unsloth": 110, "hf-eager": 70, "hf-eager-packed": 70, "trl-sft-packed": 90}' \
   --out "$file" 2>&1 | grep -v -i "warning\|Loading weights" || true
 ls -la "$out"
