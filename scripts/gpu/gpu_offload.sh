@@ -64,6 +64,7 @@ def save():
 
 
 # --- what this torch offers (the choice of mechanism in compile/offload.py)
+import torch._functorch.config  # a submodule: not an attribute until imported
 probe = {"functorch_enable_activation_offloading": hasattr(torch._functorch.config, "enable_activation_offloading"),
          "checkpoint_policies": [p.name for p in torch.utils.checkpoint.CheckpointPolicy]}
 def _hooked(x):
