@@ -135,7 +135,14 @@ SETTINGS = [  # name, optimize kwargs, extra patch
     ("ckpt_half", dict(grad_ckpt=True, ckpt_layers=n_layers // 2, offload=False), None),
     ("no_ckpt", dict(grad_ckpt=False, offload=False), None),
     ("ckpt_all_offload_no_prefetch", dict(grad_ckpt=True, offload=True), "no_prefetch"),
+    ("ckpt_all_offload_ce32", dict(grad_ckpt=True, offload=True, ce_chunks=32), None),
+    ("ckpt_all_offload_ce64", dict(grad_ckpt=True, offload=True, ce_chunks=64), None),
 ]
+if os.environ.get("ONLY"):  # ONLY=name,name: just those settings, in this order
+    _by = {s_[0]: s_ for s_ in SETTINGS}
+    SETTINGS = [_by[n_] for n_ in os.environ["ONLY"].split(",")]
+else:
+    SETTINGS = [s_ for s_ in SETTINGS if not s_[0].endswith(("ce32", "ce64"))]
 for name_, kwargs, extra in SETTINGS:
     if time.time() > DEADLINE - 45:
         res["skipped"].append(name_)
