@@ -12,6 +12,14 @@ live here so that ``fast_path`` stays one page of choices.
 The kernel (``doc_attention="auto"``): flex attention with a document-causal ``BlockMask`` on
 CUDA (blocks where two documents do not meet are skipped), the dense boolean mask with SDPA
 elsewhere (torch has no flex-attention backward on a CPU). Either can be asked for.
+
+Measured (``results/bench_packing_h100_{flex,sdpa}.json``: H100, torch 2.11, 1B shape, 8 rows of
+1024, the shipped data, CUDA graphs): the two are equal within 2% (flex 60.3k, SDPA 61.6k real
+tokens/s; 5.3x and 5.4x the same examples padded), both with one compilation over the epoch and
+within the bf16 floor. Flex stays the default on CUDA: its cost follows the blocks that hold a
+document, where the dense mask holds ``rows x seq_len^2`` booleans and SDPA cannot take its flash
+kernel with a mask, so the gap can only widen with longer rows. ``torch.nn.attention.varlen``
+is present on that GPU's torch (``varlen_available()``) and is not wired in yet.
 """
 
 from __future__ import annotations
