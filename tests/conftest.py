@@ -21,6 +21,28 @@ def _seed_and_reset():
     torch.compiler.reset()
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny NF4 + LoRA model (fp32, CPU) with its tokenizer, for a module's tests.
+
+    Its NF4 weights are kept in bitsandbytes' training layout (no_grad passes must not repack
+    them into the CPU inference layout: another kernel, other numbers, lost gradients; see
+    ``bnb_cpu_packing``), and LoRA B is non-zero (PEFT starts it at zero), so A gets gradients too.
+    """
+    from qlora_nb_utils import models
+    from qlora_nb_utils.compile.patches import bnb_cpu_packing
+
+    model, tok = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
+    handle = bnb_cpu_packing.apply(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    yield model, tok
+    handle.undo()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

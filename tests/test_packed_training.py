@@ -13,25 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qlora_nb_utils import cli, models, optimize
+from qlora_nb_utils import cli, optimize
 from qlora_nb_utils import data as qdata
-from qlora_nb_utils.compile.patches import bnb_cpu_packing
 from qlora_nb_utils.data import packing
 
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
-    handle = bnb_cpu_packing.apply(model)  # no_grad passes must not repack the NF4 weights
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # PEFT starts B at zero; non-zero B gives A gradients too
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    yield model, tok
-    handle.undo()
 
 
 def _docs(seed, lengths, vocab=2000):

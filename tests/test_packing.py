@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qlora_nb_utils import data as qdata
-from qlora_nb_utils import diagnostics, models
-from qlora_nb_utils.compile.patches import bnb_cpu_packing
+from qlora_nb_utils import diagnostics
 from qlora_nb_utils.data import packing
 from qlora_nb_utils.ops import doc_attention
 
@@ -118,20 +117,7 @@ def test_the_masks_are_document_causal_and_skip_blocks_across_documents():
     assert doc_attention.varlen_available() == hasattr(torch.nn.attention, "varlen")
 
 
-# ----------------------------------------------------------------------------- the model
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
-    # no_grad passes must not repack the NF4 weights into bitsandbytes' CPU inference layout
-    # (another kernel, other numbers, lost gradients: see bnb_cpu_packing)
-    handle = bnb_cpu_packing.apply(model)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # PEFT starts B at zero; non-zero B gives A gradients too
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    yield model, tok
-    handle.undo()
+# ----------------------------------------------------------------------------- the model (conftest.tiny)
 
 
 def _docs(seed, lengths, vocab=2000):

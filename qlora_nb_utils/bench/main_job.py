@@ -232,6 +232,19 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
         "optimize": {"description": opt.description, "choices": {k: str(v) for k, v in opt.choices.items()}}})
 
 
+def results_header(opts: dict[str, Any], device, dtype, command: str, optimize: dict) -> dict[str, Any]:
+    """What every bench results file starts with: where, with what, how and when it ran."""
+    return {
+        "device": env.device_info(device),
+        "versions": env.versions(),
+        "command": command,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": opts["model"],
+        "options": {**opts, "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
+        "optimize": optimize,
+    }
+
+
 def _assemble(opts, device, dtype, hist, pad_stats, command, extra) -> dict[str, Any]:
     if command is None:
         command = shlex.join(sys.argv) if sys.argv and sys.argv[0] else "run_bench()"
@@ -262,13 +275,7 @@ def _assemble(opts, device, dtype, hist, pad_stats, command, extra) -> dict[str,
                    optimize=extra["optimize"]["description"])
     fast = runs[2]
     return {
-        "device": env.device_info(device),
-        "versions": env.versions(),
-        "command": command,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": opts["model"],
-        "options": {**opts, "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
-        "optimize": extra["optimize"],
+        **results_header(opts, device, dtype, command, extra["optimize"]),
         "runs": runs,
         "reference_runs": {n: s for n, s in summ.items() if n not in RUNS},
         # the older readers' keys: hf-eager against the fast path

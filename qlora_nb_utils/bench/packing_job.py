@@ -24,17 +24,17 @@ packed/padded ratio ``real_tokens_speedup_vs_padded``.
 
 from __future__ import annotations
 
-import datetime as _dt
 import shlex
 import sys
 from typing import Any
 
 from .. import data as qdata
-from .. import diagnostics, env, models
+from .. import diagnostics, models
 from ..env import resolve_device_dtype
 from ..ops.doc_attention import with_document_mask
 from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
 from ..training.parity import judge, permute_rows
+from .main_job import results_header
 
 __all__ = ["PACKING_RUNS", "run_packing_bench"]
 
@@ -173,13 +173,7 @@ def _assemble(opts, device, dtype, hist, command, stats, extra) -> dict[str, Any
     speedup = fast["tokens_per_s"] / runs[1]["tokens_per_s"]
     return {
         "kind": "bench_packing",
-        "device": env.device_info(device),
-        "versions": env.versions(),
-        "command": command,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": opts["model"],
-        "options": {**opts, "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
-        "optimize": extra["optimize"],
+        **results_header(opts, device, dtype, command, extra["optimize"]),
         "packing": True,
         "packing_stats": stats.to_dict(),
         "epoch_batches": extra["epoch_batches"],
