@@ -156,7 +156,7 @@ def test_inductor_compiled_layers_match_the_eager_backend(runs, tmp_path):
     _ok(_launch(2, [*args, "--backend", "inductor", "--out", str(out), "--no-adapter"]))
     summary = _summary(out)
     assert summary["graph_breaks"]["total"] == 0
-    assert summary["compile"]["compilations"] == 2
+    assert summary["compile"]["compilations"] == 1  # one graph for every layer (the first one's input made alike)
     reference = [r["loss"] for r in read_log(runs[2] / "log.jsonl")][:3]
     diffs = [abs(a - b) for a, b in zip(summary["losses"], reference)]
     assert max(diffs) <= PARITY_TOL, diffs

@@ -57,8 +57,8 @@ whose ``quant_state`` (absmax, code, shape) lives on the parameter object.
 so a break inside a layer is an error, not a silent split). FSDP2's pre/post-forward hooks are
 ``torch._dynamo.disable``d and run *outside* the compiled frame (Dynamo compiles the layer's
 ``forward``; ``_call_impl`` and its hooks stay eager), so the FSDP boundary costs no graph
-break either. Two compilations serve all layers: the first layer sees a hidden state that
-does not require grad (the frozen embedding's output), the others one that does.
+break either. One compilation serves all layers: ``prepare_for_compile`` makes the first
+layer's input (the frozen embedding's output) require grad like the others' (it was two before).
 
 Joining the process group and loading the model (with the quant storage described above) are
 in :mod:`qlora_nb_utils.distributed.setup`; the adapter gather and the DCP checkpoints are in
