@@ -58,6 +58,25 @@ def mark(part: dict, name: str) -> None:
     part.setdefault("phases", {})[name] = time.time()
 
 
+# ---------------------------------------------------------------- one marked step (ours and Unsloth's)
+def marked_step(forward, optimizer):
+    """A training step on one batch with the phase markers ``bench.profile.memory_breakdown`` reads."""
+    from qlora_nb_utils.bench.profile import phase_marker
+
+    def step(batch):
+        phase_marker("step_start")
+        loss = forward(**batch).loss
+        phase_marker("forward_end")
+        loss.backward()
+        phase_marker("backward_end")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        phase_marker("optimizer_end")
+        return loss.detach()
+
+    return step
+
+
 # ---------------------------------------------------------------- ours
 
 
@@ -65,7 +84,7 @@ def run_ours(spec: dict, out: str, grad_ckpt: bool) -> None:
     import torch
 
     from qlora_nb_utils import models
-    from qlora_nb_utils.bench.profile import phase_marker, profile_training
+    from qlora_nb_utils.bench.profile import profile_training
     from qlora_nb_utils.compile.fast_path import optimize
 
     part = {"library": "ours", "grad_ckpt": grad_ckpt}
@@ -85,16 +104,7 @@ def run_ours(spec: dict, out: str, grad_ckpt: bool) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         adam = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
 
-        def step(batch):
-            phase_marker("step_start")
-            loss = opt.forward(**batch).loss
-            phase_marker("forward_end")
-            loss.backward()
-            phase_marker("backward_end")
-            adam.step()
-            adam.zero_grad(set_to_none=True)
-            phase_marker("optimizer_end")
-            return loss.detach()
+        step = marked_step(opt.forward, adam)
 
         gate = spec.get("gate") if not grad_ckpt else None
         while gate and not Path(gate).exists() and time.time() < spec["deadline"]:

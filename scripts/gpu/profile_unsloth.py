@@ -33,6 +33,7 @@ from profile_8b import (  # noqa: E402
     dequant_row,
     gpu_lock,
     mark,
+    marked_step,
     nf4_weight,
     write_part,
 )
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
         FastLanguageModel = import_unsloth()  # before transformers, as the peer does
         import torch
 
-        from qlora_nb_utils.bench.profile import phase_marker, profile_training
+        from qlora_nb_utils.bench.profile import profile_training
 
         batches, b, s = load_batches(spec["batches"])
         assert (b, s) == (BATCH, SEQ), (b, s)
@@ -71,16 +72,7 @@ def main(argv=None) -> int:
         adam = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
         part["versions"] = package_versions()
 
-        def step(batch):
-            phase_marker("step_start")
-            loss = model(**batch).loss
-            phase_marker("forward_end")
-            loss.backward()
-            phase_marker("backward_end")
-            adam.step()
-            adam.zero_grad(set_to_none=True)
-            phase_marker("optimizer_end")
-            return loss.detach()
+        step = marked_step(model, adam)
 
         with gpu_lock(spec["lock"], shared=False):
             mark(part, "measure_start")
