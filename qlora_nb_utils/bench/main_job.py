@@ -232,8 +232,14 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
         "optimize": {"description": opt.description, "choices": {k: str(v) for k, v in opt.choices.items()}}})
 
 
-def results_header(opts: dict[str, Any], device, dtype, command: str, optimize: dict) -> dict[str, Any]:
-    """What every bench results file starts with: where, with what, how and when it ran."""
+def results_header(opts: dict[str, Any], device, dtype, command: str | None, optimize: dict,
+                   caller: str = "run_bench()") -> dict[str, Any]:
+    """What every bench results file starts with: where, with what, how and when it ran.
+
+    ``command`` None: this process's command line (``caller`` when there is none, e.g. in a notebook).
+    """
+    if command is None:
+        command = shlex.join(sys.argv) if sys.argv and sys.argv[0] else caller
     return {
         "device": env.device_info(device),
         "versions": env.versions(),
@@ -245,9 +251,29 @@ def results_header(opts: dict[str, Any], device, dtype, command: str, optimize: 
     }
 
 
+def vs_hf_eager(run: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """A run's step-time and peak-memory ratios to the ``hf-eager`` baseline's summary."""
+    return {"speedup_vs_hf_eager": base["median_step_ms"] / run["median_step_ms"],
+            "peak_mem_vs_hf_eager": run["peak_mem_gib"] / base["peak_mem_gib"] if base["peak_mem_gib"] else None}
+
+
+def parity_fields(summ: dict[str, Any], eager: str, losses: list[float]) -> dict[str, Any]:
+    """A compiled run's losses judged against its eager run ``eager`` and that run's two-order floor.
+
+    ``summ`` holds the summaries of ``eager`` and ``eager-permuted1/2``
+    (:func:`qlora_nb_utils.training.parity.judge` says what passes).
+    """
+    verdict = judge(summ[eager]["losses"], [summ[f"{eager}-permuted{k}"]["losses"] for k in (1, 2)], losses)
+    return {**{k: v for k, v in verdict.items() if k not in ("floor_diffs", "diffs")},
+            "parity_against": eager, "floor_diffs": verdict["floor_diffs"], "diffs": verdict["diffs"]}
+
+
+def compile_fields(stats: dict[str, Any]) -> dict[str, Any]:
+    """What a run reports of its compilations, from a ``CompileCounter.to_dict()``."""
+    return {k: stats[k] for k in ("compilations", "recompilations", "recompile_reasons", "compile_s")}
+
+
 def _assemble(opts, device, dtype, hist, pad_stats, command, extra) -> dict[str, Any]:
-    if command is None:
-        command = shlex.join(sys.argv) if sys.argv and sys.argv[0] else "run_bench()"
     warm = int(opts["warmup"])
     summ = {name: summarize(h, warm) for name, h in hist.items()}
     base = summ["hf-eager"]
@@ -255,17 +281,12 @@ def _assemble(opts, device, dtype, hist, pad_stats, command, extra) -> dict[str,
 
     def row(name: str, counter, eager: str) -> dict[str, Any]:
         r = {"name": name, "batch_size": b, "seq_len": s, **summ[name]}
-        r["speedup_vs_hf_eager"] = base["median_step_ms"] / r["median_step_ms"]
-        r["peak_mem_vs_hf_eager"] = r["peak_mem_gib"] / base["peak_mem_gib"] if base["peak_mem_gib"] else None
+        r.update(vs_hf_eager(r, base))
         if counter is None:
             return {**r, "compilations": 0, "max_abs_loss_diff": 0.0}
-        verdict = judge(summ[eager]["losses"], [summ[f"{eager}-permuted{k}"]["losses"] for k in (1, 2)], r["losses"])
-        r.update({k: v for k, v in verdict.items() if k not in ("floor_diffs", "diffs")})
-        r.update(parity_against=eager, floor_diffs=verdict["floor_diffs"], diffs=verdict["diffs"])
+        r.update(parity_fields(summ, eager, r["losses"]))
         r["max_abs_loss_diff_vs_hf_eager"] = max(abs(x - y) for x, y in zip(base["losses"], r["losses"]))
-        stats = counter.to_dict()
-        r.update(compilations=stats["compilations"], recompilations=stats["recompilations"],
-                 recompile_reasons=stats["recompile_reasons"], compile_s=stats["compile_s"])
+        r.update(compile_fields(counter.to_dict()))
         return r
 
     runs = [row("hf-eager", None, ""), row("plain-compile", extra["plain"], "hf-eager"),

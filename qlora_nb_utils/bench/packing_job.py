@@ -24,8 +24,6 @@ packed/padded ratio ``real_tokens_speedup_vs_padded``.
 
 from __future__ import annotations
 
-import shlex
-import sys
 from typing import Any
 
 from .. import data as qdata
@@ -33,8 +31,8 @@ from .. import diagnostics, models
 from ..env import resolve_device_dtype
 from ..ops.doc_attention import with_document_mask
 from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
-from ..training.parity import judge, permute_rows
-from .main_job import results_header
+from ..training.parity import permute_rows
+from .main_job import compile_fields, parity_fields, results_header, vs_hf_eager
 
 __all__ = ["PACKING_RUNS", "run_packing_bench"]
 
@@ -142,8 +140,6 @@ def _breaks_of(opt, batch: dict, device) -> Any:
 
 
 def _assemble(opts, device, dtype, hist, command, stats, extra) -> dict[str, Any]:
-    if command is None:
-        command = shlex.join(sys.argv) if sys.argv and sys.argv[0] else "run_packing_bench()"
     warm = int(opts["warmup"])
     summ = {name: summarize(h, warm) for name, h in hist.items()}
     base = summ["hf-eager"]
@@ -155,25 +151,18 @@ def _assemble(opts, device, dtype, hist, command, stats, extra) -> dict[str, Any
         r = {"name": name, "batch_size": b, "seq_len": s, "packed": name != "fast-padded", **summ[name],
              "pad_fraction": pad[name]}
         r["real_tokens_per_s"] = r["tokens_per_s"]
-        r["speedup_vs_hf_eager"] = base["median_step_ms"] / r["median_step_ms"]
-        r["real_tokens_vs_hf_eager"] = r["tokens_per_s"] / base["tokens_per_s"]
-        r["peak_mem_vs_hf_eager"] = r["peak_mem_gib"] / base["peak_mem_gib"] if base["peak_mem_gib"] else None
+        r.update(vs_hf_eager(r, base), real_tokens_vs_hf_eager=r["tokens_per_s"] / base["tokens_per_s"])
         runs.append(r)
     runs[0].update(compilations=0, max_abs_loss_diff=0.0)
-    runs[1].update(compilations=extra["padded_stats"]["compilations"], compile_s=extra["padded_stats"]["compile_s"])
+    runs[1].update(compile_fields(extra["padded_stats"]))
     fast = runs[2]
-    verdict = judge(summ["fast-eager"]["losses"], [summ[f"fast-eager-permuted{k}"]["losses"] for k in (1, 2)],
-                    fast["losses"])
-    fast.update({k: v for k, v in verdict.items() if k not in ("floor_diffs", "diffs")})
-    fast.update(parity_against="fast-eager", floor_diffs=verdict["floor_diffs"], diffs=verdict["diffs"],
-                compilations=extra["fast_stats"]["compilations"], recompilations=extra["fast_stats"]["recompilations"],
-                recompile_reasons=extra["fast_stats"]["recompile_reasons"], compile_s=extra["fast_stats"]["compile_s"],
-                graph_breaks=int(extra["breaks"].graph_break_count), fullgraph_ok=extra["fullgraph"],
-                optimize=extra["optimize"]["description"])
+    fast.update(parity_fields(summ, "fast-eager", fast["losses"]))
+    fast.update(compile_fields(extra["fast_stats"]), graph_breaks=int(extra["breaks"].graph_break_count),
+                fullgraph_ok=extra["fullgraph"], optimize=extra["optimize"]["description"])
     speedup = fast["tokens_per_s"] / runs[1]["tokens_per_s"]
     return {
         "kind": "bench_packing",
-        **results_header(opts, device, dtype, command, extra["optimize"]),
+        **results_header(opts, device, dtype, command, extra["optimize"], caller="run_packing_bench()"),
         "packing": True,
         "packing_stats": stats.to_dict(),
         "epoch_batches": extra["epoch_batches"],
