@@ -285,3 +285,11 @@ def test_real_tokens_counts_the_mask_the_documents_or_everything():
     assert packing.real_tokens({"input_ids": torch.zeros(3, 4, dtype=torch.long)}) == 12
     with pytest.raises(ValueError, match="input_ids"):
         packing.real_tokens({"labels": torch.zeros(1, 2)})
+
+
+def test_with_document_mask_passes_unpacked_batches_only_when_not_required():
+    seen = []
+    run = doc_attention.with_document_mask(lambda **b: seen.append(sorted(b)) or "ran", "sdpa", required=False)
+    assert run(input_ids=torch.ones(1, 2)) == "ran" and seen == [["input_ids"]]
+    with pytest.raises(ValueError, match="document_ids"):
+        doc_attention.with_document_mask(lambda **b: b, "sdpa")(input_ids=torch.ones(1, 2))

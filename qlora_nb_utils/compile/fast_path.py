@@ -50,11 +50,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..ops.doc_attention import with_document_mask
 from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_peak_gib, estimate_terms, peak_from_terms
 from .offload import plan
-from .packed import DOC_ATTENTION, choose_doc_kernel, packed_batches, with_document_mask_outside
+from .packed import DOC_ATTENTION, choose_doc_kernel, packed_batches
 from .recipe import FastPrepared, activation_memory_budget, prepare_fast
 
 __all__ = ["Optimized", "optimize", "estimate_peak_gib", "pad_batch", "MAX_CUDAGRAPH_SHAPES", "MODES"]
@@ -151,7 +152,7 @@ class Optimized:
         batch = pad_batch(batch, self.choices["pad_multiple"], self._pad_id)
         module = self.module
         if self.choices.get("packing"):
-            module = with_document_mask_outside(module, self.choices["doc_attention"])
+            module = with_document_mask(module, self.choices["doc_attention"], required=False)
         if self.choices["autocast"]:
             with torch.autocast(self.choices["device"], dtype=self.choices["dtype"]):
                 return module(**batch)
@@ -397,7 +398,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
     compiled = fast.forward
     if packed:
-        compiled = with_document_mask_outside(compiled, choices["doc_attention"])
+        compiled = with_document_mask(compiled, choices["doc_attention"], required=False)
     forward = _wrap(compiled, pad_multiple, pad_id, mark and scope == "whole", memory_budget)
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,

@@ -24,13 +24,13 @@ is present on that GPU's torch (``varlen_available()``) and is not wired in yet.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from ..ops.doc_attention import DOC_MASK_KERNELS, document_block_mask, document_dense_mask
+from ..ops.doc_attention import DOC_MASK_KERNELS
 
-__all__ = ["DOC_ATTENTION", "packed_batches", "choose_doc_kernel", "with_document_mask_outside"]
+__all__ = ["DOC_ATTENTION", "packed_batches", "choose_doc_kernel"]
 
 #: What ``optimize(doc_attention=...)`` accepts.
 DOC_ATTENTION = ("auto",) + DOC_MASK_KERNELS
@@ -78,22 +78,3 @@ def choose_doc_kernel(device: torch.device, doc_attention: str) -> tuple[str, st
     if device.type == "cuda":
         return "flex_attention", "packed rows: document-causal BlockMask, blocks across documents skipped"
     return "sdpa", f"packed rows: dense document mask (no flex-attention backward on {device.type})"
-
-
-def with_document_mask_outside(forward: Callable[..., Any], kernel: str, block_size: int = 128) -> Callable[..., Any]:
-    """``forward`` taking packed batches: the mask for ``kernel`` built from ``document_ids`` first.
-
-    Unlike :func:`~qlora_nb_utils.ops.doc_attention.with_document_mask`, a batch without
-    ``document_ids`` passes through untouched (a Trainer's evaluation batch, say).
-    """
-
-    def run(**batch: Any) -> Any:
-        docs = batch.pop("document_ids", None)
-        if docs is not None:
-            if batch.get("attention_mask") is not None:
-                raise ValueError("a packed batch takes its mask from document_ids; drop attention_mask")
-            batch["attention_mask"] = (document_block_mask(docs, block_size) if kernel == "flex_attention"
-                                       else document_dense_mask(docs))
-        return forward(**batch)
-
-    return run

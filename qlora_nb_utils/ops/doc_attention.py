@@ -127,17 +127,19 @@ def document_dense_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-def with_document_mask(forward: Callable, kernel: str = "flex_attention", block_size: int = 128) -> Callable:
+def with_document_mask(forward: Callable, kernel: str = "flex_attention", block_size: int = 128, *,
+                       required: bool = True) -> Callable:
     """Wrap ``forward`` (a model or its compiled twin) to take packed batches.
 
     The wrapper pops the batch's ``document_ids``, builds the mask for ``kernel`` outside
     ``forward`` (:func:`document_block_mask` or :func:`document_dense_mask`) and passes it as
     ``attention_mask``; ``input_ids``, ``position_ids`` and ``labels`` pass through. The model
-    must have been loaded with ``attn_implementation=kernel``.
+    must have been loaded with ``attn_implementation=kernel``. With ``required=False`` a batch
+    without ``document_ids`` passes through untouched (a Trainer's padded evaluation batch, say).
 
     Raises:
-        ValueError: ``kernel`` not in :data:`DOC_MASK_KERNELS`; when called: no ``document_ids``,
-            or the batch already has an ``attention_mask``.
+        ValueError: ``kernel`` not in :data:`DOC_MASK_KERNELS`; when called: no ``document_ids``
+            (with ``required``), or a packed batch that already has an ``attention_mask``.
     """
     if kernel not in DOC_MASK_KERNELS:
         raise ValueError(f"kernel must be one of {DOC_MASK_KERNELS}, got {kernel!r}")
@@ -145,6 +147,8 @@ def with_document_mask(forward: Callable, kernel: str = "flex_attention", block_
     def run(*args, **batch):
         docs = batch.pop("document_ids", None)
         if docs is None:
+            if not required:
+                return forward(*args, **batch)
             raise ValueError("with_document_mask needs document_ids (keyword), as pack_examples gives")
         if batch.get("attention_mask") is not None:
             raise ValueError("a packed batch takes its mask from document_ids; drop attention_mask")
