@@ -82,3 +82,19 @@ def test_hf_packed_and_trl_padding_free_train_the_same_losses():
     hf, trl = runs["hf-eager-packed"], runs["trl-sft-packed"]
     assert hf["losses"] == pytest.approx(trl["losses"], abs=1e-5)
     assert hf["options"]["packed"] and trl["options"]["packed"]
+
+
+def test_lowmem_target_is_the_lowest_unsloth_peak_of_the_same_model_and_data():
+    rows = [{"name": "unsloth", "model": "m8", "data": "kjv", "peak_mem_gib": 21.0},
+            {"name": "unsloth-packed", "model": "m8", "data": "kjv", "peak_mem_gib": 20.5},
+            {"name": "unsloth-packed", "model": "m1", "data": "kjv", "peak_mem_gib": 9.9},  # another model
+            {"name": "unsloth", "model": "m8", "data": "long-tail", "peak_mem_gib": 3.0},  # another data set
+            {"name": "unsloth-packed", "model": "m8", "data": "kjv", "peak_mem_gib": 1.0, "error": "x"},
+            {"name": "trl-sft-packed", "model": "m8", "data": "kjv", "peak_mem_gib": 2.0}]
+    gib, how = pk.lowmem_target(rows, "m8", "kjv", "unsloth")
+    assert gib == 20.5 and "unsloth-packed" in how
+    assert pk.lowmem_target(rows, "m8", "kjv", "7.5") == (7.5, "--lowmem-gib 7.5")
+    gib, how = pk.lowmem_target(rows, "m9", "kjv", "unsloth")
+    assert gib is None and "no Unsloth peak" in how
+    with pytest.raises(ValueError, match="lowmem_gib"):
+        pk.lowmem_target(rows, "m8", "kjv", "lots")

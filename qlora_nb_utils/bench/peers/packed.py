@@ -13,15 +13,20 @@ does the same work on fewer real tokens; every packed run trains the very same p
 * ``ours-packed`` / ``ours-padded``: :func:`qlora_nb_utils.optimize` making every choice, on the
   packed / padded batches; ``ours-packed`` also counts the compilations over one whole epoch of
   packed batches and compares its loss with the recipe uncompiled (:mod:`.ours`).
-* ``ours-lowmem-packed``: ``ours-packed`` with ``optimize(max_memory_gib=9.5)``, at most
-  Unsloth's padding-free peak at the 1B shape (checkpointing chosen by the estimate).
+* ``ours-lowmem-packed``: ``ours-packed`` with ``optimize(max_memory_gib=T)``, checkpointing (and
+  offload) chosen by optimize()'s estimate to fit T. T is ``--lowmem-gib``: a number, or
+  ``unsloth`` (the default): the lowest peak of the Unsloth runs (``unsloth``, ``unsloth-packed``)
+  already measured on the same model and data in this results file, so the run is held to
+  Unsloth's memory at every shape without a per-model constant (the first 1B row used a fixed
+  9.5 GiB, under Unsloth's 9.61). The row records T and where it came from.
 * ``hf-eager-packed`` / ``hf-eager``: the HF recipe eager; packed through transformers' own
   restarting-``position_ids`` path (SDPA).
 * ``trl-sft-packed``: TRL ``SFTTrainer(padding_free=True)``, eager.
 * ``unsloth-packed`` / ``unsloth``: Unsloth's padding-free input, or padded.
 
 A run that cannot run is a row with ``error`` (what blocked it). The results file is rewritten
-after every run (a time-out loses only that run). Data sets: ``kjv`` (the shipped
+after every run (a time-out loses only that run). A run whose expected seconds (``needs_s``) no
+longer fit the budget is skipped with that reason, so a cheaper run after it can still go. Data sets: ``kjv`` (the shipped
 ``data/kjv_continue_train.jsonl``) and ``long-tail`` (:mod:`qlora_nb_utils.bench.lengths`).
 
     python -m qlora_nb_utils.bench.peers.packed --model llama-3.2-1b-shape --data kjv,long-tail \\
@@ -40,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["RUNS", "LIBRARY", "build_data", "run_packing"]
+__all__ = ["RUNS", "LIBRARY", "build_data", "lowmem_target", "run_packing"]
 
 #: Every run of the benchmark, in the order they are run (most wanted first).
 RUNS = ("ours-packed", "ours-padded", "unsloth-packed", "hf-eager-packed", "trl-sft-packed", "hf-eager", "unsloth",
@@ -49,6 +54,40 @@ LIBRARY = {"ours": "ours", "hf": "hf", "trl": "trl", "unsloth": "unsloth"}
 DATA_SETS = ("kjv", "long-tail")
 #: Runs whose library flattens a packed batch into one row without its tail padding.
 _FLATTENED = ("trl-sft-packed", "unsloth-packed")
+_UNSLOTH_RUNS = ("unsloth", "unsloth-packed")
+
+
+def lowmem_target(runs: Sequence[dict], model: str, data: str, spec: str | float) -> tuple[float | None, str]:
+    """``ours-lowmem-packed``'s ``max_memory_gib`` and where it comes from.
+
+    Args:
+        runs: the results file's rows so far.
+        model: the model of the run.
+        data: its data set.
+        spec: a number (GiB, taken as it is), or ``"unsloth"``: the lowest ``peak_mem_gib`` of the
+            error-free Unsloth rows of the same model and data.
+
+    Returns:
+        ``(gib, how)``; ``gib`` is None (and ``how`` says why) when no Unsloth row can give it.
+
+    Raises:
+        ValueError: ``spec`` is neither a positive number nor ``"unsloth"``.
+    """
+    if spec != "unsloth":
+        try:
+            gib = float(spec)
+        except (TypeError, ValueError):
+            gib = -1.0
+        if not gib > 0:
+            raise ValueError(f"lowmem_gib must be a number > 0 or 'unsloth', got {spec!r}")
+        return gib, f"--lowmem-gib {gib:g}"
+    peaks = {r["name"]: r["peak_mem_gib"] for r in runs if r["model"] == model and r["data"] == data
+             and r["name"] in _UNSLOTH_RUNS and "error" not in r and r.get("peak_mem_gib")}
+    if not peaks:
+        return None, (f"no Unsloth peak measured on {model} / {data} to hold to (run unsloth or unsloth-packed "
+                      "first, or pass --lowmem-gib N)")
+    name = min(peaks, key=peaks.get)
+    return peaks[name], f"the lowest Unsloth peak on this model and data: {name} {peaks[name]:.2f} GiB"
 
 
 def _library(name: str) -> str:
@@ -133,7 +172,7 @@ def _row(run: dict, *, model: str, data: str, packed: bool, pad_fraction: float)
         row["error"] = run["error"]
     keep = ("batch_size", "seq_len", "warmup", "losses", "step_ms", "compile_s", "first_step_s", "notes", "options",
             "optimize", "epoch_batches", "epoch_compilations", "epoch_how", "parity", "max_abs_loss_diff",
-            "real_tokens", "versions", "traceback_tail", "wall_s")
+            "real_tokens", "versions", "traceback_tail", "wall_s", "memory_target")
     return row | {k: run[k] for k in keep if k in run}
 
 
@@ -141,11 +180,13 @@ def run_packing(model: str, data_sets: Sequence[str], *, seq_len: int, rows: int
                 out: str | Path, runs: Sequence[str] = RUNS, seed: int = 0, lr: float = 2e-4,
                 parity_steps: int = 6, long_tail_examples: int = 800, timeout_s: dict[str, float] | None = None,
                 budget_s: float | None = None, command: str | None = None, epoch_data: Sequence[str] | None = None,
-                data_outer: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+                data_outer: bool = False, needs_s: dict[str, float] | None = None, lowmem_gib: str | float = "unsloth",
+                log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run each of ``runs`` on each data set in a process of its own; rows appended to ``out``.
 
     An existing ``out`` keeps its rows of other (model, data, name). A run that would start with
-    less than 30 s of ``budget_s`` left is a row with ``error`` ("skipped"). ``epoch_data``: the
+    less than ``needs_s[name]`` (default 30) seconds of ``budget_s`` left is a row with ``error``
+    ("skipped"), and the next run is tried. ``lowmem_gib``: see :func:`lowmem_target`. ``epoch_data``: the
     data sets on which ``ours-packed`` runs the epoch check (default: all); ``data_outer``: every
     run on the first data set before any on the next (default: each run on every data set first).
 
@@ -198,14 +239,25 @@ def run_packing(model: str, data_sets: Sequence[str], *, seq_len: int, rows: int
         limit = (timeout_s or {}).get(name, (timeout_s or {}).get("default", 300))
         if budget_s is not None:
             limit = min(limit, budget_s - (time.monotonic() - t0))
+        needs = (needs_s or {}).get(name, 30)
+        ctx = {**base, "batch_size": rows, "seq_len": seq_len}
+        held = None
+        if name == "ours-lowmem-packed":
+            gib, how = lowmem_target(results["runs"], model, data, lowmem_gib)
+            held = {"max_memory_gib": gib, "from": how}
+            ctx["variants"] = {"lowmem-packed": {"auto": True, "max_memory_gib": gib}}
         results["runs"] = [r for r in results["runs"] if (r["model"], r["data"], r["name"]) != (model, data, name)]
-        if limit < 30:
-            run = {"name": name, "error": f"skipped: {limit:.0f} s of the budget left"}
+        if held and held["max_memory_gib"] is None:
+            run = {"name": name, "error": f"not run: {held['from']}"}
+        elif limit < needs:
+            run = {"name": name, "error": f"skipped: {limit:.0f} s of the budget left, it needs about {needs:.0f} s"}
         else:
-            log(f"==> {name} on {data} ({n} steps, limit {limit:.0f} s)")
+            log(f"==> {name} on {data} ({n} steps, limit {limit:.0f} s)" + (f", held to {held}" if held else ""))
             epoch = epoch_data is None or data in epoch_data
-            run = _one_run(name, data, n, limit, {**base, "batch_size": rows, "seq_len": seq_len},
-                           files if epoch else {**files, "epoch": None}, work, parity_steps, warmup)
+            run = _one_run(name, data, n, limit, ctx, files if epoch else {**files, "epoch": None}, work,
+                           parity_steps, warmup)
+        if held:
+            run["memory_target"] = held
         frac = 0.0 if name in _FLATTENED else _pad_fraction(batches, n)
         row = _row(run, model=model, data=data, packed=is_packed, pad_fraction=frac)
         results["runs"].append(row)
@@ -271,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--parity-steps", type=int, default=6)
     p.add_argument("--long-tail-examples", type=int, default=800)
     p.add_argument("--timeouts", default="{}", help='JSON: run name (or "default") -> seconds')
+    p.add_argument("--needs", default="{}", help='JSON: run name -> the seconds it needs to start (default 30)')
+    p.add_argument("--lowmem-gib", default="unsloth", help="ours-lowmem-packed's max_memory_gib: N or 'unsloth'")
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--epoch-data", default=None, help="data sets of ours-packed's epoch check (default: all)")
     p.add_argument("--data-outer", action="store_true", help="every run on one data set before the next")
@@ -281,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out=a.out, runs=a.runs.split(","), parity_steps=a.parity_steps,
                 long_tail_examples=a.long_tail_examples, timeout_s=json.loads(a.timeouts), budget_s=a.budget_s,
                 command=a.command, epoch_data=a.epoch_data.split(",") if a.epoch_data else None,
-                data_outer=a.data_outer)
+                data_outer=a.data_outer, needs_s=json.loads(a.needs), lowmem_gib=a.lowmem_gib)
     return 0
 
 
