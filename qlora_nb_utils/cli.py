@@ -190,6 +190,8 @@ def _kind(path: str, results: dict) -> str | None:
 
     if not isinstance(results, dict):
         raise ValueError(f"{path}: not a results file (a JSON {type(results).__name__}, expected an object)")
+    if results.get("kind") in ("peers_compute", "offload"):
+        return results["kind"]  # issue 20's file (its table and trade-off plot), and the offload points it plots
     if results.get("kind") == "fast_path" or ("optimize" in results and "runs" in results):
         return "bench"  # the three-run main job (one call, or gathered calls of several shapes)
     if peers_report.is_peers_file(results):
@@ -236,7 +238,22 @@ def _report(args: argparse.Namespace) -> int:
         print("\n" + fsdp_report.markdown_table(loaded[f], Path(f).name), end="")
         for png in fsdp_report.write_plot(loaded[f], f):
             print(f"wrote {png}", file=sys.stderr)
+    _report_compute(loaded, kinds)
     return 0
+
+
+def _report_compute(loaded: dict, kinds: dict) -> None:
+    """Issue 20's table and trade-off plot (with the offload files named beside it, else those next to it)."""
+    from .report import peers_compute
+
+    offload = [(Path(f).name, loaded[f]) for f, kind in kinds.items() if kind == "offload"]
+    for f in (f for f, kind in kinds.items() if kind == "peers_compute"):
+        print("\n" + peers_compute.markdown_table(loaded[f], Path(f).name), end="")
+        png = peers_compute.write_tradeoff_plot(f, loaded[f], offload)
+        print(f"wrote {png}" if png else f"{f}: no run at the trade-off shape, no plot", file=sys.stderr)
+    if offload and "peers_compute" not in kinds.values():
+        print("offload files are plotted with a peers_compute file (qlora-nb report peers_compute_<gpu>.json ...)",
+              file=sys.stderr)
 
 
 def _bench(args: argparse.Namespace) -> int:
