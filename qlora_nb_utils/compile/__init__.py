@@ -49,7 +49,8 @@ _EXPORTS = {
         "prepare_fast", "FastPrepared", "cast_non_lora", "checkpoint_first_layers",
         "autocast_forward", "activation_memory_budget",
     ), "recipe"),
-    **dict.fromkeys(("optimize", "Optimized", "pad_batch"), "fast_path"),
+    **dict.fromkeys(("optimize", "Optimized"), "fast_path"),
+    **dict.fromkeys(("pad_batch",), "step_inputs"),
     **dict.fromkeys(("estimate_peak_gib", "estimate_terms"), "memory_estimate"),
     **dict.fromkeys(("CpuOffloader", "OffloadStats"), "offload"),
 }

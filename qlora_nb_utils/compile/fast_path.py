@@ -27,6 +27,10 @@ The choices, each overridable by passing it explicitly:
 * **Checkpointing**: off without a memory target; with ``max_memory_gib``, on the fewest first
   decoder layers whose estimated peak (:func:`estimate_peak_gib`) fits the target; if even every
   layer does not fit, their saved inputs offloaded to CPU memory (:mod:`.offload`, regional scope).
+* **The LM head and loss over labelled rows only** (``loss_rows``) when the batches shown
+  ignore at least 10% of their target rows: on padded batches most of the head's work was on
+  padding (:mod:`qlora_nb_utils.ops.losses`; the rows are counted per step, outside the graph,
+  in :mod:`.step_inputs`).
 * **Autocast** for bf16/fp16 compute (the LoRA matmuls in bf16, fp32 master weights); nothing
   for fp32.
 * **Eager's rounding** (``eager_numerics``) for bf16/fp16: Inductor keeps a fused kernel's
@@ -56,42 +60,19 @@ from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_peak_gib, estimate_terms, peak_from_terms
 from .offload import plan
 from .packed import DOC_ATTENTION, choose_doc_kernel, packed_batches
-from .recipe import FastPrepared, activation_memory_budget, prepare_fast
+from .recipe import FastPrepared, prepare_fast
+from .step_inputs import batch_shapes, pad_batch, prepare_batch, step_forward
 
-__all__ = ["Optimized", "optimize", "estimate_peak_gib", "pad_batch", "MAX_CUDAGRAPH_SHAPES", "MODES"]
+__all__ = ["Optimized", "optimize", "estimate_peak_gib", "pad_batch", "MAX_CUDAGRAPH_SHAPES", "MODES",
+           "LOSS_ROWS_WHEN_IGNORED_OVER"]
 
 #: At most this many distinct batch shapes get CUDA graphs (one graph each) under ``mode="auto"``.
 MAX_CUDAGRAPH_SHAPES = 4
 #: What ``mode`` accepts: ``"auto"`` or an Inductor mode (None and ``"default"`` mean the default).
 MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "document_ids")
-_PAD_FILL = {"attention_mask": 0, "labels": -100, "document_ids": -1}
-
-
-def pad_batch(batch: dict, multiple: int, pad_token_id: int = 0) -> dict:
-    """``batch`` with its sequence dimension padded on the right up to a multiple of ``multiple``.
-
-    The new positions are masked (``attention_mask`` 0) and ignored by the loss (``labels`` -100);
-    ``input_ids`` get ``pad_token_id``; ``position_ids`` continue counting; ``document_ids`` get
-    the padding's document (-1). Other keys pass.
-    """
-    ids = batch["input_ids"]
-    width = ids.shape[-1]
-    extra = -width % multiple
-    if extra == 0:
-        return batch
-    out = dict(batch)
-    for key in _SEQ_KEYS:
-        value = batch.get(key)
-        if not torch.is_tensor(value) or value.dim() < 2 or value.shape[-1] != width:
-            continue
-        if key == "position_ids":
-            tail = value[..., -1:] + torch.arange(1, extra + 1, device=value.device, dtype=value.dtype)
-            out[key] = torch.cat([value, tail], dim=-1)
-        else:
-            fill = _PAD_FILL.get(key, pad_token_id)
-            out[key] = torch.nn.functional.pad(value, (0, extra), value=fill)
-    return out
+#: ``loss_rows="auto"`` limits the head and the loss to labelled rows when the batches shown
+#: ignore at least this share of their target rows (padding, masked prompts).
+LOSS_ROWS_WHEN_IGNORED_OVER = 0.1
 
 
 def _compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
@@ -106,18 +87,6 @@ def _compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
     from ..env import default_dtype
 
     return default_dtype(device)
-
-
-def _shapes(batches: list[dict] | None, multiple: int) -> list[tuple[int, int]] | None:
-    if batches is None:
-        return None
-    seen = []
-    for batch in batches:
-        b, s = (int(x) for x in batch["input_ids"].shape)
-        shape = (b, s + (-s % multiple if multiple > 1 else 0))
-        if shape not in seen:
-            seen.append(shape)
-    return seen
 
 
 @dataclasses.dataclass
@@ -142,6 +111,7 @@ class Optimized:
     reasons: dict[str, str]
     fast: FastPrepared
     _pad_id: int = 0
+    _row_chunks: int = 0  # labelled rows for the loss, in lengths divisible by this (0: every row)
     _extra: list[PatchHandle] = dataclasses.field(default_factory=list)
 
     def __call__(self, **batch: Any) -> Any:
@@ -149,7 +119,8 @@ class Optimized:
 
     def eager(self, **batch: Any) -> Any:
         """The same recipe uncompiled (padding, the document mask, autocast, the chunked loss): parity's reference."""
-        batch = pad_batch(batch, self.choices["pad_multiple"], self._pad_id)
+        batch = prepare_batch(batch, multiple=self.choices["pad_multiple"], pad_id=self._pad_id,
+                              loss_rows=self._row_chunks)
         module = self.module
         if self.choices.get("packing"):
             module = with_document_mask(module, self.choices["doc_attention"], required=False)
@@ -210,7 +181,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
              ce_chunks: int = 4, cast: bool = True, autocast: bool | str = "auto", pad_multiple: int = 8,
              dynamic: bool | str = "auto", memory_budget: float | None = None,
              eager_numerics: bool | str = "auto", scope: str = "whole", doc_attention: str = "auto",
-             offload: bool | str = "auto") -> Optimized:
+             offload: bool | str = "auto", loss_rows: bool | str = "auto") -> Optimized:
     """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
 
     Args:
@@ -241,6 +212,10 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         offload: keep checkpointed layers' inputs in pinned CPU memory (:mod:`.offload`):
             ``"auto"`` (only when ``max_memory_gib`` is not met by checkpointing every layer),
             True or False. Offloading compiles in regional scope.
+        loss_rows: the LM head and the chunked loss over the labelled target rows only
+            (:func:`~qlora_nb_utils.ops.losses.labelled_rows`, counted before each step):
+            ``"auto"`` (when the batches shown ignore at least
+            :data:`LOSS_ROWS_WHEN_IGNORED_OVER` of their rows, or are not shown), True or False.
 
     Returns:
         An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
@@ -258,6 +233,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("eager_numerics", eager_numerics, ("auto", True, False))
     _check("scope", scope, ("whole", "regional"))
     _check("doc_attention", doc_attention, DOC_ATTENTION)
+    _check("loss_rows", loss_rows, ("auto", True, False))
+    if loss_rows is True and not ce_chunks:
+        raise ValueError("loss_rows=True needs the chunked loss (ce_chunks > 0); the model's own loss takes every row")
     if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
         raise ValueError(f"pad_multiple must be an integer >= 1, got {pad_multiple!r}")
     if max_memory_gib is not None and not (isinstance(max_memory_gib, (int, float)) and max_memory_gib > 0):
@@ -276,7 +254,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     device = next(model.parameters()).device
     model_dtype = _compute_dtype(model, device)
     dtype = dtype or model_dtype
-    shapes = _shapes(batches, pad_multiple)
+    shapes = batch_shapes(batches, pad_multiple)
     choices: dict[str, Any] = {"device": device.type, "dtype": dtype, "scope": scope}
     reasons: dict[str, str] = {"device": "where the model is", "dtype": "the model's compute dtype"
                                if dtype == model_dtype else "asked for",
@@ -364,6 +342,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                            else f"{_show(dtype)}: nothing to autocast")
     choices["loss"], reasons["loss"] = (f"chunked CE x{ce_chunks}" if ce_chunks else "model's own",
                                         "no full fp32 logits" if ce_chunks else "asked for")
+    choices["loss_rows"], reasons["loss_rows"] = _choose_loss_rows(loss_rows, ce_chunks, batches, pad_multiple)
     if eager_numerics == "auto":
         numerics = low and backend == "inductor"
         why = ("compiled rounds where eager does (loss within the eager floor)" if numerics
@@ -399,10 +378,33 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     compiled = fast.forward
     if packed:
         compiled = with_document_mask(compiled, choices["doc_attention"], required=False)
-    forward = _wrap(compiled, pad_multiple, pad_id, mark and scope == "whole", memory_budget)
+    forward = step_forward(compiled, multiple=pad_multiple, pad_id=pad_id, mark_dynamic=mark and scope == "whole",
+                           loss_rows=ce_chunks if choices["loss_rows"] == "labelled" else 0,
+                           memory_budget=memory_budget)
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
-                     fast=fast, _pad_id=pad_id, _extra=extra)
+                     fast=fast, _pad_id=pad_id, _extra=extra,
+                     _row_chunks=ce_chunks if choices["loss_rows"] == "labelled" else 0)
+
+
+def _choose_loss_rows(asked: bool | str, ce_chunks: int, batches: list[dict] | None,
+                      multiple: int) -> tuple[str, str]:
+    if not ce_chunks:
+        return "all", "the model's own loss"
+    if asked != "auto":
+        return ("labelled" if asked else "all"), "asked for"
+    if not batches:
+        return "labelled", "batches not shown: labelled rows (the same loss; costs a label count per step)"
+    ignored = total = 0
+    for batch in batches:
+        labels = pad_batch(batch, multiple)["labels"] if "labels" in batch else None
+        if torch.is_tensor(labels) and labels.dim() == 2:
+            ignored += int((labels[:, 1:] == -100).sum())
+            total += labels[:, 1:].numel()
+    share = ignored / total if total else 0.0
+    if share >= LOSS_ROWS_WHEN_IGNORED_OVER:
+        return "labelled", f"{share:.0%} of target rows ignored: LM head and loss skip them"
+    return "all", f"{share:.0%} of target rows ignored: every row (no per-step label count)"
 
 
 def _keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choices: dict[str, Any],
@@ -423,21 +425,3 @@ def _keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choi
     choices["bnb_cpu_layout"] = "training"
     reasons["bnb_cpu_layout"] = "an eval pass cannot repack NF4 for CPU inference (lost LoRA gradients)"
     return [handle]
-
-
-def _wrap(compiled: Callable[..., Any], multiple: int, pad_id: int, mark_dynamic: bool,
-          memory_budget: float | None) -> Callable[..., Any]:
-    def forward(**batch: Any) -> Any:
-        if multiple > 1:
-            batch = pad_batch(batch, multiple, pad_id)
-        if mark_dynamic:
-            for key in _SEQ_KEYS:
-                value = batch.get(key)
-                if torch.is_tensor(value) and value.dim() >= 2:
-                    torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
-        if memory_budget is None:  # nothing to set: keep the per-step path bare
-            return compiled(**batch)
-        with activation_memory_budget(memory_budget):
-            return compiled(**batch)
-
-    return forward

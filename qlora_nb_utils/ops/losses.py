@@ -19,6 +19,17 @@ around each chunk's matmul. The numbers are those of ``F.cross_entropy`` over
 Liger-Kernel's fused linear cross-entropy and torchtune's chunked output loss are the same
 idea. :class:`ChunkedLossLM` puts it in place of a PEFT causal LM's own loss.
 
+**Labelled rows only.** On padded batches most target rows are ignored (83% of them in the
+8B, 8 x 1024 profile on the shipped data, ``results/profile_8b_h100.json``), yet the head's
+matmuls and the softmax ran over all of them: 22 ms of a 500 ms step, and the fp32 chunks
+that were the largest tensors alive at the peak. :func:`labelled_rows` lists the rows that
+carry a label, *outside* the compiled graph, padded up to a multiple of a bucket with an
+index that reads as an ignored row; :func:`chunked_cross_entropy` (``rows=``) gathers just
+those rows before the head. The loss and every gradient are the same (an ignored row adds
+nothing to either), only the fp32 summation order differs. The bucket keeps the number of
+distinct row counts small (at most 17 per batch shape), so a graph compiled with the count
+dynamic (one compilation) meets few sizes.
+
 :func:`chunked_token_log_probs` is the per-token form, for trainers that reduce the loss
 themselves (TRL's ``SFTTrainer`` asks the model for each label's log-probability, the
 next-token entropy and whether the label is the top-1 token, and sums them itself). Each
@@ -29,15 +40,58 @@ the incoming gradient: any per-token weighting of the loss gets the exact gradie
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "chunked_token_log_probs", "TokenStats", "causal_lm_targets",
+__all__ = ["IGNORE_INDEX", "ROW_BUCKETS", "labelled_rows", "chunked_cross_entropy", "chunked_token_log_probs", "TokenStats", "causal_lm_targets",
            "ChunkedLossLM"]
 
 IGNORE_INDEX = -100
+#: :func:`labelled_rows` rounds the row count up to a multiple of ``total / ROW_BUCKETS`` (at
+#: least 64 rows): at most this many distinct counts per batch shape.
+ROW_BUCKETS = 16
+
+
+def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple: int = 1,
+                  ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The next-token target rows that carry a label, as indices for ``chunked_cross_entropy(rows=)``.
+
+    Rows are numbered as :func:`causal_lm_targets` flattens them (``b * (S-1) + s`` predicts
+    ``labels[b, s+1]``). The list is padded with ``total`` (one past the last row, which
+    :func:`chunked_cross_entropy` reads as an ignored row) up to a multiple of
+    ``ceil(total / buckets)`` rounded up to a multiple of 64 and of ``multiple``: every length
+    is then divisible by the loss's chunk count, so a graph compiled with the length dynamic
+    never guards on it. Reading the labels needs their values, so call it outside a compiled
+    graph (on CUDA labels it waits for the device).
+
+    Args:
+        labels: ``(B, S)`` token ids with ``ignore_index`` where no loss is taken.
+        buckets: how many sizes the padded count can take per batch shape (>= 1).
+        multiple: the lengths are also multiples of this (the loss's ``chunks``; >= 1).
+        ignore_index: the label value that is skipped.
+
+    Returns:
+        A 1-D int64 tensor on ``labels``' device.
+
+    Raises:
+        ValueError: ``labels`` not 2-D with at least 2 positions, ``buckets`` or ``multiple`` < 1.
+    """
+    if labels.dim() != 2 or labels.shape[1] < 2:
+        raise ValueError(f"labels must be (B, S) with S >= 2, got shape {tuple(labels.shape)}")
+    for name, value in (("buckets", buckets), ("multiple", multiple)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    valid = labels[:, 1:].reshape(-1) != ignore_index
+    rows = valid.nonzero().squeeze(1)
+    n, total = rows.numel(), valid.numel()
+    unit = math.lcm(64, multiple)
+    per_bucket = -(-total // buckets)  # ceil division
+    step = -(-per_bucket // unit) * unit
+    cap = -(-max(n, 1) // step) * step
+    return torch.cat([rows, rows.new_full((cap - n,), total)])
 
 
 def causal_lm_targets(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
@@ -106,7 +160,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                          chunks: int = 4, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                          chunks: int = 4, ignore_index: int = IGNORE_INDEX,
+                          rows: torch.Tensor | None = None) -> torch.Tensor:
     """Causal-LM loss of an LM head without materialising all logits.
 
     Equal to ``F.cross_entropy((hidden[:, :-1] @ weight.T).float(), labels[:, 1:],
@@ -118,8 +173,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         weight: ``(V, D)`` LM-head weight (frozen in (Q)LoRA; a weight that requires grad gets
             its gradient too).
         labels: ``(B, S)`` token ids with ``ignore_index`` where no loss is taken.
-        chunks: how many pieces the ``B*(S-1)`` token rows are cut into (>= 1).
+        chunks: how many pieces the ``B*(S-1)`` token rows (or ``rows``) are cut into (>= 1).
         ignore_index: label value to skip.
+        rows: the target rows to compute, from :func:`labelled_rows` (None: all of them); the
+            result is the same as long as every labelled row is among them.
 
     Returns:
         The scalar fp32 loss.
@@ -129,6 +186,11 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     """
     _check_head_inputs(hidden, weight, labels, chunks)
     h, t = causal_lm_targets(hidden, labels, ignore_index)
+    if rows is not None:  # index total (the padding of labelled_rows) reads row total-1, ignored
+        inside = rows < t.shape[0]
+        safe = rows.clamp(max=t.shape[0] - 1)
+        h = h.index_select(0, safe)
+        t = torch.where(inside, t.index_select(0, safe), torch.full_like(safe, ignore_index))
     grad_on = torch.is_grad_enabled()
     return _ChunkedLinearCrossEntropy.apply(h, weight, t, chunks, ignore_index,
                                             grad_on and h.requires_grad, grad_on and weight.requires_grad)
@@ -220,6 +282,7 @@ class ChunkedLossLM(torch.nn.Module):
     :func:`qlora_nb_utils.training.train` and :func:`qlora_nb_utils.compile.prepare_for_compile`.
     With ``token_stats=True`` it returns the :class:`TokenStats` of
     :func:`chunked_token_log_probs` instead (for trainers that reduce per-token losses themselves).
+    ``loss_rows`` (from :func:`labelled_rows`) limits the head and the loss to those rows.
     """
 
     def __init__(self, model: torch.nn.Module, chunks: int = 4) -> None:
@@ -227,7 +290,8 @@ class ChunkedLossLM(torch.nn.Module):
         self.model = model
         self.chunks = chunks
 
-    def forward(self, input_ids, attention_mask=None, labels=None, token_stats: bool = False, **kwargs):
+    def forward(self, input_ids, attention_mask=None, labels=None, token_stats: bool = False,
+                loss_rows=None, **kwargs):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         causal_lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
@@ -235,7 +299,8 @@ class ChunkedLossLM(torch.nn.Module):
         weight = causal_lm.get_output_embeddings().weight
         if token_stats:
             return chunked_token_log_probs(hidden, weight, labels, chunks=self.chunks)
-        return CausalLMOutputWithPast(loss=chunked_cross_entropy(hidden, weight, labels, chunks=self.chunks))
+        return CausalLMOutputWithPast(loss=chunked_cross_entropy(hidden, weight, labels, chunks=self.chunks,
+                                                                 rows=loss_rows))
 
 
 def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

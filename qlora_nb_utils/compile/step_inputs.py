@@ -1,0 +1,110 @@
+"""What the optimized step does to each batch before the compiled graph sees it.
+
+Why this module exists: some of the fast path's choices cannot be made inside the graph,
+because they depend on a batch's *values* or must hold for every batch whatever its length.
+They run here, on each call, in plain Python, and hand the graph only shapes it has seen:
+
+* **Padding** the length up to a multiple (:func:`pad_batch`), so that unaligned lengths never
+  add a compilation (an alignment guard did, on a GPU).
+* **Dynamic marks** on the sequence dimension when the batches vary in length, so that the
+  first compilation is already the dynamic one.
+* **Labelled rows** (:func:`~qlora_nb_utils.ops.losses.labelled_rows`): the indices of the
+  target rows that carry a label, so that the LM head and the loss skip padding and masked
+  prompts. Reading labels is a data-dependent step that would break a ``fullgraph`` trace, so
+  it happens here; the index's length is marked dynamic and bucketed, one compilation for
+  every count.
+
+:func:`step_forward` puts them around the compiled recipe; ``fast_path.optimize`` calls it and
+``Optimized.eager`` applies the same preparation uncompiled (:func:`prepare_batch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..ops.losses import labelled_rows
+from .recipe import activation_memory_budget
+
+__all__ = ["pad_batch", "batch_shapes", "prepare_batch", "step_forward", "SEQ_KEYS"]
+
+#: The per-token keys padding extends and the dynamic marks cover.
+SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "document_ids")
+_PAD_FILL = {"attention_mask": 0, "labels": -100, "document_ids": -1}
+
+
+def pad_batch(batch: dict, multiple: int, pad_token_id: int = 0) -> dict:
+    """``batch`` with its sequence dimension padded on the right up to a multiple of ``multiple``.
+
+    The new positions are masked (``attention_mask`` 0) and ignored by the loss (``labels`` -100);
+    ``input_ids`` get ``pad_token_id``; ``position_ids`` continue counting; ``document_ids`` get
+    the padding's document (-1). Other keys pass.
+    """
+    ids = batch["input_ids"]
+    width = ids.shape[-1]
+    extra = -width % multiple
+    if extra == 0:
+        return batch
+    out = dict(batch)
+    for key in SEQ_KEYS:
+        value = batch.get(key)
+        if not torch.is_tensor(value) or value.dim() < 2 or value.shape[-1] != width:
+            continue
+        if key == "position_ids":
+            tail = value[..., -1:] + torch.arange(1, extra + 1, device=value.device, dtype=value.dtype)
+            out[key] = torch.cat([value, tail], dim=-1)
+        else:
+            fill = _PAD_FILL.get(key, pad_token_id)
+            out[key] = torch.nn.functional.pad(value, (0, extra), value=fill)
+    return out
+
+
+def batch_shapes(batches: list[dict] | None, multiple: int) -> list[tuple[int, int]] | None:
+    """The distinct ``(batch, padded length)`` shapes of ``batches`` in order of appearance (None: unknown)."""
+    if batches is None:
+        return None
+    seen = []
+    for batch in batches:
+        b, s = (int(x) for x in batch["input_ids"].shape)
+        shape = (b, s + (-s % multiple if multiple > 1 else 0))
+        if shape not in seen:
+            seen.append(shape)
+    return seen
+
+
+def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool = False,
+                  loss_rows: int = 0) -> dict:
+    """One batch as the compiled recipe takes it: padded, optionally marked dynamic, with its labelled rows.
+
+    ``loss_rows`` (the loss's chunk count; 0: off) adds ``loss_rows`` (its length marked
+    dynamic, a multiple of the chunk count) when the batch has ``labels`` and is not a
+    per-token call (``token_stats``), which needs every row.
+    """
+    if multiple > 1:
+        batch = pad_batch(batch, multiple, pad_id)
+    if mark_dynamic:
+        for key in SEQ_KEYS:
+            value = batch.get(key)
+            if torch.is_tensor(value) and value.dim() >= 2:
+                torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
+    labels = batch.get("labels")
+    if loss_rows and torch.is_tensor(labels) and labels.dim() == 2 and not batch.get("token_stats"):
+        rows = labelled_rows(labels, multiple=loss_rows)
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
+        batch = {**batch, "loss_rows": rows}
+    return batch
+
+
+def step_forward(compiled: Callable[..., Any], *, multiple: int, pad_id: int, mark_dynamic: bool,
+                 loss_rows: int, memory_budget: float | None) -> Callable[..., Any]:
+    """``forward(**batch)``: :func:`prepare_batch`, then the compiled recipe (under the memory budget, if any)."""
+    def forward(**batch: Any) -> Any:
+        batch = prepare_batch(batch, multiple=multiple, pad_id=pad_id, mark_dynamic=mark_dynamic,
+                              loss_rows=loss_rows)
+        if memory_budget is None:  # nothing to set: keep the per-step path bare
+            return compiled(**batch)
+        with activation_memory_budget(memory_budget):
+            return compiled(**batch)
+
+    return forward
