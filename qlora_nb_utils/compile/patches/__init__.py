@@ -13,10 +13,12 @@ and a ``patched(...)`` context manager. Importing this package patches nothing.
 Not a graph-break workaround, so not in :data:`PATCHES` (what ``prepare_for_compile`` applies):
 :mod:`.bnb_cpu_packing` keeps bitsandbytes from repacking NF4 weights on a CPU eval pass, after
 which training loses gradients; ``training.evaluation`` and ``training.finetuning`` apply it.
+:mod:`.nf4_dequant` (a speed change, not applied by default) routes bitsandbytes' NF4
+``matmul_4bit`` / ``dequantize_4bit`` to the one-pass op of ``ops.nf4_triton``.
 """
 
 from ...reversible import PatchHandle
-from . import input_require_grads, use_cache_warning
+from . import input_require_grads, nf4_dequant, use_cache_warning
 
 #: Every patch, by name (the names ``compile.prepare_for_compile(patches=...)`` accepts).
 PATCHES = {
@@ -24,4 +26,4 @@ PATCHES = {
     "use_cache_warning": use_cache_warning,
 }
 
-__all__ = ["PATCHES", "PatchHandle", "input_require_grads", "use_cache_warning"]
+__all__ = ["PATCHES", "PatchHandle", "input_require_grads", "nf4_dequant", "use_cache_warning"]
