@@ -126,3 +126,13 @@ def test_loss_rows_auto_follows_the_ignored_share_and_refuses_the_models_own_los
         optimize(model, batches=padded, ce_chunks=0, loss_rows=True)
     with pytest.raises(ValueError, match="loss_rows must be one of"):
         optimize(model, batches=padded, loss_rows="some")
+
+
+def test_the_memory_estimate_counts_only_the_head_rows(tiny):
+    from qlora_nb_utils.compile.memory_estimate import estimate_terms
+
+    model, _ = tiny
+    full = estimate_terms(model, 8, 1024, ce_chunks=4)
+    part = estimate_terms(model, 8, 1024, ce_chunks=4, head_rows=1024)
+    assert part["logits_gib"] == pytest.approx(full["logits_gib"] / 8)
+    assert {k: v for k, v in part.items() if k != "logits_gib"} == {k: v for k, v in full.items() if k != "logits_gib"}

@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..ops.doc_attention import with_document_mask
+from ..ops.losses import labelled_rows
 from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_peak_gib, estimate_terms, peak_from_terms
@@ -262,11 +263,12 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
 
     # checkpointing and offload (offload.plan): decided first, offloading makes the scope regional
     n_layers = len(decoder_layers(model))
+    *rows_choice, head_rows = _choose_loss_rows(loss_rows, ce_chunks, batches, pad_multiple)
     est, at = None, ""
     if max_memory_gib is not None:
         b, s = max(shapes, key=lambda x: x[0] * x[1])
         terms = estimate_terms(model, b, s, ce_chunks=ce_chunks, act_bytes=torch.finfo(dtype).bits // 8,
-                               cast_dtype=dtype if cast else None)
+                               cast_dtype=dtype if cast else None, head_rows=head_rows)
         est, at = functools.partial(peak_from_terms, terms), f"{b} x {s}"
     ck = plan(n_layers, grad_ckpt=grad_ckpt, ckpt_layers=ckpt_layers, max_memory_gib=max_memory_gib,
               offload=offload, scope=scope, estimate=est, shape=at)
@@ -342,7 +344,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                            else f"{_show(dtype)}: nothing to autocast")
     choices["loss"], reasons["loss"] = (f"chunked CE x{ce_chunks}" if ce_chunks else "model's own",
                                         "no full fp32 logits" if ce_chunks else "asked for")
-    choices["loss_rows"], reasons["loss_rows"] = _choose_loss_rows(loss_rows, ce_chunks, batches, pad_multiple)
+    choices["loss_rows"], reasons["loss_rows"] = rows_choice
     if eager_numerics == "auto":
         numerics = low and backend == "inductor"
         why = ("compiled rounds where eager does (loss within the eager floor)" if numerics
@@ -388,23 +390,26 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
 
 
 def _choose_loss_rows(asked: bool | str, ce_chunks: int, batches: list[dict] | None,
-                      multiple: int) -> tuple[str, str]:
+                      multiple: int) -> tuple[str, str, int | None]:
+    """(choice, reason, the most head rows a batch shown needs, None: every token)."""
     if not ce_chunks:
-        return "all", "the model's own loss"
-    if asked != "auto":
-        return ("labelled" if asked else "all"), "asked for"
-    if not batches:
-        return "labelled", "batches not shown: labelled rows (the same loss; costs a label count per step)"
-    ignored = total = 0
-    for batch in batches:
+        return "all", "the model's own loss", None
+    if asked is not True and not batches:
+        return (("labelled", "batches not shown: labelled rows (the same loss; costs a label count per step)")
+                if asked == "auto" else ("all", "asked for")) + (None,)
+    ignored = total = most = 0
+    for batch in batches or ():
         labels = pad_batch(batch, multiple)["labels"] if "labels" in batch else None
         if torch.is_tensor(labels) and labels.dim() == 2:
             ignored += int((labels[:, 1:] == -100).sum())
             total += labels[:, 1:].numel()
+            most = max(most, labelled_rows(labels, multiple=ce_chunks).numel())
     share = ignored / total if total else 0.0
+    if asked != "auto":
+        return ("labelled", "asked for", most or None) if asked else ("all", "asked for", None)
     if share >= LOSS_ROWS_WHEN_IGNORED_OVER:
-        return "labelled", f"{share:.0%} of target rows ignored: LM head and loss skip them"
-    return "all", f"{share:.0%} of target rows ignored: every row (no per-step label count)"
+        return "labelled", f"{share:.0%} of target rows ignored: LM head and loss skip them", most
+    return "all", f"{share:.0%} of target rows ignored: every row (no per-step label count)", None
 
 
 def _keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choices: dict[str, Any],

@@ -50,7 +50,8 @@ def _config_of(model: torch.nn.Module) -> Any:
 
 
 def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_chunks: int = 4,
-                   act_bytes: int = 2, cast_dtype: torch.dtype | None = None) -> dict[str, Any]:
+                   act_bytes: int = 2, cast_dtype: torch.dtype | None = None,
+                   head_rows: int | None = None) -> dict[str, Any]:
     """The estimate's terms in GiB (and the shape numbers they come from).
 
     Args:
@@ -60,6 +61,8 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
         ce_chunks: the chunked loss's pieces (0: the model's own loss, counted as one piece).
         act_bytes: bytes per element of the compute dtype.
         cast_dtype: the dtype the recipe will cast the non-LoRA float weights to (None: as they are).
+        head_rows: the rows the LM head and loss run over (``optimize(loss_rows=...)``: the
+            largest bucketed count of labelled rows shown); None: every token.
     """
     config = _config_of(model)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
@@ -80,7 +83,8 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
             "kept_per_layer_gib": tokens * hidden * act_bytes / _GIB,
             "ckpt_transient_gib": _CKPT_TRANSIENT_LAYERS * per_layer,
             "offload_transient_gib": _OFFLOAD_RELOADED * tokens * hidden * act_bytes / _GIB,
-            "logits_gib": _LOGITS_FACTOR * tokens / max(ce_chunks, 1) * vocab * (act_bytes + 8) / _GIB,
+            "logits_gib": _LOGITS_FACTOR * (tokens if head_rows is None else min(head_rows, tokens))
+            / max(ce_chunks, 1) * vocab * (act_bytes + 8) / _GIB,
             "overhead_gib": _OVERHEAD_GIB}
 
 
