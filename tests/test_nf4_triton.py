@@ -98,7 +98,7 @@ def test_triton_kernel_in_the_interpreter():
         import torch, bitsandbytes.functional as F
         from qlora_nb_utils.ops import nf4_triton as m
         for nested in (False, True):
-            for shape, bs in [((64, 64), 64), ((7, 9), 64), ((96, 256), 128), ((8, 4096), 4096)]:
+            for shape, bs in [((64, 64), 64), ((7, 10), 64), ((96, 256), 128), ((8, 4096), 4096), ((1000,), 64)]:
                 for dtype in (torch.float32, torch.float16):
                     p, st = F.quantize_4bit(torch.randn(shape).to(dtype), blocksize=bs, quant_type="nf4",
                                             compress_statistics=nested)

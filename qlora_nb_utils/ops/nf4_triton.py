@@ -16,10 +16,11 @@ The kernel. One program owns ``ROWS`` consecutive quantization blocks (``ROWS * 
 outputs, 4096 by default). It loads each block's uint8 scale code, looks it up in the 256-entry
 code book, multiplies by the block's second-level float32 scale and adds the offset; then it
 loads the block's packed bytes as a ``[ROWS, blocksize / 2]`` tile, looks both nibbles up in the
-16-entry code table (high nibble first, bitsandbytes' layout), scales them, interleaves the two
-halves back into value order and stores the ``[ROWS, blocksize]`` tile once, in the output dtype.
+16-entry code table (high nibble first, bitsandbytes' layout), scales them, rounds them to the
+output dtype and stores each byte's two values as one little-endian word (first value in the low
+half), so a thread writes whole 16-byte vectors: the output is written once, in place.
 The arithmetic is bitsandbytes', in its order: ``code2[q] * absmax2`` rounded to float32 (a
-``mul.rn`` so the compiler cannot fuse it with the offset add into an FMA, which would round
+``mul.rn``, so the compiler cannot fuse it with the offset add into an FMA, which would round
 once instead of twice), ``+ offset``, ``table[c] * scale`` in float32, rounded once to the
 output dtype. So the result is meant to be bit-identical to ``dequantize_4bit``; the tests and
 the GPU check compare exactly.
@@ -28,8 +29,9 @@ How the compiler sees it. ``torch.ops.qlora_nb.dequantize_nf4_fused`` is declare
 :func:`torch.library.triton_op` when Triton imports: Dynamo records one op, AOTAutograd
 decomposes it into the kernel call (:func:`torch.library.wrap_triton`), and Inductor launches
 the kernel itself inside its generated code (no opaque custom-op boundary, output buffers in
-its memory plan; CUDA graphs keep working). Every non-CUDA tensor takes the pure-torch body
-(the same arithmetic, no Triton), which is what the CPU tests run. Without Triton (a CPU-only
+its memory plan; CUDA graphs keep working). Every non-CUDA tensor, and a weight of an odd number
+of values (its last byte holds one), takes the pure-torch body (the same arithmetic, no
+Triton), which is what the CPU tests run. Without Triton (a CPU-only
 install) the op is a :func:`torch.library.custom_op` with the same schema and a fake kernel, so
 code and tests do not change. Nothing is launched or patched at import; routing bitsandbytes'
 own calls here is :mod:`qlora_nb_utils.compile.patches.nf4_dequant`'s job.
@@ -47,9 +49,9 @@ from torch.library import wrap_triton
 try:  # Triton is optional: a CPU-only torch does not ship it
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+    triton = tl = libdevice = None
 
 __all__ = ["OP", "HAS_TRITON", "ELEMS_PER_PROGRAM", "dequantize_nf4_fused", "dequantize_reference",
            "op_args", "dequantize_state", "launch"]
@@ -107,16 +109,15 @@ if HAS_TRITON:
     def _mul_rn(a, b, EXACT: tl.constexpr):
         """``a * b`` rounded to float32 on its own (never contracted into an FMA with an add)."""
         if EXACT:
-            return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
-                                             dtype=tl.float32, is_pure=True, pack=1)
+            return libdevice.mul_rn(a, b)  # __nv_fmul_rn: PTX mul.rn.f32, which ptxas never contracts
         else:
-            return a * b
+            return a * b  # Triton's interpreter (numpy) does not contract either
 
     @triton.jit
     def _nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, offset_ptr, out_ptr,
-                            n_out, n_bytes, n_blocks,
+                            n_bytes, n_blocks,
                             HALF: tl.constexpr, ROWS: tl.constexpr, NESTED: tl.constexpr,
-                            NESTED_BLOCK: tl.constexpr, EXACT: tl.constexpr):
+                            NESTED_BLOCK: tl.constexpr, EXACT: tl.constexpr, WIDE: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # the blocks of this program
         live = rows < n_blocks
         if NESTED:
@@ -126,13 +127,19 @@ if HAS_TRITON:
         else:
             scale = tl.load(absmax_ptr + rows, mask=live, other=0.0)
         byte = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
-        bits = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
-        high = tl.load(code_ptr + (bits >> 4))  # the first value of each pair
-        low = tl.load(code_ptr + (bits & 15))
-        pairs = tl.join(high, low) * scale[:, None, None]  # [ROWS, HALF, 2]: value order within a row
-        values = tl.reshape(pairs, (ROWS, 2 * HALF))
-        index = rows[:, None] * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
-        tl.store(out_ptr + index, values.to(out_ptr.dtype.element_ty), mask=index < n_out)
+        keep = byte < n_bytes
+        bits = tl.load(packed_ptr + byte, mask=keep, other=0).to(tl.int32)
+        kind = out_ptr.dtype.element_ty
+        first = (tl.load(code_ptr + (bits >> 4)) * scale[:, None]).to(kind)  # high nibble: the first value
+        then = (tl.load(code_ptr + (bits & 15)) * scale[:, None]).to(kind)
+        # Both values of a byte leave as one little-endian word (first value in the low half), so
+        # each thread stores whole 16-byte vectors of consecutive words.
+        if WIDE:
+            word = (then.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | first.to(tl.uint32, bitcast=True)
+            tl.store(out_ptr.to(tl.pointer_type(tl.uint64)) + byte, word, mask=keep)
+        else:
+            word = (then.to(tl.uint16, bitcast=True).to(tl.uint32) << 16) | first.to(tl.uint16, bitcast=True)
+            tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + byte, word, mask=keep)
 
 
 def launch(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, nested_code: Optional[torch.Tensor],
@@ -144,7 +151,8 @@ def launch(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, neste
     Args:
         packed, absmax, code, nested_code, nested_absmax, offset, blocksize, nested_blocksize:
             as :func:`dequantize_nf4_fused`.
-        out: the contiguous output, ``prod(shape)`` values of the wanted dtype.
+        out: the contiguous output, ``prod(shape)`` values of the wanted dtype; an even count
+            (each byte's two values are stored as one word).
         elems: outputs per program (a power of two); the benchmark tries several.
         num_warps: Triton's launch option (None: Triton's default, 4).
         wrapped: True inside the op (the launch goes through ``torch.library.wrap_triton``, so the
@@ -157,6 +165,8 @@ def launch(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, neste
     if not HAS_TRITON:
         raise RuntimeError("the fused NF4 dequantize needs Triton for CUDA tensors; it is not importable here")
     n = out.numel()
+    if n % 2:
+        raise ValueError(f"the kernel stores a byte's two values together: {n} values is odd")
     blocks = -(-n // blocksize)
     rows = max(1, elems // blocksize)
     nested = nested_code is not None
@@ -165,9 +175,9 @@ def launch(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, neste
     extra = {} if num_warps is None else {"num_warps": num_warps}
     kernel[grid](packed, absmax, code,
                  nested_code if nested else absmax, nested_absmax if nested else absmax,
-                 offset if nested else absmax, out, n, (n + 1) // 2, blocks,
+                 offset if nested else absmax, out, n // 2, blocks,
                  HALF=blocksize // 2, ROWS=rows, NESTED=nested, NESTED_BLOCK=max(nested_blocksize, 1),
-                 EXACT=os.environ.get("TRITON_INTERPRET") != "1", **extra)
+                 EXACT=os.environ.get("TRITON_INTERPRET") != "1", WIDE=out.dtype == torch.float32, **extra)
     return out
 
 
@@ -240,7 +250,7 @@ def _body(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, nested
         A new contiguous tensor of ``shape`` and ``dtype`` on ``packed``'s device.
     """
     _check_args(packed, absmax, code, nested_code, nested_absmax, offset, blocksize, nested_blocksize, shape, dtype)
-    if packed.device.type == "cuda" and HAS_TRITON:
+    if packed.device.type == "cuda" and HAS_TRITON and math.prod(shape) % 2 == 0:
         out = torch.empty(tuple(shape), dtype=dtype, device=packed.device)
         return launch(packed, absmax, code, nested_code, nested_absmax, offset, blocksize, nested_blocksize, out,
                       wrapped=True)
