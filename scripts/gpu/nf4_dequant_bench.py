@@ -183,7 +183,7 @@ def correctness() -> list[dict]:
 
     rows = []
     for shape in SHAPES:
-        for dtype in (torch.bfloat16, torch.float16):
+        for dtype in (torch.bfloat16, torch.float16) + ((torch.float32,) if shape == SHAPES[1] else ()):
             for nested in (True, False):
                 packed, st = nf4_weight(shape, dtype, nested)
                 ref = dequantize_4bit(packed, st)
