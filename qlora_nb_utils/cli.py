@@ -105,10 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     d.add_argument("--strict", action="store_true", help="exit 1 on any break, fullgraph failure or too many compilations")
     _add_train_parser(sub)
-    r = sub.add_parser("report", help="Markdown tables of bench, matrix, peers and FSDP2 results files (peers, FSDP2: "
-                       "plots too)")
+    r = sub.add_parser("report", help="Markdown tables of bench, matrix, peers, packing and FSDP2 results files "
+                       "(peers, packing, FSDP2: plots too)")
     r.add_argument("files", nargs="+", help="results files written by qlora-nb bench, matrix.run_matrix, peers.run_peers "
-                   "or scripts/gpu/gpu_fsdp.sh (for a peers or FSDP2 file the PNG plots are written next to it; an FSDP2 "
+                   "or scripts/gpu/gpu_fsdp.sh or gpu_packing.sh (for a peers, packing or FSDP2 file the PNG plots are written next to it; an FSDP2 "
                    "diagnostic file is skipped with a note)")
     return parser
 
@@ -180,7 +180,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _kind(path: str, results: dict) -> str | None:
-    """Which results file this is ("bench", "matrix", "peers", "fsdp2"); None for an FSDP2 diagnostic.
+    """Which results file this is ("bench", "matrix", "packing", "peers", "fsdp2"); None for an FSDP2 diagnostic.
 
     Raises:
         ValueError: for a JSON that is none of these, naming the file (rather than a KeyError later).
@@ -194,6 +194,10 @@ def _kind(path: str, results: dict) -> str | None:
         return results["kind"]  # issue 20's file (its table and trade-off plot), and the offload points it plots
     if results.get("kind") == "fast_path" or ("optimize" in results and "runs" in results):
         return "bench"  # the three-run main job (one call, or gathered calls of several shapes)
+    from .report import packing as packing_report
+
+    if packing_report.is_packing_file(results):
+        return "packing"  # issue 19's packing benchmark (its runs carry packed/library/data)
     if peers_report.is_peers_file(results):
         return "peers"
     if "cells" in results:
@@ -239,7 +243,18 @@ def _report(args: argparse.Namespace) -> int:
         for png in fsdp_report.write_plot(loaded[f], f):
             print(f"wrote {png}", file=sys.stderr)
     _report_compute(loaded, kinds)
+    _report_packing(loaded, kinds)
     return 0
+
+
+def _report_packing(loaded: dict, kinds: dict) -> None:
+    """Issue 19's packing tables, targets and trade-off plot (written next to each file)."""
+    from .report import packing as packing_report
+
+    for f in (f for f, kind in kinds.items() if kind == "packing"):
+        print("\n" + packing_report.markdown_table(loaded[f], Path(f).name), end="")
+        png = packing_report.write_plot(loaded[f], f)
+        print(f"wrote {png}" if png else f"{f}: no run without an error, no plot", file=sys.stderr)
 
 
 def _report_compute(loaded: dict, kinds: dict) -> None:

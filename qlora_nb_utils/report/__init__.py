@@ -5,6 +5,8 @@
 - ``markdown``: the one table-header helper every Markdown table uses.
 - ``peers``: the peers file as a Markdown table and PNG plots.
 - ``fsdp``: the FSDP2 results file as a Markdown table and a loss plot.
+- ``packing``: the packing benchmark's file as tables per model and data, the issue's two
+  targets, and a plot of real tokens/s against peak memory.
 - ``peers_compute``: issue 20's ours-against-Unsloth file as a Markdown table, and the trade-off
   plot (step time against peak memory at 8B, 8 x 1024) with the offload files' points.
 
