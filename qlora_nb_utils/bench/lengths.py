@@ -9,10 +9,16 @@ lengths follow the shape of a published one.
 
 Where the shape comes from: ShareGPT as tabulated in Wang et al., "How Far Can Camels Go?
 Exploring the State of Instruction Tuning on Open Resources" (NeurIPS 2023 Datasets and
-Benchmarks, arXiv:2306.04751), Table 1: average prompt length 71.0 and average completion
-length 357.8 tokens per round (LLaMA tokenizer). Those two means are the only published
-figures used, and they were taken from the paper as remembered in an offline session: check
-them against Table 1 before quoting them elsewhere. Everything else is our assumption, stated
+Benchmarks, arXiv:2306.04751), Table 1 (the statistics of the instruction data sets): average
+prompt length 71.0 and average completion length 357.8 tokens per round (LLaMA tokenizer).
+Those two means are the only published figures used. **They are not verified.** They were
+written from memory in an offline session; on 2026-11-24 we searched the stored public pages,
+documentation and code available to us (queries on the paper's title, its arXiv id, "ShareGPT"
+with "average prompt/completion length", and the two numbers themselves) and found the paper's
+abstract (NeurIPS proceedings page, OpenReview) and summaries of it, but no copy of Table 1, so
+neither number (nor the 3.2 rounds per conversation we also recall) could be checked. Treat the
+long-tail draw as "a long tail with a mean near 430 tokens", and check Table 1 before quoting
+the two means elsewhere. Everything else is our assumption, stated
 as such: one example is one round (prompt + completion), its total length is log-normal with
 that mean (428.8 tokens) and ``sigma`` 1.0 (a long right tail: median 260, about 8.5% of the
 examples above 1,024 tokens, about 2% above 2,048), its prompt share is the published ratio
@@ -33,7 +39,8 @@ from typing import Any
 __all__ = ["SHAREGPT_PROMPT_MEAN", "SHAREGPT_COMPLETION_MEAN", "LOGNORMAL_SIGMA", "long_tail_lengths",
            "long_tail_examples"]
 
-#: Mean prompt / completion tokens per round of ShareGPT (Wang et al. 2023, Table 1; see the docstring).
+#: Mean prompt / completion tokens per round of ShareGPT (Wang et al. 2023, Table 1, as recalled: not verified,
+#: see the module docstring).
 SHAREGPT_PROMPT_MEAN = 71.0
 SHAREGPT_COMPLETION_MEAN = 357.8
 #: Our assumption: the spread of the log-normal (not a published figure).

@@ -121,7 +121,11 @@ def build_data(tokenizer: Any, data: str, *, seq_len: int, rows: int, seed: int 
         source = "the shipped data/kjv_continue_train.jsonl, tokenized with the model's tokenizer"
     elif data == "long-tail":
         examples = draw(long_tail_examples, len(tokenizer), seed=seed)
-        source = ("synthetic token sequences, lengths log-normal with ShareGPT's published mean per round "
+        from .. import lengths as lt
+
+        source = (f"synthetic token sequences, lengths log-normal (sigma {lt.LOGNORMAL_SIGMA}) with mean "
+                  f"{lt.SHAREGPT_PROMPT_MEAN} + {lt.SHAREGPT_COMPLETION_MEAN} tokens, ShareGPT's per-round prompt and "
+                  "completion means as recalled from arXiv:2306.04751 Table 1, not verified "
                   "(qlora_nb_utils.bench.lengths: source, numbers and assumptions)")
     else:
         raise ValueError(f"unknown data set {data!r}; valid: {list(DATA_SETS)}")
