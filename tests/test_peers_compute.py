@@ -127,3 +127,25 @@ def test_tradeoff_points_from_the_committed_offload_files(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no run"):
         report.plot_tradeoff([], tmp_path / "none.png")
+
+
+def test_the_committed_h100_file_and_its_tradeoff_plot(tmp_path):
+    path = ROOT / "results" / "peers_compute_h100.json"
+    res = json.loads(path.read_text())
+    assert report.is_compute_file(res) and {"device", "versions", "date", "command"} <= set(res)
+    assert {r["setting"] for r in res["runs"]} == set(compute.SETTINGS)
+    for run in res["runs"]:
+        assert NAMED <= set(run) and run["library"] in ("ours", "unsloth"), run["name"]
+        assert run["model"] in ("llama-3.2-1b-shape", "llama-3.1-8b-shape")
+    assert compute.compare(res["runs"]) == res["vs_unsloth"]  # the stored ratios are the runs' ratios
+    offload = [(f.name, json.loads(f.read_text())) for f in sorted((ROOT / "results").glob("offload_h100*.json"))]
+    points = report.tradeoff_points(res, offload, compute_name=path.name)
+    at_shape = [r for r in res["runs"] if (r["model"], r["batch_size"], r["seq_len"]) == report.TRADEOFF_SHAPE]
+    assert sum(p["source"].startswith(path.name) for p in points) == len(at_shape) == 5
+    assert sorted(p["peak_gib"] for p in points if p["library"] == "unsloth") == sorted(
+        r["peak_mem_gib"] for r in at_shape if r["library"] == "unsloth")
+    png = report.plot_tradeoff(points, tmp_path / "tradeoff.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = report.markdown_table(res, path.name)
+    assert len([line for line in table.splitlines() if line.startswith("| 8b-") or line.startswith("| 1b-")]) == len(
+        res["vs_unsloth"])

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Writes: $OUT_DIR/peers_compute_<gpu>.json (committed as results/peers_compute_<gpu>.json), its
 #   _tradeoff.png (the offload files of results/ on it too), peers_compute_log.txt, children_logs.tar.gz
-# Rerun: COMMIT=<sha> bash scripts/gpu/gpu_peers_compute.sh "$OUT" 560 8b-8x1024,8b-8x1024-ckpt,8b-2x1024 12 4
+# Rerun (results/peers_compute_h100.json came from these two calls, 573 s and 440 s on an H100):
+#   COMMIT=<sha> bash scripts/gpu/gpu_peers_compute.sh "$OUT" 550 8b-8x1024,8b-8x1024-ckpt,8b-2x1024 12 4
+#   COMMIT=<sha> bash scripts/gpu/gpu_peers_compute.sh "$OUT" 520 1b-4x512,1b-16x1024 20 5
 #   (on the lent GPU machine, repository root; carry .whl .gpucache .unsloth)
 # Issue 20: ours (optimize(), the product path) against Unsloth at its compute-bound shapes,
 # checkpointing off and on, one process per run, the same batches
