@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wrote: results/nf4_dequant_h100.json (cp OUT/nf4_dequant.json results/nf4_dequant_<gpu>.json)
-# Rerun: bash scripts/gpu/gpu_nf4_dequant.sh OUT [BUDGET_S=380]
+# Rerun: bash scripts/gpu/gpu_nf4_dequant.sh OUT [BUDGET_S=380] [PARTS=all|ab]
 #   (on the lent GPU machine, from the repository root; carry .whl .gpucache .unsloth)
 # The one-pass NF4 dequantize (ops/nf4_triton.py, issue 20): correctness against bitsandbytes on
 # 8B weight shapes, a microbenchmark against bitsandbytes and Unsloth's fast_dequantize (its own
@@ -10,6 +10,7 @@
 set -euo pipefail
 out=${1:?usage: scripts/gpu/gpu_nf4_dequant.sh OUT_DIR [BUDGET_S]}
 budget=${2:-380}
+parts=${3:-all}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 if [ -f .unsloth/usite.tar.gz ]; then
@@ -18,7 +19,7 @@ if [ -f .unsloth/usite.tar.gz ]; then
 fi
 nvidia-smi -L
 export QLORA_NB_NF4_CMD="bash scripts/gpu/gpu_nf4_dequant.sh $*"
-python3 scripts/gpu/nf4_dequant_bench.py main "$out/nf4_dequant.json" "$budget"
+python3 scripts/gpu/nf4_dequant_bench.py main "$out/nf4_dequant.json" "$budget" "$parts"
 python3 - "$out/nf4_dequant.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))

@@ -17,11 +17,13 @@ Three parts, each recorded even when another fails:
   included), and ``kernel_us``, the same calls captured in a CUDA graph and replayed (the GPU
   time alone, as inside a compiled, graphed step).
 * ``ab_step``: the 1B shape trained through ``optimize()`` with the patch
-  (``compile.patches.nf4_dequant``) applied before ``optimize()`` and not, same batches, same
-  LoRA start: median step ms, losses, and the profiler's NF4-dequantize kernel time per step.
+  (``compile.patches.nf4_dequant``) applied before ``optimize()`` and not, each arm in a fresh
+  process, same batches, same seed: median step ms, losses, and the profiler's NF4-dequantize
+  kernel time per step.
 
-    python3 scripts/gpu/nf4_dequant_bench.py main OUT.json BUDGET_S
+    python3 scripts/gpu/nf4_dequant_bench.py main OUT.json BUDGET_S [all|ab]   (ab: the A/B step alone)
     python3 scripts/gpu/nf4_dequant_bench.py unsloth PART.json     (Unsloth's process)
+    python3 scripts/gpu/nf4_dequant_bench.py arm PART.json 0|1     (one A/B arm's process)
 """
 
 from __future__ import annotations
@@ -225,53 +227,63 @@ def microbench() -> list[dict]:
     return rows
 
 
-def ab_step(budget_end: float, *, model_name: str = AB_MODEL, device: str = "cuda", dtype: str = "bfloat16",
-            batch_size: int = AB_BATCH, seq_len: int = AB_SEQ, steps: int = AB_STEPS) -> dict:
-    import torch
-
+def ab_arm(patched: bool, *, model_name: str = AB_MODEL, device: str = "cuda", dtype: str = "bfloat16",
+           batch_size: int = AB_BATCH, seq_len: int = AB_SEQ, steps: int = AB_STEPS) -> dict:
+    """One arm of the A/B in this process: load, (patch,) ``optimize()``, train ``steps`` steps, profile."""
     from qlora_nb_utils import models
     from qlora_nb_utils.bench.main_job import make_bench_batches
     from qlora_nb_utils.bench.profile import group_kernels, kernel_records
     from qlora_nb_utils.compile.fast_path import optimize
     from qlora_nb_utils.compile.patches import nf4_dequant
-    from qlora_nb_utils.training.loop import TrainConfig, load_trainable_state, train, trainable_state
+    from qlora_nb_utils.training.loop import TrainConfig, train
 
-    res = {"model": model_name, "batch_size": batch_size, "seq_len": seq_len, "steps": steps, "dtype": dtype,
-           "runs": []}
+    run = {"name": "nf4_dequant patch" if patched else "bnb (unpatched)", "patched": patched}
     t0 = time.monotonic()
     model, tok = models.load_model(model_name, quant="nf4", lora=True, lora_r=16, lora_alpha=32, dtype=dtype,
                                    device=device, seed=SEED, prepare_kbit=True)
     batches, _ = make_bench_batches(tok, batch_size=batch_size, seq_len=seq_len, steps=steps)
-    res["load_s"] = round(time.monotonic() - t0, 1)
-    start = trainable_state(model)
-    for name in ("bnb (unpatched)", "nf4_dequant patch"):
-        if time.monotonic() > budget_end - 110:
-            res["runs"].append({"name": name, "skipped": "budget: under 110 s left"})
-            continue
-        run = {"name": name}
-        res["runs"].append(run)
-        handle = nf4_dequant.apply() if "patch" in name else None
-        torch.compiler.reset()
-        load_trainable_state(model, start)
+    run["load_s"] = round(time.monotonic() - t0, 1)
+    handle = nf4_dequant.apply() if patched else None  # before optimize(): Dynamo reads bnb.matmul_4bit
+    try:
+        t1 = time.monotonic()
+        opt = optimize(model, batches=batches)
         try:
-            t1 = time.monotonic()
-            opt = optimize(model, batches=batches)
-            try:
-                hist = train(model, batches, TrainConfig(steps=steps, progress=False, seed=SEED), forward=opt.forward)
-                ms = [float(x) for x in hist["step_ms"]]
-                run.update(median_step_ms=round(statistics.median(ms[5:]), 3), first_step_s=round(ms[0] / 1e3, 1),
-                           step_ms=[round(x, 3) for x in ms], losses=[float(x) for x in hist["loss"]],
-                           compilations=opt.counter.compilations, description=opt.description,
-                           wall_s=round(time.monotonic() - t1, 1))
-                run["dequant_kernels"] = _profile(opt, model, batches[:3], kernel_records, group_kernels, device)
-            finally:
-                opt.undo()
-        except Exception as exc:  # recorded per run
-            run["error"] = f"{type(exc).__name__}: {exc}"[:1500]
-            run["traceback_tail"] = traceback.format_exc()[-2500:]
+            hist = train(model, batches, TrainConfig(steps=steps, progress=False, seed=SEED), forward=opt.forward)
+            ms = [float(x) for x in hist["step_ms"]]
+            run.update(median_step_ms=round(statistics.median(ms[5:]), 3), first_step_s=round(ms[0] / 1e3, 1),
+                       step_ms=[round(x, 3) for x in ms], losses=[float(x) for x in hist["loss"]],
+                       compilations=opt.counter.compilations, description=opt.description,
+                       wall_s=round(time.monotonic() - t1, 1))
+            run["dequant_kernels"] = _profile(opt, model, batches[:3], kernel_records, group_kernels, device)
         finally:
-            if handle is not None:
-                handle.undo()
+            opt.undo()
+    except Exception as exc:  # recorded per run
+        run["error"] = f"{type(exc).__name__}: {exc}"[:1500]
+        run["traceback_tail"] = traceback.format_exc()[-2500:]
+    finally:
+        if handle is not None:
+            handle.undo()
+    return run
+
+
+def ab_step(budget_end: float) -> dict:
+    """Both arms, each in a fresh process (nothing of one, casts or caches in memory, reaches the other)."""
+    res = {"model": AB_MODEL, "batch_size": AB_BATCH, "seq_len": AB_SEQ, "steps": AB_STEPS, "dtype": "bfloat16",
+           "median_over": "steps 6..N (the first five: compile, CUDA-graph recording)", "runs": []}
+    for patched in (False, True):
+        left = budget_end - time.monotonic()
+        if left < 110:
+            res["runs"].append({"patched": patched, "skipped": f"budget: {left:.0f} s left"})
+            continue
+        part = f"/tmp/nf4_ab_{int(patched)}.json"
+        try:
+            child = subprocess.run([sys.executable, __file__, "arm", part, str(int(patched))], timeout=left,
+                                   capture_output=True, text=True)
+            res["runs"].append(json.loads(Path(part).read_text()) if Path(part).is_file() else {
+                "patched": patched, "error": f"no part written; rc {child.returncode}",
+                "stderr_tail": child.stderr[-2000:]})
+        except subprocess.TimeoutExpired:
+            res["runs"].append({"patched": patched, "error": f"timed out after {left:.0f} s"})
     done = [r for r in res["runs"] if "median_step_ms" in r]
     if len(done) == 2:
         a, b = done
@@ -297,7 +309,7 @@ def _profile(opt, model, batches, kernel_records, group_kernels, device: str) ->
             "total_kernel_ms_per_step": grouped["total_ms"], "note": "forward + backward, no optimizer step"}
 
 
-def main(out: str, budget_s: float) -> int:
+def main(out: str, budget_s: float, parts: str = "all") -> int:
     import torch
 
     t_start = time.monotonic()
@@ -313,13 +325,15 @@ def main(out: str, budget_s: float) -> int:
     if os.environ.get("QLORA_NB_UNSLOTH_SITE"):  # Unsloth's process, run after ours (one GPU user at a time)
         part = str(Path(out).with_name("unsloth_part.json"))
         env = {**os.environ, "PYTHONPATH": f"{os.environ['QLORA_NB_UNSLOTH_SITE']}:{os.environ.get('PYTHONPATH', '')}"}
-    for key, fn in (("correctness", correctness), ("microbench", microbench)):
+    for key, fn in (("correctness", correctness), ("microbench", microbench)) if parts == "all" else ():
         try:
             res[key] = fn()
         except Exception as exc:
             res[key] = {"error": f"{type(exc).__name__}: {exc}"[:1500], "traceback_tail": traceback.format_exc()[-2500:]}
         write(out, res)
-    if os.environ.get("QLORA_NB_UNSLOTH_SITE"):
+    if parts != "all":
+        res["unsloth"] = {"skipped": f"parts={parts}"}
+    elif os.environ.get("QLORA_NB_UNSLOTH_SITE"):
         t1 = time.monotonic()
         child = subprocess.run([sys.executable, __file__, "unsloth", part], env=env, timeout=240,
                                capture_output=True, text=True)
@@ -342,4 +356,7 @@ def main(out: str, budget_s: float) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "unsloth":
         sys.exit(unsloth_main(sys.argv[2]))
-    sys.exit(main(sys.argv[2], float(sys.argv[3])))
+    if sys.argv[1] == "arm":  # one A/B arm, in its own process
+        write(sys.argv[2], ab_arm(sys.argv[3] == "1"))
+        sys.exit(0)
+    sys.exit(main(sys.argv[2], float(sys.argv[3]), *sys.argv[4:5]))
