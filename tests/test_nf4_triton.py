@@ -27,6 +27,7 @@ bnb = pytest.importorskip("bitsandbytes")
 bnbF = pytest.importorskip("bitsandbytes.functional")
 
 OP = torch.ops.qlora_nb.dequantize_nf4_fused
+OP_NAME = "qlora_nb.dequantize_nf4_fused.default"
 SHAPES = [((64, 64), 64), ((256, 128), 64), ((96, 256), 128), ((48, 512), 256), ((64, 64), 32),
           ((8, 4096), 4096), ((7, 9), 64), ((1000,), 64)]
 
@@ -38,17 +39,59 @@ def quantize(shape, blocksize=64, nested=False, dtype=torch.float32, device="cpu
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts calls of our op and of bitsandbytes' dequantize ops (eager)."""
+    """Counts our dequantizes (eager code calls the op's body, not the op: ``nf4_triton.dequantize``)
+    and bitsandbytes' dequantize ops (dispatched)."""
 
     def __init__(self):
         super().__init__()
         self.ours = self.theirs = 0
+        self._original = nf4_triton.dequantize
+
+    def _ours(self, *args):
+        self.ours += 1
+        return self._original(*args)
+
+    def __enter__(self):
+        nf4_triton.dequantize = self._ours
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        nf4_triton.dequantize = self._original
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         self.ours += name.startswith("qlora_nb.dequantize_nf4_fused")
         self.theirs += name.startswith(("bitsandbytes.dequantize_4bit", "bitsandbytes.gemm_4bit"))
         return func(*args, **(kwargs or {}))
+
+
+class Dispatched(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_skip_the_dispatcher_and_traced_calls_keep_the_op():
+    packed, state = quantize((64, 64), nested=True)
+    args = nf4_triton.op_args(packed, state)
+    with Dispatched() as seen:
+        eager = nf4_triton.dequantize(*args)
+    assert seen.names and OP_NAME not in seen.names  # the body's ops ran, the op was not dispatched
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    traced = torch.compile(lambda p: nf4_triton.dequantize(p, *args[1:]), backend=keep, fullgraph=True)(packed)
+    calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert len(calls) == 1 and calls[0].startswith("qlora_nb.dequantize_nf4_fused")
+    torch.testing.assert_close(traced, eager, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- the op

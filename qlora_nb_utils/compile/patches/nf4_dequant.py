@@ -111,8 +111,8 @@ class NF4Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed, bias, absmax, code, nested_code, nested_absmax, offset, blocksize,
                 nested_blocksize, shape, state_dtype):
-        weight = torch.ops.qlora_nb.dequantize_nf4_fused(packed, absmax, code, nested_code, nested_absmax, offset,
-                                                         blocksize, nested_blocksize, shape, x.dtype)
+        weight = _op().dequantize(packed, absmax, code, nested_code, nested_absmax, offset, blocksize,
+                                  nested_blocksize, shape, x.dtype)
         ctx.save_for_backward(packed, absmax, code, nested_code, nested_absmax, offset)
         ctx.constants = (blocksize, nested_blocksize, shape, state_dtype)
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -123,8 +123,7 @@ class NF4Linear(torch.autograd.Function):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             blocksize, nested_blocksize, shape, state_dtype = ctx.constants
-            weight = torch.ops.qlora_nb.dequantize_nf4_fused(*ctx.saved_tensors, blocksize, nested_blocksize, shape,
-                                                             state_dtype)
+            weight = _op().dequantize(*ctx.saved_tensors, blocksize, nested_blocksize, shape, state_dtype)
             grad_x = torch.matmul(grad, weight.to(grad.dtype))
         if ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
