@@ -314,7 +314,10 @@ def main(out: str, budget_s: float, parts: str = "all") -> int:
 
     t_start = time.monotonic()
     budget_end = t_start + budget_s
-    res = {"kind": "nf4_dequant", "device": torch.cuda.get_device_name(), "versions": versions(),
+    props = torch.cuda.get_device_properties(0)
+    device = {"type": "cuda", "name": props.name, "capability": [props.major, props.minor],
+              "total_mem_gib": round(props.total_memory / 2**30, 2)}
+    res = {"kind": "nf4_dequant", "device": device, "versions": versions(),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": os.environ.get("QLORA_NB_NF4_CMD", " ".join(sys.argv)),
            "weights": "0.02 * N(0,1) bf16 (fp16 for the fp16 rows), bitsandbytes quantize_4bit NF4, blocksize 64",
