@@ -7,6 +7,8 @@
 #   run on the first data set before any on the next (a budget cut then loses the last data set);
 #   LOWMEM_GIB=N|unsloth (default unsloth): ours-lowmem-packed's max_memory_gib, a number or the
 #   lowest Unsloth peak already measured on the same model and data (run an Unsloth run first).
+#   LOWMEM_SCOPE=whole|regional (default whole): ours-lowmem-packed's optimize() scope (regional at 8B:
+#   one layer's compile, ~15 s, where the whole graph's took ~210 s and outran the run's limit)
 # Time limits and the seconds a run needs to start are per model (the 8B shape's whole-graph cold
 # compile is 176-220 s, results/profile_8b_h100.json); a run that no longer fits is skipped, the next
 # one tried. Built models are kept in /tmp/qlora_nb_cache (the tokenizer copied from .gpucache), so
@@ -58,6 +60,6 @@ extra=()
 [ "${DATA_OUTER:-0}" = 1 ] && extra+=(--data-outer)
 python3 -m qlora_nb_utils.bench.peers.packed "${extra[@]}" --command "EPOCH_DATA=${EPOCH_DATA:-} DATA_OUTER=${DATA_OUTER:-0} LOWMEM_GIB=${LOWMEM_GIB:-unsloth} bash scripts/gpu/gpu_packing.sh $*" --model "$model" --data "$data" --runs "$runs" --seq-len "$seq" \
   --rows "$rows" --steps "$steps" --warmup 3 --parity-steps 4 --long-tail-examples 600 --budget-s "$left" \
-  --timeouts "$timeouts" --needs "$needs" --lowmem-gib "${LOWMEM_GIB:-unsloth}" \
+  --timeouts "$timeouts" --needs "$needs" --lowmem-gib "${LOWMEM_GIB:-unsloth}" --lowmem-scope "${LOWMEM_SCOPE:-whole}" \
   --out "$file" 2>&1 | grep -v -i "warning\|Loading weights" || true
 ls -la "$out"

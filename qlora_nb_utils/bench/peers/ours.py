@@ -38,12 +38,13 @@ def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, 
     dtype = env.resolve_dtype(ctx["dtype"], device)
     if opts["auto"]:  # every choice optimize() can make, made by it
         opt = optimize(model, batches=batches, dtype=dtype, grad_ckpt=True if grad_ckpt else "auto",
-                       max_memory_gib=opts["max_memory_gib"])
+                       max_memory_gib=opts["max_memory_gib"], scope=opts["scope"])
     else:  # the variant's choices, each stated
         opt = optimize(model, batches=batches, dtype=dtype, cast=opts["cast_bf16"], ce_chunks=opts["ce_chunks"],
                        grad_ckpt=grad_ckpt, ckpt_layers=opts["ckpt_layers"], autocast=opts["autocast"],
                        attention="causal" if opts["causal_attn"] else "mask", mode=opts["mode"] or "default",
-                       backend=opts["backend"], memory_budget=opts["memory_budget"], dynamic=False)
+                       backend=opts["backend"], memory_budget=opts["memory_budget"], dynamic=False,
+                       scope=opts["scope"])
     from ...training.loop import trainable_state
 
     start = trainable_state(model) if ctx.get("parity_steps") else None

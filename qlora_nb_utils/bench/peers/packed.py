@@ -185,6 +185,7 @@ def run_packing(model: str, data_sets: Sequence[str], *, seq_len: int, rows: int
                 parity_steps: int = 6, long_tail_examples: int = 800, timeout_s: dict[str, float] | None = None,
                 budget_s: float | None = None, command: str | None = None, epoch_data: Sequence[str] | None = None,
                 data_outer: bool = False, needs_s: dict[str, float] | None = None, lowmem_gib: str | float = "unsloth",
+                lowmem_scope: str = "whole",
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run each of ``runs`` on each data set in a process of its own; rows appended to ``out``.
 
@@ -248,8 +249,8 @@ def run_packing(model: str, data_sets: Sequence[str], *, seq_len: int, rows: int
         held = None
         if name == "ours-lowmem-packed":
             gib, how = lowmem_target(results["runs"], model, data, lowmem_gib)
-            held = {"max_memory_gib": gib, "from": how}
-            ctx["variants"] = {"lowmem-packed": {"auto": True, "max_memory_gib": gib}}
+            held = {"max_memory_gib": gib, "from": how, "scope": lowmem_scope}
+            ctx["variants"] = {"lowmem-packed": {"auto": True, "max_memory_gib": gib, "scope": lowmem_scope}}
         results["runs"] = [r for r in results["runs"] if (r["model"], r["data"], r["name"]) != (model, data, name)]
         if held and held["max_memory_gib"] is None:
             run = {"name": name, "error": f"not run: {held['from']}"}
@@ -329,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeouts", default="{}", help='JSON: run name (or "default") -> seconds')
     p.add_argument("--needs", default="{}", help='JSON: run name -> the seconds it needs to start (default 30)')
     p.add_argument("--lowmem-gib", default="unsloth", help="ours-lowmem-packed's max_memory_gib: N or 'unsloth'")
+    p.add_argument("--lowmem-scope", default="whole", choices=("whole", "regional"),
+                   help="ours-lowmem-packed's optimize() scope (regional: one layer's compile, ~15 s at 8B)")
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--epoch-data", default=None, help="data sets of ours-packed's epoch check (default: all)")
     p.add_argument("--data-outer", action="store_true", help="every run on one data set before the next")
@@ -339,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out=a.out, runs=a.runs.split(","), parity_steps=a.parity_steps,
                 long_tail_examples=a.long_tail_examples, timeout_s=json.loads(a.timeouts), budget_s=a.budget_s,
                 command=a.command, epoch_data=a.epoch_data.split(",") if a.epoch_data else None,
-                data_outer=a.data_outer, needs_s=json.loads(a.needs), lowmem_gib=a.lowmem_gib)
+                data_outer=a.data_outer, needs_s=json.loads(a.needs), lowmem_gib=a.lowmem_gib,
+                lowmem_scope=a.lowmem_scope)
     return 0
 
 
