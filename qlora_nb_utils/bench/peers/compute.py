@@ -254,28 +254,19 @@ def run_compute(out: str | Path, settings: Sequence[str | dict] = tuple(SETTINGS
     from transformers import AutoConfig
 
     from ... import env, models
-    from ...env import resolve_device_dtype
-    from ..flops import measure_matmul_tflops, train_step_flops
+    from ..flops import train_step_flops
     from ..main_job import make_bench_batches
     from .common import _model_dir
     from .process import _write_json
     from .results import _one_line, error_run
+    from .runner import job_peak_tflops, job_start
 
     chosen = [_setting(s) for s in settings]
-    if not 0 <= warmup < steps:
-        raise ValueError(f"warmup ({warmup}) must be >= 0 and smaller than steps ({steps})")
     t_start = time.monotonic()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(work_dir) if work_dir else out.parent / f"{out.stem}_work"
-    work.mkdir(parents=True, exist_ok=True)
-    dev, dt = resolve_device_dtype(device, dtype)
+    out, work, dev, dt = job_start(out, work_dir, device, dtype, steps, warmup)
     dt_name = str(dt).replace("torch.", "")
     scopes = {**SCOPES, **(scopes or {})}
-    if peak_tflops is None:
-        peak_tflops = measure_matmul_tflops(dev, dt)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    peak_tflops = job_peak_tflops(dev, dt, peak_tflops)
     res = json.loads(out.read_text()) if out.is_file() else {}
     res.update({
         "kind": "peers_compute", "what": "issue 20: ours (optimize()) against Unsloth at compute-bound shapes, "

@@ -38,7 +38,39 @@ from .torchao import _peer_torchao
 from .trl import _peer_trl
 from .unsloth_launcher import _peer_unsloth
 
-__all__ = ["run_peer", "run_peers"]
+__all__ = ["run_peer", "run_peers", "job_start", "job_peak_tflops"]
+
+
+def job_start(out: str | Path, work_dir: str | Path | None, device: Any, dtype: Any, steps: int,
+              warmup: int) -> tuple[Path, Path, torch.device, torch.dtype]:
+    """What a peer job does first: check the warm-up, make the results and work folders, resolve device and dtype.
+
+    Returns:
+        ``(out, work, device, dtype)``; ``work`` is ``work_dir`` or ``<out's folder>/<out's stem>_work``.
+
+    Raises:
+        ValueError: ``warmup`` not in ``[0, steps)``.
+    """
+    if not 0 <= warmup < steps:
+        raise ValueError(f"warmup ({warmup}) must be >= 0 and smaller than steps ({steps})")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(work_dir) if work_dir else out.parent / f"{out.stem}_work"
+    work.mkdir(parents=True, exist_ok=True)
+    dev, dt = _resolve_device_dtype(device, dtype)
+    return out, work, dev, dt
+
+
+def job_peak_tflops(device: torch.device, dtype: torch.dtype, peak_tflops: float | None) -> float:
+    """``peak_tflops``, or this device's matmul rate measured now (MFU's denominator), its scratch freed."""
+    if peak_tflops is not None:
+        return peak_tflops
+    from ..flops import measure_matmul_tflops
+
+    peak = measure_matmul_tflops(device, dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return peak
 
 
 def run_peer(name: str, batches: list, *, model: str = "tiny", steps: int | None = None, warmup: int = 3,
@@ -170,30 +202,21 @@ def run_peers(model_name: str, peers: Sequence[str], batch_size: int, seq_len: i
     from transformers import AutoConfig
 
     from .. import main_job as bench
-    from ..flops import measure_matmul_tflops, train_step_flops
+    from ..flops import train_step_flops
 
     peers = peer_names(peers, variants)
     for p in peers:
         if p.startswith("ours") and p != "ours-default-compile":
             _variant_options(p, variants)
-    if not 0 <= warmup < steps:
-        raise ValueError(f"warmup ({warmup}) must be >= 0 and smaller than steps ({steps})")
     t_start = time.monotonic()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(work_dir) if work_dir else out.parent / f"{out.stem}_work"
-    work.mkdir(parents=True, exist_ok=True)
-    dev, dt = _resolve_device_dtype(device, dtype)
+    out, work, dev, dt = job_start(out, work_dir, device, dtype, steps, warmup)
     model_dir = _model_dir(model_name)
     tok = models.load_tokenizer(model_name)
     batches, pad = bench.make_bench_batches(tok, batch_size=batch_size, seq_len=seq_len, steps=steps,
                                             padding="fixed", data=data, seed=seed)
     batches_path = work / f"batches_{batch_size}x{seq_len}.pt"
     torch.save(batches, batches_path)
-    if peak_tflops is None:
-        peak_tflops = measure_matmul_tflops(dev, dt)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    peak_tflops = job_peak_tflops(dev, dt, peak_tflops)
     flops = train_step_flops(AutoConfig.from_pretrained(model_dir), batch_size, seq_len, lora_r=lora_r)
     results = json.loads(out.read_text()) if out.is_file() else {}
     if results.get("model") not in (None, model_name):
