@@ -97,6 +97,12 @@ def test_optimize_takes_labelled_rows_in_one_compilation_with_the_same_loss_and_
             stats = opt.counter.to_dict()
             assert (stats["compilations"], stats["recompilations"]) == (1, 0), stats["recompile_reasons"]
             torch.testing.assert_close(opt.eager(**batches[1]).loss, losses[1], rtol=1e-5, atol=1e-6)
+            if rows:  # the labelled rows are read outside the recipe: the recipe itself traces whole
+                from qlora_nb_utils import diagnostics
+
+                prepared = opt.prepare(**batches[1])
+                assert "loss_rows" in prepared
+                assert diagnostics.graph_breaks(opt.eager_prepared, **prepared).graph_break_count == 0
         finally:
             opt.undo()
         results[rows] = losses, grads

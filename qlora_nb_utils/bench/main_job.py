@@ -220,7 +220,7 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
         run("fast-eager", forward=opt.eager)
         for k, data in enumerate(permuted, 1):
             run(f"fast-eager-permuted{k}", forward=opt.eager, data=data)
-        fast_breaks = diagnostics.graph_breaks(opt.eager, **first)
+        fast_breaks = diagnostics.graph_breaks(opt.eager_prepared, **opt.prepare(**first))
         torch.compiler.reset()
         run("fast", forward=opt.forward)
     finally:

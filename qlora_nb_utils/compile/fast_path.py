@@ -120,8 +120,19 @@ class Optimized:
 
     def eager(self, **batch: Any) -> Any:
         """The same recipe uncompiled (padding, the document mask, autocast, the chunked loss): parity's reference."""
-        batch = prepare_batch(batch, multiple=self.choices["pad_multiple"], pad_id=self._pad_id,
-                              loss_rows=self._row_chunks)
+        return self.eager_prepared(**self.prepare(**batch))
+
+    def prepare(self, **batch: Any) -> dict:
+        """``batch`` as the recipe takes it: padded, with its labelled rows (read from the labels' values).
+
+        What :meth:`forward` and :meth:`eager` do before the recipe, outside any graph. A tool that
+        traces the recipe (graph-break counts) traces :meth:`eager_prepared` on this.
+        """
+        return prepare_batch(batch, multiple=self.choices["pad_multiple"], pad_id=self._pad_id,
+                             loss_rows=self._row_chunks)
+
+    def eager_prepared(self, **batch: Any) -> Any:
+        """The recipe uncompiled on a batch from :meth:`prepare` (traceable: no data-dependent step)."""
         module = self.module
         if self.choices.get("packing"):
             module = with_document_mask(module, self.choices["doc_attention"], required=False)

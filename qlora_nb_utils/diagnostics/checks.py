@@ -173,7 +173,7 @@ def _diagnose_fast(net, make_batch, seq_lens, grad_ckpt, kwargs) -> dict[str, An
     opt = optimize(net, batches=batches, grad_ckpt=bool(grad_ckpt), backend=kwargs.pop("backend", "inductor"),
                    mode=kwargs.pop("mode", None) or "auto", dynamic=kwargs.pop("dynamic", "auto"))
     try:
-        found = _check_and_run(net, lambda **b: opt.eager(**b).loss, batches[0], opt.forward,
+        found = _check_and_run(net, lambda **b: opt.eager_prepared(**b).loss, opt.prepare(**batches[0]), opt.forward,
                                zip(seq_lens, batches), reset_after_checks=True)
         counts = opt.counter.to_dict()
     finally:

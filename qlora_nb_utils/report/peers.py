@@ -17,8 +17,12 @@ __all__ = ["is_peers_file", "markdown_table", "write_plots", "loss_diff"]
 
 
 def is_peers_file(results: dict) -> bool:
-    """True for a results dict written by :func:`qlora_nb_utils.bench.peers.run_peers`."""
-    return isinstance(results.get("runs"), list)
+    """True for a results dict written by :func:`qlora_nb_utils.bench.peers.run_peers`.
+
+    Other results files with runs say what they are (``kind``: the compute job's
+    ``peers_compute``, the offload script's ``offload``); a peers file has no ``kind``.
+    """
+    return isinstance(results.get("runs"), list) and "kind" not in results
 
 
 def _shape(run: dict) -> tuple[int, int]:
