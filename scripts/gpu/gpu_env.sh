@@ -9,3 +9,11 @@ fi
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 export TOKENIZERS_PARALLELISM=false
+
+# unsloth_site: unpack the carried Unsloth bundle (.unsloth/usite.tar.gz, from scripts/gpu/unsloth_bundle.sh)
+# into /tmp/usite and point the Unsloth peer at it (QLORA_NB_UNSLOTH_SITE); nothing when it was not carried.
+unsloth_site() {
+  if [ -f .unsloth/usite.tar.gz ]; then
+    mkdir -p /tmp/usite && tar -xzf .unsloth/usite.tar.gz -C /tmp/usite && export QLORA_NB_UNSLOTH_SITE=/tmp/usite
+  fi
+}

@@ -8,7 +8,7 @@ export LOWMEM_GIB=unsloth EPOCH_DATA=long-tail
 bash scripts/gpu/gpu_packing.sh $OUT 330 llama-3.1-8b-shape ours-lowmem-packed kjv 1024 4 10 2>&1 | tail -12
 echo "packing done after $(( $(date +%s) - t0 )) s"
 source scripts/gpu/gpu_env.sh
-mkdir -p /tmp/usite && tar -xzf .unsloth/usite.tar.gz -C /tmp/usite && export QLORA_NB_UNSLOTH_SITE=/tmp/usite
+unsloth_site
 left=$(( 560 - ($(date +%s) - t0) ))
 python3 - "$left" <<'PY' 2>&1 | grep -v -i "warning" | tail -15
 import sys

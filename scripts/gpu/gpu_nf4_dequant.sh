@@ -13,10 +13,8 @@ budget=${2:-380}
 parts=${3:-all}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
-if [ -f .unsloth/usite.tar.gz ]; then
-  mkdir -p /tmp/usite && tar -xzf .unsloth/usite.tar.gz -C /tmp/usite
-  export QLORA_NB_UNSLOTH_SITE=/tmp/usite UNSLOTH_DISABLE_STATISTICS=1
-fi
+unsloth_site
+if [ -n "${QLORA_NB_UNSLOTH_SITE:-}" ]; then export UNSLOTH_DISABLE_STATISTICS=1; fi
 nvidia-smi -L
 export QLORA_NB_NF4_CMD="bash scripts/gpu/gpu_nf4_dequant.sh $*"
 python3 scripts/gpu/nf4_dequant_bench.py main "$out/nf4_dequant.json" "$budget" "$parts"

@@ -36,10 +36,7 @@ mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 mkdir -p /tmp/qlora_nb_cache && cp -rn .gpucache/qlora_nb/. /tmp/qlora_nb_cache/
 export QLORA_NB_CACHE=/tmp/qlora_nb_cache
-if [ -f .unsloth/usite.tar.gz ]; then
-  mkdir -p /tmp/usite && tar -xzf .unsloth/usite.tar.gz -C /tmp/usite
-  export QLORA_NB_UNSLOTH_SITE=/tmp/usite
-fi
+unsloth_site
 nvidia-smi -L
 gpu=$(python3 -c "import torch; n=torch.cuda.get_device_name(); print(next((t.lower() for t in ('H100','H200','A100','L4','T4') if t in n), 'gpu'))")
 file="$out/packing_${gpu}.json"

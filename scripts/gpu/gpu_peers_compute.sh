@@ -21,9 +21,7 @@ steps=${4:-12}
 warmup=${5:-4}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
-if [ -f .unsloth/usite.tar.gz ]; then
-  mkdir -p /tmp/usite && tar -xzf .unsloth/usite.tar.gz -C /tmp/usite && export QLORA_NB_UNSLOTH_SITE=/tmp/usite
-fi
+unsloth_site
 nvidia-smi -L
 gpu=$(python3 -c "import torch; n=torch.cuda.get_device_name(); print(next((t.lower() for t in ('H100','H200','A100','L4','T4') if t in n), 'gpu'))")
 file="$out/peers_compute_${gpu}.json"

@@ -14,9 +14,7 @@ out=${1:?usage: scripts/gpu/gpu_profile_8b.sh OUT_DIR [DEADLINE_S]}
 deadline=${2:-540}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
-if [ -f .unsloth/usite.tar.gz ]; then
-  mkdir -p /tmp/usite && tar -xzf .unsloth/usite.tar.gz -C /tmp/usite && export QLORA_NB_UNSLOTH_SITE=/tmp/usite
-fi
+unsloth_site
 nvidia-smi -L
 export QLORA_NB_PROFILE_CMD="bash scripts/gpu/gpu_profile_8b.sh \$OUT $deadline"
 python3 scripts/gpu/profile_8b.py driver "$out" --deadline "$deadline" 2>&1 | tee "$out/profile_8b_log.txt"
