@@ -40,7 +40,6 @@ import datetime as _dt
 import json
 import shlex
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -186,20 +185,12 @@ def _unsloth_run(ctx: dict, batches_path: Path, limit: float) -> dict[str, Any]:
 
 
 def _ours_run(ctx: dict, kwargs: dict, batches_path: Path, limit: float, work: Path) -> dict[str, Any]:
-    from .process import _child_env, _run_child, _write_json
-    from .results import error_run
+    from .process import _run_spec_in_child
 
-    tag = f"{ctx['setting']}_{ctx['name']}"
-    spec, out = work / f"spec_{tag}.json", work / f"run_{tag}.json"
-    out.unlink(missing_ok=True)
-    _write_json(spec, {**ctx, "batches": str(batches_path), "optimize": kwargs})
-    cache = Path(tempfile.mkdtemp(prefix=f"inductor_{tag}_", dir=work))
-    cmd = [sys.executable, "-m", "qlora_nb_utils.bench.peers.compute", "child", str(spec), str(out)]
-    code, tail = _run_child(cmd, _child_env("ours", cache), limit, work / f"log_{tag}.txt")
-    if out.is_file():
-        return json.loads(out.read_text())
-    why = f"timed out after {limit:.0f} s" if code is None else f"its process exited with code {code}"
-    return error_run(ctx["name"], f"{why}: {tail}", batch_size=ctx["batch_size"], seq_len=ctx["seq_len"])
+    return _run_spec_in_child(lambda spec, out: ["qlora_nb_utils.bench.peers.compute", "child", str(spec), str(out)],
+                              {**ctx, "batches": str(batches_path), "optimize": kwargs},
+                              tag=f"{ctx['setting']}_{ctx['name']}", env_peer="ours", work=work, limit=limit,
+                              name=ctx["name"], shape={"batch_size": ctx["batch_size"], "seq_len": ctx["seq_len"]})
 
 
 def _plan(key: str, st: dict, scope: str, ours_options: dict) -> list[tuple[str, str, dict | None]]:

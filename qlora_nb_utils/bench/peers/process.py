@@ -16,7 +16,10 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 from ..._paths import pythonpath_with_package
 from .registry import TORCHAO_SITE_ENV, UNSLOTH_SITE_ENV
@@ -55,3 +58,21 @@ def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def _run_spec_in_child(argv: Callable[[Path, Path], list[str]], spec: dict, *, tag: str, env_peer: str, work: Path,
+                       limit: float, name: str, shape: dict) -> dict[str, Any]:
+    """One run in a child process: ``spec`` written to ``work/spec_<tag>.json``, ``python -m <argv(spec, out)>``
+    with an Inductor cache of its own, and the run it wrote to ``work/run_<tag>.json``, or an error row."""
+    from .results import error_run
+
+    spec_path, out = work / f"spec_{tag}.json", work / f"run_{tag}.json"
+    out.unlink(missing_ok=True)
+    _write_json(spec_path, spec)
+    cache = Path(tempfile.mkdtemp(prefix=f"inductor_{tag}_", dir=work))
+    code, tail = _run_child([sys.executable, "-m", *argv(spec_path, out)], _child_env(env_peer, cache), limit,
+                            work / f"log_{tag}.txt")
+    if out.is_file():
+        return json.loads(out.read_text())
+    why = f"timed out after {limit:.0f} s" if code is None else f"its process exited with code {code}"
+    return error_run(name, f"{why}: {tail}", **shape)

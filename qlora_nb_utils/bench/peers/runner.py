@@ -18,7 +18,6 @@ import datetime as _dt
 import json
 import shlex
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -31,7 +30,7 @@ from ...env import resolve_device_dtype as _resolve_device_dtype
 from .common import _model_dir
 from .hf import _peer_hf
 from .ours import _peer_ours
-from .process import _child_env, _run_child, _write_json
+from .process import _run_spec_in_child, _write_json
 from .registry import OURS_VARIANTS, _variant_options, peer_names
 from .results import _one_line, error_run, pick_ours
 from .torchao import _peer_torchao
@@ -269,18 +268,10 @@ def _run_peer_process(peer: str, ctx: dict, batches: list, batches_path: Path, l
     shape = {"batch_size": ctx["batch_size"], "seq_len": ctx["seq_len"]}
     if peer in ("unsloth", "unsloth-packed"):
         return _peer_unsloth({**ctx, "name": peer}, batches, str(batches_path), limit)
-    spec = work / f"spec_{peer}_{ctx['batch_size']}x{ctx['seq_len']}.json"
-    run_path = spec.with_name(spec.name.replace("spec_", "run_"))
-    run_path.unlink(missing_ok=True)
-    _write_json(spec, {**ctx, "name": peer, "batches": str(batches_path)})
-    cmd = [sys.executable, "-m", "qlora_nb_utils.bench.peers", "--spec", str(spec), "--out", str(run_path)]
-    tag = f"{peer}_{ctx['batch_size']}x{ctx['seq_len']}"
-    cache = Path(tempfile.mkdtemp(prefix=f"inductor_{tag}_", dir=work))
-    code, tail = _run_child(cmd, _child_env(peer, cache), limit, work / f"log_{tag}.txt")
-    if run_path.is_file():
-        return json.loads(run_path.read_text())
-    why = f"timed out after {limit:.0f} s" if code is None else f"its process exited with code {code}"
-    return error_run(peer, f"{why}: {tail}", **shape)
+    return _run_spec_in_child(lambda spec, out: ["qlora_nb_utils.bench.peers", "--spec", str(spec), "--out", str(out)],
+                              {**ctx, "name": peer, "batches": str(batches_path)},
+                              tag=f"{peer}_{ctx['batch_size']}x{ctx['seq_len']}", env_peer=peer, work=work,
+                              limit=limit, name=peer, shape=shape)
 
 
 def _child_main(argv: Sequence[str] | None = None) -> int:
