@@ -149,3 +149,14 @@ def test_the_committed_h100_file_and_its_tradeoff_plot(tmp_path):
     table = report.markdown_table(res, path.name)
     assert len([line for line in table.splitlines() if line.startswith("| 8b-") or line.startswith("| 1b-")]) == len(
         res["vs_unsloth"])
+
+
+def test_plan_adds_the_no_recompute_arm_only_when_asked():
+    from qlora_nb_utils.bench.peers.compute import SETTINGS, _plan
+
+    st = SETTINGS["8b-8x1024-ckpt"]
+    assert [n for n, _, _ in _plan("k", st, "regional", {})] == ["unsloth", "ours", "ours-held"]
+    plan = _plan("k", st, "regional", {}, no_recompute_too=True)
+    assert [n for n, _, _ in plan] == ["unsloth", "ours", "ours-no-recompute", "ours-held"]
+    ours, no_rec = plan[1][2], plan[2][2]
+    assert no_rec == {**ours, "recompute": False} and "recompute" not in ours

@@ -31,6 +31,10 @@ The choices, each overridable by passing it explicitly:
   ignore at least 10% of their target rows: on padded batches most of the head's work was on
   padding (:mod:`qlora_nb_utils.ops.losses`; the rows are counted per step, outside the graph,
   in :mod:`.step_inputs`).
+* **Recompute, not save, what is cheap** (``recompute``): the partitioner's default saves every
+  elementwise result a backward matmul reads; the SwiGLU product and the LoRA inputs of hidden
+  size are recomputed instead, one intermediate-sized and three hidden-sized tensors per token
+  and layer fewer (:func:`~qlora_nb_utils.compile.recipe.partitioner_settings`).
 * **Autocast** for bf16/fp16 compute (the LoRA matmuls in bf16, fp32 master weights); nothing
   for fp32.
 * **Eager's rounding** (``eager_numerics``) for bf16/fp16: Inductor keeps a fused kernel's
@@ -55,14 +59,20 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..ops.doc_attention import with_document_mask
-from ..ops.losses import labelled_rows
 from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_peak_gib, estimate_terms, peak_from_terms
 from .offload import plan
 from .packed import DOC_ATTENTION, choose_doc_kernel, packed_batches
-from .recipe import FastPrepared, prepare_fast
-from .step_inputs import batch_shapes, pad_batch, prepare_batch, step_forward
+from .recipe import FastPrepared, can_recompute_elementwise, prepare_fast
+from .step_inputs import (
+    LOSS_ROWS_WHEN_IGNORED_OVER,
+    batch_shapes,
+    choose_loss_rows,
+    pad_batch,
+    prepare_batch,
+    step_forward,
+)
 
 __all__ = ["Optimized", "optimize", "estimate_peak_gib", "pad_batch", "MAX_CUDAGRAPH_SHAPES", "MODES",
            "LOSS_ROWS_WHEN_IGNORED_OVER"]
@@ -71,9 +81,6 @@ __all__ = ["Optimized", "optimize", "estimate_peak_gib", "pad_batch", "MAX_CUDAG
 MAX_CUDAGRAPH_SHAPES = 4
 #: What ``mode`` accepts: ``"auto"`` or an Inductor mode (None and ``"default"`` mean the default).
 MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-#: ``loss_rows="auto"`` limits the head and the loss to labelled rows when the batches shown
-#: ignore at least this share of their target rows (padding, masked prompts).
-LOSS_ROWS_WHEN_IGNORED_OVER = 0.1
 
 
 def _compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
@@ -193,7 +200,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
              ce_chunks: int = 4, cast: bool = True, autocast: bool | str = "auto", pad_multiple: int = 8,
              dynamic: bool | str = "auto", memory_budget: float | None = None,
              eager_numerics: bool | str = "auto", scope: str = "whole", doc_attention: str = "auto",
-             offload: bool | str = "auto", loss_rows: bool | str = "auto") -> Optimized:
+             offload: bool | str = "auto", loss_rows: bool | str = "auto",
+             recompute: bool | str = "auto") -> Optimized:
     """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
 
     Args:
@@ -228,6 +236,10 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             (:func:`~qlora_nb_utils.ops.losses.labelled_rows`, counted before each step):
             ``"auto"`` (when the batches shown ignore at least
             :data:`LOSS_ROWS_WHEN_IGNORED_OVER` of their rows, or are not shown), True or False.
+        recompute: the compiled backward recomputes the elementwise results its matmuls read (the
+            SwiGLU product, the norm outputs) instead of saving them
+            (:func:`~qlora_nb_utils.compile.recipe.partitioner_settings`): ``"auto"`` (on with
+            Inductor where this torch has the setting), True or False.
 
     Returns:
         An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
@@ -246,6 +258,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("scope", scope, ("whole", "regional"))
     _check("doc_attention", doc_attention, DOC_ATTENTION)
     _check("loss_rows", loss_rows, ("auto", True, False))
+    _check("recompute", recompute, ("auto", True, False))
     if loss_rows is True and not ce_chunks:
         raise ValueError("loss_rows=True needs the chunked loss (ce_chunks > 0); the model's own loss takes every row")
     if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
@@ -272,14 +285,21 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                                if dtype == model_dtype else "asked for",
                                "scope": "one graph" if scope == "whole" else "one decoder layer's graph, shared"}
 
+    # what the backward recomputes: decided first, the memory estimate counts it
+    rec = recompute is True or (recompute == "auto" and can_recompute_elementwise())
+    choices["recompute"] = "elementwise" if rec else "torch's default"
+    reasons["recompute"] = ("asked for" if recompute is not True and recompute != "auto" else
+                            "SwiGLU product and norm outputs recomputed in the backward, not saved" if rec
+                            else "this torch's partitioner has no such setting")
+
     # checkpointing and offload (offload.plan): decided first, offloading makes the scope regional
     n_layers = len(decoder_layers(model))
-    *rows_choice, head_rows = _choose_loss_rows(loss_rows, ce_chunks, batches, pad_multiple)
+    *rows_choice, head_rows = choose_loss_rows(loss_rows, ce_chunks, batches, pad_multiple)
     est, at = None, ""
     if max_memory_gib is not None:
         b, s = max(shapes, key=lambda x: x[0] * x[1])
         terms = estimate_terms(model, b, s, ce_chunks=ce_chunks, act_bytes=torch.finfo(dtype).bits // 8,
-                               cast_dtype=dtype if cast else None, head_rows=head_rows)
+                               cast_dtype=dtype if cast else None, head_rows=head_rows, recompute=rec)
         est, at = functools.partial(peak_from_terms, terms), f"{b} x {s}"
     ck = plan(n_layers, grad_ckpt=grad_ckpt, ckpt_layers=ckpt_layers, max_memory_gib=max_memory_gib,
               offload=offload, scope=scope, estimate=est, shape=at)
@@ -393,34 +413,11 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         compiled = with_document_mask(compiled, choices["doc_attention"], required=False)
     forward = step_forward(compiled, multiple=pad_multiple, pad_id=pad_id, mark_dynamic=mark and scope == "whole",
                            loss_rows=ce_chunks if choices["loss_rows"] == "labelled" else 0,
-                           memory_budget=memory_budget)
+                           memory_budget=memory_budget, recompute_elementwise=rec)
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
                      fast=fast, _pad_id=pad_id, _extra=extra,
                      _row_chunks=ce_chunks if choices["loss_rows"] == "labelled" else 0)
-
-
-def _choose_loss_rows(asked: bool | str, ce_chunks: int, batches: list[dict] | None,
-                      multiple: int) -> tuple[str, str, int | None]:
-    """(choice, reason, the most head rows a batch shown needs, None: every token)."""
-    if not ce_chunks:
-        return "all", "the model's own loss", None
-    if asked is not True and not batches:
-        return (("labelled", "batches not shown: labelled rows (the same loss; costs a label count per step)")
-                if asked == "auto" else ("all", "asked for")) + (None,)
-    ignored = total = most = 0
-    for batch in batches or ():
-        labels = pad_batch(batch, multiple)["labels"] if "labels" in batch else None
-        if torch.is_tensor(labels) and labels.dim() == 2:
-            ignored += int((labels[:, 1:] == -100).sum())
-            total += labels[:, 1:].numel()
-            most = max(most, labelled_rows(labels, multiple=ce_chunks).numel())
-    share = ignored / total if total else 0.0
-    if asked != "auto":
-        return ("labelled", "asked for", most or None) if asked else ("all", "asked for", None)
-    if share >= LOSS_ROWS_WHEN_IGNORED_OVER:
-        return "labelled", f"{share:.0%} of target rows ignored: LM head and loss skip them", most
-    return "all", f"{share:.0%} of target rows ignored: every row (no per-step label count)", None
 
 
 def _keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choices: dict[str, Any],

@@ -15,6 +15,13 @@ an H200, 4 x 512 and 16 x 1024, 0 to 14 checkpointed layers, 7 runs), against th
 * the fixed allowance (0.55 GiB) puts every measured peak under its estimate (largest
   residual 0.51 GiB).
 
+With ``optimize(recompute=...)`` on, the backward recomputes the SwiGLU product and the three
+LoRA inputs of hidden size (the two norm outputs, the attention output in token-major layout)
+instead of saving them: counted on the CPU (``diagnostics.saved_for_backward``, the test in
+``tests/test_recompute.py``), one intermediate-sized and three hidden-sized tensors per token
+fewer, which the un-checkpointed layer's term subtracts from the fitted numbers
+(:data:`_ACT_RECOMPUTED`). That is counted, not fitted on a measured peak.
+
 With the checkpointed inputs offloaded to CPU memory (:mod:`.offload`), a checkpointed layer
 keeps nothing on the GPU, and the backward holds at most two inputs copied back (the one in use
 and the one prefetched): ``offload_transient_gib``. That term is counted, not fitted: no
@@ -38,6 +45,7 @@ __all__ = ["estimate_terms", "estimate_peak_gib"]
 
 _GIB = 2**30
 _ACT_PER_TOKEN = (6.93, 2.89)  # x hidden, x intermediate: elements saved per token by one un-checkpointed layer
+_ACT_RECOMPUTED = (3.0, 1.0)  # x hidden, x intermediate: elements per token no longer saved with recompute
 _CKPT_TRANSIENT_LAYERS = 1.64  # with checkpointing: one recomputed layer and its backward, in layers
 _LOGITS_FACTOR = 1.90  # the chunked loss's transient, in (one chunk of logits, fp32 + compute dtype)
 _OVERHEAD_GIB = 0.55  # workspace, CUDA-graph pool slack, allocator rounding
@@ -51,7 +59,7 @@ def _config_of(model: torch.nn.Module) -> Any:
 
 def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_chunks: int = 4,
                    act_bytes: int = 2, cast_dtype: torch.dtype | None = None,
-                   head_rows: int | None = None) -> dict[str, Any]:
+                   head_rows: int | None = None, recompute: bool = False) -> dict[str, Any]:
     """The estimate's terms in GiB (and the shape numbers they come from).
 
     Args:
@@ -63,6 +71,7 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
         cast_dtype: the dtype the recipe will cast the non-LoRA float weights to (None: as they are).
         head_rows: the rows the LM head and loss run over (``optimize(loss_rows=...)``: the
             largest bucketed count of labelled rows shown); None: every token.
+        recompute: the backward recomputes elementwise results (``optimize(recompute=...)``).
     """
     config = _config_of(model)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
@@ -77,7 +86,10 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
         static += p.numel() * size
     static += sum(b.numel() * b.element_size() for b in model.buffers())
     static += sum(p.numel() for p in model.parameters() if p.requires_grad) * 12  # fp32 grad + AdamW moments
-    per_layer = tokens * (_ACT_PER_TOKEN[0] * hidden + _ACT_PER_TOKEN[1] * inter) * act_bytes / _GIB
+    per_h, per_i = _ACT_PER_TOKEN
+    if recompute:
+        per_h, per_i = per_h - _ACT_RECOMPUTED[0], per_i - _ACT_RECOMPUTED[1]
+    per_layer = tokens * (per_h * hidden + per_i * inter) * act_bytes / _GIB
     return {"layers": len(decoder_layers(model)), "tokens": tokens, "hidden": hidden, "intermediate": inter,
             "vocab": vocab, "act_bytes": act_bytes, "static_gib": static / _GIB, "per_layer_gib": per_layer,
             "kept_per_layer_gib": tokens * hidden * act_bytes / _GIB,
@@ -99,8 +111,8 @@ def peak_from_terms(terms: dict[str, Any], ckpt_layers: int, offload: bool = Fal
 
 def estimate_peak_gib(model: torch.nn.Module, batch_size: int, seq_len: int, ckpt_layers: int, *,
                       ce_chunks: int = 4, act_bytes: int = 2, cast_dtype: torch.dtype | None = None,
-                      offload: bool = False) -> float:
+                      offload: bool = False, recompute: bool = False) -> float:
     """A training-step peak (GiB) of the fast path on a CUDA device (see the module docstring)."""
     terms = estimate_terms(model, batch_size, seq_len, ce_chunks=ce_chunks, act_bytes=act_bytes,
-                           cast_dtype=cast_dtype)
+                           cast_dtype=cast_dtype, recompute=recompute)
     return peak_from_terms(terms, ckpt_layers, offload)

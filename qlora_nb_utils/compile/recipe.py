@@ -26,6 +26,14 @@ thing the default setup gets wrong under ``torch.compile``, and each can be undo
   live in pinned CPU memory, copied out and back on a side stream (:mod:`.offload`).
 * **Activation memory budget.** Inductor's ``activation_memory_budget`` (0..1) makes the
   compiled backward recompute more and save less (:func:`activation_memory_budget`).
+* **Recompute elementwise results the backward's matmuls read.** The partitioner saves every
+  elementwise result that a backward matmul reads (``ban_recompute_materialized_backward``):
+  the SwiGLU product (the down projection's LoRA input), the two RMSNorm outputs and the
+  attention output in token-major layout (the other LoRA inputs). Each is one cheap pass over
+  tensors the backward keeps anyway (the gate and up outputs, the layer input and its norm
+  statistics), and together they are four of a layer's saved tensors, one of them
+  intermediate-sized (:func:`partitioner_settings`; counted on the CPU with
+  :func:`~qlora_nb_utils.diagnostics.saved_for_backward`).
 
 :func:`prepare_fast` applies them in that order and hands back a :class:`FastPrepared`: the
 forward to train with, the compile counter, what was done (for a run's notes) and ``undo()``.
@@ -56,6 +64,9 @@ __all__ = [
     "checkpoint_first_layers",
     "autocast_forward",
     "activation_memory_budget",
+    "partitioner_settings",
+    "can_recompute_elementwise",
+    "RECOMPUTE_KNOB",
     "prepare_fast",
 ]
 
@@ -118,7 +129,39 @@ def activation_memory_budget(budget: float | None) -> Iterator[None]:
     Compile (run the first step) inside the block: the partitioner reads the setting when it
     splits the forward from the backward.
     """
-    patch = {} if budget is None else {"activation_memory_budget": float(budget)}
+    with partitioner_settings(memory_budget=budget):
+        yield
+
+
+#: The partitioner's setting that keeps it from recomputing what a backward matmul reads.
+RECOMPUTE_KNOB = "ban_recompute_materialized_backward"
+
+
+def can_recompute_elementwise() -> bool:
+    """Whether this torch's partitioner has :data:`RECOMPUTE_KNOB` (torch 2.11 and 2.13 do)."""
+    return hasattr(torch._functorch.config, RECOMPUTE_KNOB)
+
+
+@contextlib.contextmanager
+def partitioner_settings(memory_budget: float | None = None, recompute_elementwise: bool = False) -> Iterator[None]:
+    """The partitioner's settings for a compile inside the block; the defaults leave torch's.
+
+    Args:
+        memory_budget: ``activation_memory_budget`` (0..1); None leaves it.
+        recompute_elementwise: let the backward recompute elementwise results that its matmuls
+            read (the SwiGLU product, the norm outputs) instead of saving them.
+
+    Raises:
+        RuntimeError: ``recompute_elementwise`` on a torch without :data:`RECOMPUTE_KNOB`.
+
+    Compile (run the first step) inside the block: the partitioner reads the settings when it
+    splits the forward from the backward.
+    """
+    patch: dict[str, Any] = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
+    if recompute_elementwise:
+        if not can_recompute_elementwise():
+            raise RuntimeError(f"this torch ({torch.__version__}) has no torch._functorch.config.{RECOMPUTE_KNOB}")
+        patch[RECOMPUTE_KNOB] = False
     with torch._functorch.config.patch(**patch):
         yield
 

@@ -25,9 +25,14 @@ from typing import Any, Callable
 import torch
 
 from ..ops.losses import labelled_rows
-from .recipe import activation_memory_budget
+from .recipe import partitioner_settings
 
-__all__ = ["pad_batch", "batch_shapes", "prepare_batch", "step_forward", "SEQ_KEYS"]
+__all__ = ["pad_batch", "batch_shapes", "prepare_batch", "step_forward", "choose_loss_rows", "SEQ_KEYS",
+           "LOSS_ROWS_WHEN_IGNORED_OVER"]
+
+#: ``optimize(loss_rows="auto")`` takes the labelled rows only when the batches shown ignore at
+#: least this share of their target rows (below it, the per-step label count is not worth it).
+LOSS_ROWS_WHEN_IGNORED_OVER = 0.1
 
 #: The per-token keys padding extends and the dynamic marks cover.
 SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "document_ids")
@@ -97,14 +102,39 @@ def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool
 
 
 def step_forward(compiled: Callable[..., Any], *, multiple: int, pad_id: int, mark_dynamic: bool,
-                 loss_rows: int, memory_budget: float | None) -> Callable[..., Any]:
-    """``forward(**batch)``: :func:`prepare_batch`, then the compiled recipe (under the memory budget, if any)."""
+                 loss_rows: int, memory_budget: float | None, recompute_elementwise: bool = False) -> Callable[..., Any]:
+    """``forward(**batch)``: :func:`prepare_batch`, then the compiled recipe (under the
+    partitioner's settings, if any: :func:`~qlora_nb_utils.compile.recipe.partitioner_settings`)."""
     def forward(**batch: Any) -> Any:
         batch = prepare_batch(batch, multiple=multiple, pad_id=pad_id, mark_dynamic=mark_dynamic,
                               loss_rows=loss_rows)
-        if memory_budget is None:  # nothing to set: keep the per-step path bare
+        if memory_budget is None and not recompute_elementwise:  # nothing to set: keep the per-step path bare
             return compiled(**batch)
-        with activation_memory_budget(memory_budget):
+        with partitioner_settings(memory_budget, recompute_elementwise):
             return compiled(**batch)
 
     return forward
+
+
+def choose_loss_rows(asked: bool | str, ce_chunks: int, batches: list[dict] | None,
+                      multiple: int) -> tuple[str, str, int | None]:
+    """``optimize(loss_rows=...)``'s choice: (choice, reason, the most head rows a batch shown
+    needs, None: every token)."""
+    if not ce_chunks:
+        return "all", "the model's own loss", None
+    if asked is not True and not batches:
+        return (("labelled", "batches not shown: labelled rows (the same loss; costs a label count per step)")
+                if asked == "auto" else ("all", "asked for")) + (None,)
+    ignored = total = most = 0
+    for batch in batches or ():
+        labels = pad_batch(batch, multiple)["labels"] if "labels" in batch else None
+        if torch.is_tensor(labels) and labels.dim() == 2:
+            ignored += int((labels[:, 1:] == -100).sum())
+            total += labels[:, 1:].numel()
+            most = max(most, labelled_rows(labels, multiple=ce_chunks).numel())
+    share = ignored / total if total else 0.0
+    if asked != "auto":
+        return ("labelled", "asked for", most or None) if asked else ("all", "asked for", None)
+    if share >= LOSS_ROWS_WHEN_IGNORED_OVER:
+        return "labelled", f"{share:.0%} of target rows ignored: LM head and loss skip them", most
+    return "all", f"{share:.0%} of target rows ignored: every row (no per-step label count)", None

@@ -18,6 +18,8 @@ Entry points (imported lazily, on first use; importing the subpackage imports no
   diagnose it, and list what misses the targets (the CLI's ``diagnose``).
 * :func:`recording`, :func:`live_at_peak` and :func:`site_of`, in :mod:`.memprof`: which
   allocations make a CUDA memory peak.
+* :func:`saved_for_backward` (a :class:`SavedTensors`), in :mod:`.saved`: which tensors a
+  step keeps for its backward, on any device.
 """
 
 from .._lazy import lazy_exports
@@ -30,6 +32,7 @@ _EXPORTS = {
     **dict.fromkeys(("diagnose_model", "format_report"), "model_report"),
     **dict.fromkeys(("FLEX_BLOCK_MASKS", "diagnose", "problems"), "checks"),
     **dict.fromkeys(("recording", "live_at_peak", "site_of"), "memprof"),
+    **dict.fromkeys(("SavedTensors", "saved_for_backward"), "saved"),
 }
 
 __all__ = list(_EXPORTS)
