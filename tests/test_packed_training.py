@@ -173,3 +173,43 @@ def test_train_packing_on_writes_a_packed_run(tmp_path):
     assert m["optimize"]["choices"]["packing"] is True and m["graph_breaks"] == 0
     assert m["compilations"]["compilations"] == 1
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_varlen_trains_packed_batches_like_each_document_alone_in_one_compilation(tiny):
+    """doc_attention='varlen' on a CPU: the varlen cuts drive the dense reference. The cuts
+    reach every layer through transformers' keywords, and transformers builds no mask. One
+    compilation over layouts whose cut counts fall in two sizes."""
+    from qlora_nb_utils.ops import doc_attention
+
+    model, _ = tiny
+    layouts = [[30, 17, 40, 9, 25, 1], [3] * 20 + [4] * 10 + [8], [64, 50, 14]]
+    batches = [packing.pack_examples(_docs(seed, lengths), 64, rows_per_batch=2, pad_id=0)[0][0]
+               for seed, lengths in enumerate(layouts)]
+    sizes = {doc_attention.document_cu_seqlens(b["document_ids"]).numel() for b in batches}
+    assert len(sizes) == 2 and min(sizes) == 16
+    opt = optimize(model, batches=batches, doc_attention="varlen")
+    try:
+        assert opt.choices["doc_attention"] == "varlen" and "dense mask" in opt.reasons["doc_attention"]
+        assert model.get_base_model().config._attn_implementation == doc_attention.VARLEN
+        for seed, (lengths, batch) in enumerate(zip(layouts, batches)):
+            model.zero_grad(set_to_none=True)
+            loss = opt(**dict(batch)).loss
+            loss.backward()
+            packed_grads = _lora_grads(model)
+            model.zero_grad(set_to_none=True)
+            with doc_attention.use_document_attention(model, "sdpa"):
+                total, count = _alone(model, _docs(seed, lengths))
+                torch.testing.assert_close(loss, total / count, atol=ATOL, rtol=0)
+                (total / count).backward()
+            alone_grads = _lora_grads(model)
+            assert packed_grads.keys() == alone_grads.keys() and packed_grads
+            for name in packed_grads:
+                torch.testing.assert_close(packed_grads[name], alone_grads[name], atol=ATOL, rtol=1e-4, msg=name)
+        stats = opt.counter.to_dict()
+        assert stats["compilations"] == 1 and stats["recompilations"] == 0
+        with pytest.raises(ValueError, match="cu_seq_lens_q"):  # the cuts are needed, never guessed
+            model(input_ids=batches[0]["input_ids"], position_ids=batches[0]["position_ids"])
+    finally:
+        opt.undo()
+        model.zero_grad(set_to_none=True)
+    assert model.get_base_model().config._attn_implementation == "sdpa"

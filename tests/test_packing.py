@@ -293,3 +293,34 @@ def test_with_document_mask_passes_unpacked_batches_only_when_not_required():
     assert run(input_ids=torch.ones(1, 2)) == "ran" and seen == [["input_ids"]]
     with pytest.raises(ValueError, match="document_ids"):
         doc_attention.with_document_mask(lambda **b: b, "sdpa")(input_ids=torch.ones(1, 2))
+
+
+def test_varlen_cuts_start_at_every_document_and_row_and_pad_to_a_power_of_two():
+    # row 0: doc 0 (3), doc 1 (2), tail (1); row 1: doc 0 again (a new row is a new sequence), tail
+    docs = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, -1, -1]])
+    cuts = doc_attention.document_cu_seqlens(docs)
+    assert cuts.dtype == torch.int32 and cuts.numel() == doc_attention.MIN_CUTS
+    assert cuts.tolist() == [0, 3, 5, 6, 10] + [12] * 11
+    many = torch.arange(40).repeat_interleave(2).view(2, 40)  # 40 documents of 2 tokens
+    assert doc_attention.document_cu_seqlens(many).numel() == 64
+    kw = doc_attention.document_attention_kwargs(docs, "varlen")
+    assert kw["max_length_q"] == kw["max_length_k"] == 6 and kw["cu_seq_lens_k"] is kw["cu_seq_lens_q"]
+    dense = doc_attention._cut_mask(cuts, 2, 6)
+    assert torch.equal(dense, doc_attention.document_dense_mask(docs))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        doc_attention.document_attention_kwargs(docs, "flash")
+
+
+def test_no_attention_crosses_a_document_varlen(tiny):
+    model, _ = tiny
+    (batch,), _ = packing.pack_examples(_docs(1, [20, 30, 12]), 64, rows_per_batch=1, pad_id=0)
+    batch.pop("labels")
+    other, where = _changed_one_document(batch, doc=1)
+    with torch.no_grad():
+        ref = doc_attention.with_document_mask(model, "sdpa")(**dict(batch)).logits[0]
+        with doc_attention.use_document_attention(model, "varlen"):
+            run = doc_attention.with_document_mask(model, "varlen")
+            a, b = run(**dict(batch)).logits[0], run(**dict(other)).logits[0]
+    torch.testing.assert_close(a, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(a[~where], b[~where], atol=1e-6, rtol=0)
+    assert (a[where] - b[where]).abs().max() > 1e-3

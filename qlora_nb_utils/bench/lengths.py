@@ -16,7 +16,9 @@ written from memory in an offline session; on 2026-11-24 we searched the stored 
 documentation and code available to us (queries on the paper's title, its arXiv id, "ShareGPT"
 with "average prompt/completion length", and the two numbers themselves) and found the paper's
 abstract (NeurIPS proceedings page, OpenReview) and summaries of it, but no copy of Table 1, so
-neither number (nor the 3.2 rounds per conversation we also recall) could be checked. Treat the
+neither number (nor the 3.2 rounds per conversation we also recall) could be checked. A second search the
+same day (Table 1 by its figures; ShareGPT length statistics in stored pages, docs and code; the
+vLLM paper's ShareGPT workload, whose text gives only ratios to Alpaca) found none either. Treat the
 long-tail draw as "a long tail with a mean near 430 tokens", and check Table 1 before quoting
 the two means elsewhere. Everything else is our assumption, stated
 as such: one example is one round (prompt + completion), its total length is log-normal with

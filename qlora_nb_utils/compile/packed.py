@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from ..ops.doc_attention import DOC_MASK_KERNELS
+from ..ops.doc_attention import DOC_MASK_KERNELS, varlen_available
 
 __all__ = ["DOC_ATTENTION", "packed_batches", "choose_doc_kernel"]
 
@@ -65,16 +65,21 @@ def choose_doc_kernel(device: torch.device, doc_attention: str) -> tuple[str, st
     """The attention kernel for packed batches and why: ``(kernel, reason)``.
 
     Raises:
-        ValueError: ``doc_attention`` not in :data:`DOC_ATTENTION`, or flex attention asked for
-            on a CPU (no backward there).
+        ValueError: ``doc_attention`` not in :data:`DOC_ATTENTION`, flex attention asked for
+            on a CPU (no backward there), or varlen on CUDA without ``torch.nn.attention.varlen``.
     """
     if doc_attention not in DOC_ATTENTION:
         raise ValueError(f"doc_attention must be one of {list(DOC_ATTENTION)}, got {doc_attention!r}")
     if doc_attention == "flex_attention" and device.type == "cpu":
         raise ValueError("doc_attention='flex_attention' cannot train on a CPU (torch has no flex-attention "
                          "backward there); use 'sdpa' or 'auto'")
+    if doc_attention == "varlen" and device.type == "cuda" and not varlen_available():
+        raise ValueError(f"doc_attention='varlen' needs torch.nn.attention.varlen (torch {torch.__version__} "
+                         "has none); use 'flex_attention' or 'auto'")
     if doc_attention != "auto":
-        return doc_attention, "asked for"
+        why = ("asked for (on a CPU: SDPA with the dense mask of the same cuts)"
+               if doc_attention == "varlen" and device.type != "cuda" else "asked for")
+        return doc_attention, why
     if device.type == "cuda":
         return "flex_attention", "packed rows: document-causal BlockMask, blocks across documents skipped"
     return "sdpa", f"packed rows: dense document mask (no flex-attention backward on {device.type})"

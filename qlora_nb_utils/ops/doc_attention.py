@@ -32,9 +32,19 @@ so ``fullgraph=True`` fails. Hence the mask is built here, outside.
 boolean tensor for SDPA. It is what trains on a CPU (flex has no CPU backward), and it is the
 reference the flex path is tested against.
 
-**Varlen**: ``torch.nn.attention.varlen.varlen_attn`` (and ``varlen_attn_out``) exists in
-torch 2.13 (checked on the CPU build; :func:`varlen_available`). It takes cumulative sequence lengths instead of a mask and runs
-on CUDA only; it is the other candidate for issue 19, to be measured on the GPU.
+**Varlen** (``kernel="varlen"``, :func:`document_cu_seqlens`): torch's own
+``torch.nn.attention.varlen.varlen_attn`` (flash attention over cumulative sequence lengths,
+CUDA only; present on torch 2.11 and 2.13, :func:`varlen_available`). The packed batch is one
+flat sequence of ``rows x seq_len`` tokens cut at every document start and every row start;
+:func:`with_document_mask` builds those cuts outside the graph and passes them as transformers'
+own padding-free keywords (``cu_seq_lens_q/k``, ``max_length_q/k``), which reach the attention
+function of every layer. Two things keep it to one compilation: ``max_length`` is always
+``seq_len`` (a bound, so the kernel's grid never follows the data), and the cuts are padded to a
+power of two (at least 16) with the total, zero-length sequences the kernel skips, the tensor's
+length marked dynamic. The implementation is registered with transformers' ``AttentionInterface``
+under :data:`VARLEN` and not with the mask interface, so transformers builds no mask at all. On a
+CPU the same cuts drive the dense mask and SDPA (the reference the CUDA kernel is tested
+against; the flash kernel has no CPU build).
 
 The model must run the kernel the mask is made for: :func:`use_document_attention` switches its
 configs' ``_attn_implementation`` (read at trace time) and ``undo()`` switches them back; no
@@ -51,10 +61,15 @@ from ..reversible import PatchHandle
 from .attention import _configs
 
 __all__ = ["DOC_MASK_KERNELS", "document_mask_mod", "document_block_mask", "document_dense_mask",
-           "with_document_mask", "use_document_attention", "varlen_available"]
+           "with_document_mask", "use_document_attention", "varlen_available", "document_cu_seqlens",
+           "document_attention_kwargs", "register_varlen", "VARLEN"]
 
-#: The attention implementations :func:`with_document_mask` can build a mask for.
-DOC_MASK_KERNELS = ("flex_attention", "sdpa")
+#: The attention implementations :func:`with_document_mask` can build a mask (or cuts) for.
+DOC_MASK_KERNELS = ("flex_attention", "sdpa", "varlen")
+#: The name ``kernel="varlen"`` is registered under in transformers' ``AttentionInterface``.
+VARLEN = "qlora_nb_varlen"
+#: The fewest cut slots :func:`document_cu_seqlens` gives (then powers of two).
+MIN_CUTS = 16
 
 
 def _check_document_ids(document_ids: Any) -> None:
@@ -131,10 +146,10 @@ def with_document_mask(forward: Callable, kernel: str = "flex_attention", block_
                        required: bool = True) -> Callable:
     """Wrap ``forward`` (a model or its compiled twin) to take packed batches.
 
-    The wrapper pops the batch's ``document_ids``, builds the mask for ``kernel`` outside
-    ``forward`` (:func:`document_block_mask` or :func:`document_dense_mask`) and passes it as
-    ``attention_mask``; ``input_ids``, ``position_ids`` and ``labels`` pass through. The model
-    must have been loaded with ``attn_implementation=kernel``. With ``required=False`` a batch
+    The wrapper pops the batch's ``document_ids``, builds the mask (or the varlen cuts) for
+    ``kernel`` outside ``forward`` (:func:`document_attention_kwargs`) and passes it on;
+    ``input_ids``, ``position_ids`` and ``labels`` pass through. The model must attend with
+    ``kernel`` (:func:`use_document_attention`). With ``required=False`` a batch
     without ``document_ids`` passes through untouched (a Trainer's padded evaluation batch, say).
 
     Raises:
@@ -152,10 +167,7 @@ def with_document_mask(forward: Callable, kernel: str = "flex_attention", block_
             raise ValueError("with_document_mask needs document_ids (keyword), as pack_examples gives")
         if batch.get("attention_mask") is not None:
             raise ValueError("a packed batch takes its mask from document_ids; drop attention_mask")
-        if kernel == "flex_attention":
-            batch["attention_mask"] = document_block_mask(docs, block_size)
-        else:
-            batch["attention_mask"] = document_dense_mask(docs)
+        batch.update(document_attention_kwargs(docs, kernel, block_size))
         return forward(*args, **batch)
 
     return run
@@ -165,29 +177,165 @@ def use_document_attention(model: torch.nn.Module, kernel: str) -> PatchHandle:
     """Make ``model`` (a transformers causal LM, PEFT-wrapped or not) attend with ``kernel``.
 
     Sets ``_attn_implementation`` on every config its modules hold, so that the mask
-    :func:`with_document_mask` builds for ``kernel`` reaches a kernel that takes it; ``undo()``
-    puts the previous values back. Call it before compiling (the name is read at trace time).
+    :func:`with_document_mask` builds for ``kernel`` reaches a kernel that takes it (``"varlen"``:
+    :data:`VARLEN`, registered once by :func:`register_varlen`); ``undo()`` puts the previous
+    values back. Call it before compiling (the name is read at trace time).
 
     Raises:
         ValueError: ``kernel`` not in :data:`DOC_MASK_KERNELS`, or no transformers config.
     """
     if kernel not in DOC_MASK_KERNELS:
         raise ValueError(f"kernel must be one of {DOC_MASK_KERNELS}, got {kernel!r}")
+    name = register_varlen() if kernel == "varlen" else kernel
     configs = _configs(model)
     if not configs:
         raise ValueError(f"{type(model).__name__} holds no transformers config with an attention implementation")
-    handle = PatchHandle("document_attention", {"configs": len(configs), "implementation": kernel})
+    handle = PatchHandle("document_attention", {"configs": len(configs), "implementation": name})
     for cfg in configs:
         old = cfg._attn_implementation  # a property: restore by setting the old value
-        cfg._attn_implementation = kernel
+        cfg._attn_implementation = name
         handle.add_undo(lambda cfg=cfg, old=old: setattr(cfg, "_attn_implementation", old))
     return handle
 
 
 def varlen_available() -> bool:
-    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` (True on torch 2.13)."""
+    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` (True on torch 2.11 and 2.13)."""
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def document_cu_seqlens(document_ids: torch.Tensor, min_cuts: int = MIN_CUTS) -> torch.Tensor:
+    """The varlen cuts of a packed batch: where each sequence starts in the flat ``rows x seq_len`` tokens.
+
+    A sequence starts at every row start and wherever the document id changes (a row's tail
+    padding, ``-1``, is a sequence of its own). The starts are followed by the total
+    (``rows x seq_len``), repeated up to a power of two of at least ``min_cuts`` entries: the
+    repeats are zero-length sequences that the kernel skips, so batches of different layouts
+    share a few lengths, and the length is marked dynamic for ``torch.compile``.
+
+    Args:
+        document_ids: ``(rows, seq_len)`` integers, as :func:`pack_examples` gives.
+        min_cuts: the fewest entries (a power of two keeps the lengths few).
+
+    Returns:
+        An ``int32`` tensor on ``document_ids``'s device, non-decreasing, from 0 to ``rows x seq_len``.
+
+    Raises:
+        ValueError: ``document_ids`` is not a 2-D integer tensor.
+        RuntimeError: called while ``torch.compile`` traces (it reads the ids' values).
+    """
+    _outside_compile("document_cu_seqlens")
+    _check_document_ids(document_ids)
+    rows, seq_len = document_ids.shape
+    flat = document_ids.reshape(-1)
+    start = torch.ones_like(flat, dtype=torch.bool)
+    start[1:] = flat[1:] != flat[:-1]
+    start[::seq_len] = True
+    starts = start.nonzero().flatten()
+    size = max(int(min_cuts), 1 << int(starts.numel()).bit_length())  # > the starts: room for the total
+    cuts = torch.full((size,), rows * seq_len, dtype=torch.int32, device=document_ids.device)
+    cuts[:starts.numel()] = starts.to(torch.int32)
+    torch._dynamo.maybe_mark_dynamic(cuts, 0)
+    return cuts
+
+
+def document_attention_kwargs(document_ids: torch.Tensor, kernel: str, block_size: int = 128) -> dict[str, Any]:
+    """What the model takes besides the tokens to attend per document with ``kernel``, built eagerly.
+
+    ``flex_attention``: ``attention_mask`` = :func:`document_block_mask`; ``sdpa``:
+    ``attention_mask`` = :func:`document_dense_mask`; ``varlen``: transformers' padding-free
+    keywords ``cu_seq_lens_q``/``cu_seq_lens_k`` (:func:`document_cu_seqlens`) and
+    ``max_length_q``/``max_length_k`` (``seq_len``, a fixed bound).
+
+    Raises:
+        ValueError: ``kernel`` not in :data:`DOC_MASK_KERNELS`, or bad ``document_ids``.
+    """
+    if kernel == "flex_attention":
+        return {"attention_mask": document_block_mask(document_ids, block_size)}
+    if kernel == "sdpa":
+        return {"attention_mask": document_dense_mask(document_ids)}
+    if kernel == "varlen":
+        cuts = document_cu_seqlens(document_ids)
+        seq_len = int(document_ids.shape[1])
+        return {"cu_seq_lens_q": cuts, "cu_seq_lens_k": cuts, "max_length_q": seq_len, "max_length_k": seq_len}
+    raise ValueError(f"kernel must be one of {DOC_MASK_KERNELS}, got {kernel!r}")
+
+
+def _varlen_options() -> dict[str, bool]:
+    """Which keywords this torch's ``varlen_attn`` takes (its signature changed between releases)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    return {name: name in params for name in ("enable_gqa", "window_size", "is_causal", "scale")}
+
+
+def _cut_mask(cuts: torch.Tensor, rows: int, seq_len: int) -> torch.Tensor:
+    """The ``(rows, 1, seq_len, seq_len)`` document-causal mask the cuts describe (traceable)."""
+    pos = torch.arange(rows * seq_len, device=cuts.device, dtype=cuts.dtype)
+    seg = (torch.searchsorted(cuts, pos, right=True) - 1).view(rows, seq_len)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=cuts.device).tril()
+    return ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+
+
+def _make_varlen_attention(options: dict[str, bool] | None) -> Callable:
+    """The attention function registered as :data:`VARLEN` (``options``: :func:`_varlen_options`; None: no varlen)."""
+
+    def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+        cuts, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+        if cuts is None or max_len is None:
+            raise ValueError("varlen attention needs cu_seq_lens_q and max_length_q: wrap the model with "
+                             "with_document_mask(..., 'varlen'), which builds them from document_ids")
+        if dropout:
+            raise ValueError(f"varlen attention trains without attention dropout, got {dropout}")
+        rows, heads, seq_len, dim = query.shape
+        kv_heads = key.shape[1]
+        if query.is_cuda and options is None:
+            raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")
+        if not query.is_cuda:  # the same cuts as a dense mask: the CPU reference
+            mask = _cut_mask(cuts, rows, seq_len)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, scale=scaling, enable_gqa=heads != kv_heads)
+            return out.transpose(1, 2).contiguous(), None
+        from torch.nn.attention.varlen import varlen_attn
+
+        q = query.transpose(1, 2).reshape(rows * seq_len, heads, dim)
+        k = key.transpose(1, 2).reshape(rows * seq_len, kv_heads, dim)
+        v = value.transpose(1, 2).reshape(rows * seq_len, kv_heads, dim)
+        kw: dict[str, Any] = {}
+        if heads != kv_heads:
+            if options["enable_gqa"]:
+                kw["enable_gqa"] = True
+            else:  # an older signature: repeat the K/V heads
+                k = k.repeat_interleave(heads // kv_heads, dim=1)
+                v = v.repeat_interleave(heads // kv_heads, dim=1)
+        if options["window_size"]:
+            kw["window_size"] = (-1, 0)  # causal
+        else:
+            kw["is_causal"] = True
+        if scaling is not None and options["scale"]:
+            kw["scale"] = scaling
+        elif scaling is not None:  # no scale keyword: the kernel's own 1/sqrt(dim), folded into q
+            q = q * (scaling * dim ** 0.5)
+        out = varlen_attn(q, k, v, cuts, cuts, max_len, max_len, **kw)
+        return out.view(rows, seq_len, heads, dim), None
+
+    return varlen_attention
+
+
+def register_varlen() -> str:
+    """Register :data:`VARLEN` with transformers' ``AttentionInterface`` (idempotent); return the name.
+
+    Only the attention function is registered: with no mask function under that name,
+    transformers skips building a mask. Without ``varlen_attn`` in this torch only the CPU
+    reference (the dense mask from the same cuts) runs; CUDA tensors are refused.
+    """
+    from transformers import AttentionInterface
+
+    options = _varlen_options() if varlen_available() else None
+    AttentionInterface.register(VARLEN, _make_varlen_attention(options))
+    return VARLEN
