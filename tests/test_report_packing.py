@@ -70,3 +70,26 @@ def test_the_committed_h100_file():
         assert len(names) == len(set(names))
     t = packing.targets(results, "llama-3.2-1b-shape", "kjv")  # the 1B shipped-data rows are complete
     assert t["packed_vs_padded"] >= 2.0 and t["met"]["vs_best_peer"]
+
+
+def test_loss_checks_and_kernels_are_tabled_per_step_and_against_flex():
+    from qlora_nb_utils.bench.peers.packed_checks import compare_kernels, loss_verdict
+
+    eager = [[10.0, 9.0, 8.0], [10.0, 9.002, 8.001], [10.0, 8.999, 8.003]]  # pairwise floor: 0, 3e-3, 3e-3
+    check = loss_verdict([10.001, 9.001, 8.0], eager)
+    assert check["floor_diffs"] == pytest.approx([0.0, 0.003, 0.003])
+    assert check["steps_over_step_floor"] == [0] and check["steps_over_floor"] == [] and check["within_floor"]
+    results = _synthetic() | {"loss_checks": [{"model": "m", "data": "kjv", "rows": 4, "seq_len": 1024,
+                                                "doc_attention": "flex_attention", "scope": "whole", **check}]}
+    flex = {"model": "m", "data": "kjv", "kernel": "flex_attention", "real_tokens_per_s": 100.0, "peak_mem_gib": 10.0,
+            "losses": [10.0, 9.0, 8.0], "loss_check": check, "compilations": 1, "epoch_compilations": 1,
+            "graph_breaks": 0}
+    varlen = flex | {"kernel": "varlen", "real_tokens_per_s": 120.0, "losses": [10.0, 9.01, 8.0]}
+    comparison = compare_kernels([flex, varlen])
+    assert comparison["m/kjv/varlen"]["within_flex_floor"] is False  # 1e-2 over flex's 3e-3
+    results["doc_attention"] = {"runs": [flex, varlen, {**flex, "kernel": "sdpa", "error": "boom | x"}],
+                                "comparison": comparison}
+    text = packing.markdown_table(results, "packing_x.json")
+    assert "| 0 | 1.0e-03 | 0.0e+00 | no |" in text and "every step within its own step's floor: no" in text
+    assert "| m / kjv | varlen | 120 | 10.00 | 1 (1) | 0 | yes |  |" in text and "boom / x" in text
+    assert "m/kjv/varlen: 1.20x flex's real tok/s" in text and "(over)" in text

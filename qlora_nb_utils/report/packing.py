@@ -5,9 +5,10 @@ so the figure that matters is a point (peak GiB, real tok/s) per run, not a spee
 the verdict on its two targets (packed at least 2x our own padded run; at least 1.3x the best
 peer while using no more than that peer's peak memory) must be read off the file, not worked out
 by hand for the README. ``qlora-nb report results/packing_h100.json`` prints one table per model
-and data set, the targets under it, and writes ``<stem>_tradeoff.png`` next to the JSON (or into
-``out_dir``). Nothing here measures anything: every figure is the file's, and the only
-arithmetic is ratios between the file's figures. A run that could not run is a table row with
+and data set, the targets under it, the longer loss checks and the document-attention kernels
+when the file has them (:mod:`qlora_nb_utils.bench.peers.packed_checks`), and writes
+``<stem>_tradeoff.png`` next to the JSON (or into ``out_dir``). Nothing here measures anything:
+every figure is the file's, and the only arithmetic is ratios between the file's figures. A run that could not run is a table row with
 its ``error`` and no point on the plot.
 """
 
@@ -135,7 +136,55 @@ def markdown_table(results: dict, name: str = "") -> str:
                 _fmt(r.get("peak_mem_gib"), ".2f"), _fmt(r.get("pad_fraction"), ".3f"), _fmt(r.get("compilations"), "d"),
                 "" if err is None else err[:120].replace("|", "/").replace("\n", " ")]) + " |")
         out += ["", *_verdict(targets(results, model, data))]
+    out += _loss_checks(results) + _kernels(results)
     return "\n".join(out) + "\n"
+
+
+def _loss_checks(results: dict) -> list[str]:
+    """The ``loss_checks`` key (:mod:`qlora_nb_utils.bench.peers.packed_checks`): per step, diff against floor."""
+    checks = [c for c in results.get("loss_checks", []) if c.get("diffs")]
+    if not checks:
+        return []
+    out = ["", "**Loss against the recipe uncompiled** (floor: the largest difference between any two eager runs)"]
+    for c in checks:
+        out += ["", f"{c['model']}, {c['data']}, {c['rows']} x {c['seq_len']}, {c['doc_attention']}, scope "
+                f"{c['scope']}: {c['steps']} steps, {c['eager_runs']} eager runs", "",
+                *table_header(["step", "compiled - eager", "floor", "within its step's floor"])]
+        for i, (d, f) in enumerate(zip(c["diffs"], c["floor_diffs"])):
+            out.append(f"| {i} | {d:.1e} | {f:.1e} | {'yes' if d <= f else 'no'} |")
+        over = c["steps_over_floor"]
+        out += ["", f"- max {c['max_abs_loss_diff']:.1e} against the floor's max {c['floor_max']:.1e}; mean "
+                f"{c['mean_abs_loss_diff']:.1e} against the floor's mean {c['floor_mean']:.1e}; steps over the floor's "
+                f"max: {over or 'none'}; within the floor (no step over its max, mean at most 1.5x): "
+                f"{'yes' if c['within_floor'] else 'no'}; every step within its own step's floor: "
+                f"{'yes' if c['every_step_within_its_floor'] else 'no'}"]
+    return out
+
+
+def _kernels(results: dict) -> list[str]:
+    """The ``doc_attention`` key: one row per kernel, and each kernel's loss against flex attention's."""
+    section = results.get("doc_attention") or {}
+    if not section.get("runs"):
+        return []
+    cols = ["model / data", "kernel", "real tok/s", "peak GiB", "compilations (epoch)", "graph breaks",
+            "loss within floor", "error"]
+    out = ["", "**Document attention kernels** (each its own process, `optimize(doc_attention=...)`)", "",
+           *table_header(cols)]
+    for r in section["runs"]:
+        check = r.get("loss_check") or {}
+        err = r.get("error")
+        out.append("| " + " | ".join([
+            f"{r['model']} / {r['data']}", r["kernel"], _fmt(r.get("real_tokens_per_s"), ",.0f"),
+            _fmt(r.get("peak_mem_gib"), ".2f"),
+            f"{_fmt(r.get('compilations'), 'd')} ({_fmt(r.get('epoch_compilations'), 'd')})",
+            _fmt(r.get("graph_breaks"), "d"), "-" if not check else ("yes" if check["within_floor"] else "no"),
+            "" if err is None else err[:120].replace("|", "/").replace("\n", " ")]) + " |")
+    for key, c in (section.get("comparison") or {}).items():
+        out.append(f"- {key}: {c['real_tokens_per_s_vs_flex']:.2f}x flex's real tok/s at "
+                   f"{c['peak_mem_gib_vs_flex']:.2f}x its peak; loss against flex's over {c['steps']} steps: max "
+                   f"{max(c['diffs_vs_flex']):.1e}, flex's floor {c['flex_floor_max']:.1e} "
+                   f"({'within' if c['within_flex_floor'] else 'over'})")
+    return out
 
 
 def write_plot(results: dict, json_path: str | Path, out_dir: str | Path | None = None) -> Path | None:
