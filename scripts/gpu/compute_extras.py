@@ -18,6 +18,8 @@ can answer two of them, so a GPU lease is spent once:
   ``PARITY_STEPS`` batches: as is, again (is eager deterministic?), and with the rows of every
   batch in two seeded orders (``training.parity``'s floor). Ours is judged with
   ``training.parity.judge`` against that floor.
+* ``8b8_*`` (part ``8b8``): the A/B again at 8 x 1024 (14 steps), where the GPU, not the CPU, is
+  the bottleneck: the two arms only.
 * ``1b_*``: ``nf4_dequant_bench.py``'s ``ab`` part (1B shape, 4 x 512, whole scope, CUDA graphs,
   25 steps). The two arms compile at the same time (each 90-150 s cold), wait at a barrier, and
   are then timed one after the other, so neither step is timed while the other process works.
@@ -28,7 +30,7 @@ each arm: the functions ``bitsandbytes.matmul_4bit`` / ``functional.dequantize_4
 and the dequantize kernels a profiler window counts (``_nf4_dequant_kernel``: ours;
 ``kDequantize*``: bitsandbytes). Median step times leave out the first ``WARMUP`` steps.
 
-    python3 scripts/gpu/compute_extras.py main OUT_DIR BUDGET_S [--model8 M] [--model1 M] [--device D] [--backend B]
+    python3 scripts/gpu/compute_extras.py main OUT_DIR BUDGET_S [--parts 8b,1b,8b8] [--model8 M] [--model1 M] [--device D] [--backend B]
     python3 scripts/gpu/compute_extras.py ours|eager SPEC.json RUN.json   (one child process)
 """
 
@@ -50,11 +52,13 @@ from nf4_dequant_bench import AB_BATCH, AB_MODEL, AB_SEQ, AB_STEPS, _profile  # 
 
 SEED, LR, LORA_R, LORA_ALPHA = 0, 2e-4, 16, 32
 B8 = {"model": "llama-3.1-8b-shape", "batch_size": 2, "seq_len": 1024, "steps": 30, "scope": "regional"}
+B8x8 = {**B8, "batch_size": 8, "steps": 14}
 B1 = {"model": AB_MODEL, "batch_size": AB_BATCH, "seq_len": AB_SEQ, "steps": AB_STEPS, "scope": "whole"}
+SHAPES = {"8b": B8, "1b": B1, "8b8": B8x8}
 WARMUP = 5
 PARITY_STEPS = 6
 #: Seconds a phase needs left in the budget to start (else it is recorded as skipped).
-NEEDS = {"8b_ours": 100, "8b_hf_eager": 80, "1b_pair": 230}
+NEEDS = {"8b_ours": 75, "8b_hf_eager": 80, "1b_pair": 150}
 
 
 def write(path, data: dict) -> None:
@@ -104,9 +108,12 @@ def _barrier(spec: dict, opt, model, batches, run: dict) -> None:
     """Compile and record before the barrier (fwd + bwd of one batch, 3 times, grads dropped), then wait for go."""
     t = time.monotonic()
     batch = {k: v.to(spec["device"]) for k, v in batches[0].items()}
-    for _ in range(3):
+    import torch
+
+    for _ in range(3):  # a new CUDA-graph step each time; grads dropped (no accumulation into graph outputs)
+        torch.compiler.cudagraph_mark_step_begin()
         opt(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
     _sync(spec["device"])
     run["warmup_s"] = round(time.monotonic() - t, 2)
     run["warmup_note"] = "compile and CUDA-graph recording, before the barrier (in parallel with the other arm)"
@@ -302,26 +309,26 @@ def main(out_dir: str, budget_s: float, a) -> int:
     t_start = time.monotonic()
     end = t_start + budget_s
     left = lambda: end - time.monotonic()  # noqa: E731
-    out = Path(out_dir)
+    out, work = Path(out_dir), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     import torch
 
     from qlora_nb_utils import env, models
     from qlora_nb_utils.bench.main_job import make_bench_batches
 
+    parts = [x for x in a.parts.split(",") if x]
     dev = env.resolve_device(a.device)
     head = {"device": env.device_info(dev), "versions": env.versions(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": os.environ.get("QLORA_NB_EXTRAS_CMD", " ".join(sys.argv)),
+            "command": os.environ.get("QLORA_NB_EXTRAS_CMD", " ".join(sys.argv)), "parts": parts,
             "tool": "scripts/gpu/compute_extras.py", "lora": {"r": LORA_R, "alpha": LORA_ALPHA}, "lr": LR,
             "seed": SEED, "median_over": f"steps {WARMUP + 1}..N (the first {WARMUP} left out)"}
     step_res = {"kind": "nf4_dequant_step", **head, "phases_s": {}}
     extras = {"kind": "compute_extras", **head}
     step_path, extras_path = out / "nf4_dequant_step.json", out / "compute_extras.json"
     ch = Children(work)
-    shapes = {"8b": {**B8, "model": a.model8}, "1b": {**B1, "model": a.model1}}
+    shapes = {k: {**v, "model": a.model1 if k == "1b" else a.model8} for k, v in SHAPES.items() if k in parts}
     for key, sh in shapes.items():
         t = time.monotonic()
         if sh["model"] in models.MODEL_NAMES:
@@ -342,65 +349,83 @@ def main(out_dir: str, budget_s: float, a) -> int:
                 "optimize": {"scope": sh["scope"], "grad_ckpt": False, **({"backend": a.backend} if a.backend else {})},
                 **kw}
 
-    def shape_meta(key: str) -> dict:
+    def meta(key: str) -> dict:
         return {k: shapes[key][k] for k in ("model", "batch_size", "seq_len", "steps", "scope", "padding")}
 
-    r8: dict = {}
-    step_res["8b"] = {**shape_meta("8b"), "grad_ckpt": False, "runs": r8}
-    order = [("8b_ours_cold", False, "a"), ("8b_ours_patched", True, "b"), ("8b_ours_warm", False, "a")]
-    for name, patched, cache in order:
-        t = time.monotonic()
-        if left() < NEEDS["8b_ours"]:
-            r8[name] = {"name": name, "skipped": f"budget: {left():.0f} s left"}
-        else:
-            r8[name] = ch.run("ours", spec("8b", name, patched, profile=name != "8b_ours_warm"), min(240, left()),
-                              work / f"inductor_{cache}")
-        r8[name]["wall_s"] = round(time.monotonic() - t, 1)
-        print(name, {k: r8[name].get(k) for k in ("median_step_ms", "peak_mem_gib", "first_step_s",
-                                                  "time_to_first_step_s", "error", "skipped")}, flush=True)
-        step_res["8b"]["patched_vs_unpatched_cold"] = _ab(r8, "8b_ours_patched", "8b_ours_cold")
-        step_res["8b"]["patched_vs_unpatched_warm"] = _ab(r8, "8b_ours_patched", "8b_ours_warm")
-        step_res["8b"]["unpatched_warm_vs_cold"] = _ab(r8, "8b_ours_warm", "8b_ours_cold")
-        extras["warm_start"] = {**shape_meta("8b"), **_warm(r8["8b_ours_cold"], r8.get("8b_ours_warm", {}))}
+    def save() -> None:
+        step_res["phases_s"]["total"] = round(time.monotonic() - t_start, 1)
         write(step_path, step_res)
-        write(extras_path, extras)
+        if len(extras) > len(head) + 1:
+            write(extras_path, extras)
 
-    t = time.monotonic()
-    if left() < NEEDS["8b_hf_eager"]:
-        eager = {"skipped": f"budget: {left():.0f} s left"}
-    else:
-        eager = ch.run("eager", {**spec("8b", "8b_hf_eager", False), "steps": PARITY_STEPS}, min(200, left()))
-    eager["wall_s"] = round(time.monotonic() - t, 1)
-    extras["parity"] = {**shape_meta("8b"), "steps": PARITY_STEPS, "ours": "8b_ours_cold (optimize(scope='regional'))",
-                        "eager_process": {k: v for k, v in eager.items() if k != "runs"},
-                        **_parity(eager, r8.get("8b_ours_cold", {}), r8.get("8b_ours_patched", {}))}
-    write(extras_path, extras)
-    print("parity", {k: extras["parity"].get(k) for k in ("eager_deterministic", "error")},
-          {k: v for k, v in extras["parity"].get("verdict", {}).items() if k != "diffs"}, flush=True)
+    def sequential(key: str, order: list) -> dict:
+        runs: dict = {}
+        step_res[key] = {**meta(key), "grad_ckpt": False, "runs": runs}
+        for name, patched, cache in order:
+            t = time.monotonic()
+            if left() < NEEDS["8b_ours"]:
+                runs[name] = {"name": name, "skipped": f"budget: {left():.0f} s left"}
+            else:
+                runs[name] = ch.run("ours", spec(key, name, patched, profile=not name.endswith("_warm")),
+                                    min(240, left()), work / f"inductor_{cache}")
+            runs[name]["wall_s"] = round(time.monotonic() - t, 1)
+            print(name, {k: runs[name].get(k) for k in ("median_step_ms", "peak_mem_gib", "first_step_s",
+                                                        "time_to_first_step_s", "error", "skipped")}, flush=True)
+            step_res[key]["patched_vs_unpatched"] = _ab(runs, f"{key}_ours_patched", f"{key}_ours_cold")
+            if any(n.endswith("_warm") for n, _, _ in order):
+                step_res[key]["patched_vs_unpatched_warm"] = _ab(runs, f"{key}_ours_patched", f"{key}_ours_warm")
+                step_res[key]["unpatched_warm_vs_cold"] = _ab(runs, f"{key}_ours_warm", f"{key}_ours_cold")
+                extras["warm_start"] = {**meta(key), **_warm(runs[f"{key}_ours_cold"], runs.get(f"{key}_ours_warm", {}))}
+            save()
+        return runs
 
+    for part in parts:
+        if part == "8b8":
+            sequential("8b8", [("8b8_ours_cold", False, "c"), ("8b8_ours_patched", True, "d")])
+        elif part == "8b":
+            r8 = sequential("8b", [("8b_ours_cold", False, "a"), ("8b_ours_patched", True, "b"),
+                                   ("8b_ours_warm", False, "a")])
+            t = time.monotonic()
+            if left() < NEEDS["8b_hf_eager"]:
+                eager = {"skipped": f"budget: {left():.0f} s left"}
+            else:
+                eager = ch.run("eager", {**spec("8b", "8b_hf_eager", False), "steps": PARITY_STEPS}, min(200, left()))
+            eager["wall_s"] = round(time.monotonic() - t, 1)
+            extras["parity"] = {**meta("8b"), "steps": PARITY_STEPS, "ours": "8b_ours_cold (optimize(scope='regional'))",
+                                "eager_process": {k: v for k, v in eager.items() if k != "runs"},
+                                **_parity(eager, r8.get("8b_ours_cold", {}), r8.get("8b_ours_patched", {}))}
+            save()
+            print("parity", {k: extras["parity"].get(k) for k in ("eager_deterministic", "error")},
+                  {k: v for k, v in extras["parity"].get("verdict", {}).items() if k != "diffs"}, flush=True)
+        elif part == "1b":
+            pair_1b(ch, spec, meta, step_res, work, left)
+            save()
+            print("1b", step_res["1b"].get("patched_vs_unpatched"), step_res["1b"].get("skipped"), flush=True)
+    save()
+    return 0
+
+
+def pair_1b(ch: Children, spec, meta, step_res: dict, work: Path, left) -> None:
+    """The 1B arms: compiled at the same time up to a barrier, then timed one after the other."""
     r1: dict = {}
-    step_res["1b"] = {**shape_meta("1b"), "grad_ckpt": False, "runs": r1, "same_as": "nf4_dequant_bench.py ab"}
+    step_res["1b"] = {**meta("1b"), "grad_ckpt": False, "runs": r1, "same_as": "nf4_dequant_bench.py ab"}
     t = time.monotonic()
     if left() < NEEDS["1b_pair"]:
         step_res["1b"]["skipped"] = f"budget: {left():.0f} s left"
-    else:
-        bar = work / "barrier"
-        bar.mkdir(exist_ok=True)
-        arms = [ch.spawn("ours", spec("1b", n, p, barrier=str(bar)), work / f"inductor_{n}")
-                for n, p in (("1b_ours_unpatched", False), ("1b_ours_patched", True))]
-        while (time.monotonic() - t < 220 and left() > 40 and any(arm[0].poll() is None for arm in arms)
-               and not all((bar / f"ready_{arm[3]}").exists() for arm in arms)):
-            time.sleep(0.5)
-        step_res["1b"]["barrier_s"] = round(time.monotonic() - t, 1)
-        for arm in arms:
-            (bar / f"go_{arm[3]}").touch()
-            r1[arm[3]] = ch.finish(arm, max(5.0, min(120, left() - 5)))
-        step_res["1b"]["patched_vs_unpatched"] = _ab(r1, "1b_ours_patched", "1b_ours_unpatched")
-    step_res["phases_s"]["1b_pair"] = round(time.monotonic() - t, 1)
-    step_res["phases_s"]["total"] = round(time.monotonic() - t_start, 1)
-    write(step_path, step_res)
-    print("1b", step_res["1b"].get("patched_vs_unpatched"), step_res["1b"].get("skipped"), flush=True)
-    return 0
+        return
+    bar = work / "barrier"
+    bar.mkdir(exist_ok=True)
+    arms = [ch.spawn("ours", spec("1b", n, p, barrier=str(bar)), work / f"inductor_{n}")
+            for n, p in (("1b_ours_unpatched", False), ("1b_ours_patched", True))]
+    while (time.monotonic() - t < 220 and left() > 40 and any(arm[0].poll() is None for arm in arms)
+           and not all((bar / f"ready_{arm[3]}").exists() for arm in arms)):
+        time.sleep(0.5)
+    step_res["1b"]["barrier_s"] = round(time.monotonic() - t, 1)
+    for arm in arms:
+        (bar / f"go_{arm[3]}").touch()
+        r1[arm[3]] = ch.finish(arm, max(5.0, min(120, left() - 5)))
+    step_res["1b"]["patched_vs_unpatched"] = _ab(r1, "1b_ours_patched", "1b_ours_unpatched")
+    step_res["1b"]["wall_s"] = round(time.monotonic() - t, 1)
 
 
 if __name__ == "__main__":
@@ -412,6 +437,7 @@ if __name__ == "__main__":
     p.add_argument("cmd", choices=["main"])
     p.add_argument("out_dir")
     p.add_argument("budget_s", type=float)
+    p.add_argument("--parts", default="8b,1b", help="of 8b (A/B, warm start, parity), 1b (A/B), 8b8 (A/B at 8 x 1024)")
     p.add_argument("--model8", default=B8["model"])
     p.add_argument("--model1", default=B1["model"])
     p.add_argument("--device", default="auto")

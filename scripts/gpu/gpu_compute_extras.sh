@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Writes: OUT/nf4_dequant_step.json (-> results/nf4_dequant_step_<gpu>.json), OUT/compute_extras.json
 #   (-> results/compute_extras_<gpu>.json), OUT/compute_extras_log.txt, OUT/children_logs.tar.gz
-# Rerun: bash scripts/gpu/gpu_compute_extras.sh OUT [BUDGET_S=540]
+# Rerun: bash scripts/gpu/gpu_compute_extras.sh OUT [BUDGET_S=540] [PARTS=8b,1b] (8b8: the A/B at 8 x 1024)
 #   (on the lent GPU machine, from the repository root; carry .whl .gpucache; about 450-540 s on an H100)
 # Issue 20's three small measurements in one call (scripts/gpu/compute_extras.py says how): the NF4
 # dequantize patch A/B in a real step at 8B (2 x 1024, regional) and 1B (4 x 512, whole), the warm
@@ -10,12 +10,13 @@
 set -uo pipefail
 out=${1:?usage: scripts/gpu/gpu_compute_extras.sh OUT_DIR [BUDGET_S]}
 budget=${2:-540}
+parts=${3:-8b,1b}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
 echo "TORCHINDUCTOR_CACHE_DIR from gpu_env.sh: ${TORCHINDUCTOR_CACHE_DIR:-unset} (each child gets its own; see compute_extras.py)"
-export QLORA_NB_EXTRAS_CMD="COMMIT=${COMMIT:-unknown} bash scripts/gpu/gpu_compute_extras.sh \$OUT $budget (code: ${COMMIT:-unknown commit} + working tree)"
-python3 scripts/gpu/compute_extras.py main "$out" "$budget" --work /tmp/compute_extras_work 2>&1 \
+export QLORA_NB_EXTRAS_CMD="COMMIT=${COMMIT:-unknown} bash scripts/gpu/gpu_compute_extras.sh \$OUT $budget $parts (code: ${COMMIT:-unknown commit} + working tree)"
+python3 scripts/gpu/compute_extras.py main "$out" "$budget" --parts "$parts" --work /tmp/compute_extras_work 2>&1 \
   | tee "$out/compute_extras_log.txt"
 abs=$(realpath "$out")
 (cd /tmp/compute_extras_work && tar -czf "$abs/children_logs.tar.gz" log_*.txt run_*.json 2>/dev/null) || true

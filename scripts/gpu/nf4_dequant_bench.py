@@ -293,17 +293,25 @@ def ab_step(budget_end: float) -> dict:
 
 
 def _profile(opt, model, batches, kernel_records, group_kernels, device: str) -> dict:
-    """Forward + backward of ``batches`` under the profiler: the NF4-dequantize group per step."""
+    """Forward + backward of ``batches`` under the profiler: the NF4-dequantize group per step.
+
+    ``device`` may name an index (``cuda:0``): the profiler's kind is its type. Each call starts
+    a new CUDA-graph step and drops the gradients after its backward (a second backward would
+    otherwise accumulate into the first one's CUDA-graph outputs).
+    """
     import torch
 
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    kind = str(device).split(":")[0]
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if kind == "cuda" else [])
     with torch.profiler.profile(activities=acts) as prof:
         for batch in batches:
+            torch.compiler.cudagraph_mark_step_begin()
             opt(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
-        if device == "cuda":
+            model.zero_grad(set_to_none=True)
+        if kind == "cuda":
             torch.cuda.synchronize()
     model.zero_grad(set_to_none=True)
-    grouped = group_kernels(kernel_records(prof.events(), device=device), steps=len(batches))
+    grouped = group_kernels(kernel_records(prof.events(), device=kind), steps=len(batches))
     g = grouped["groups"]["nf4_dequantize"]
     return {"ms_per_step": g["ms"], "count_per_step": g["count"], "top": g["top"],
             "total_kernel_ms_per_step": grouped["total_ms"], "note": "forward + backward, no optimizer step"}
