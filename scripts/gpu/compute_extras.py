@@ -56,6 +56,7 @@ B8x8 = {**B8, "batch_size": 8, "steps": 14}
 B1 = {"model": AB_MODEL, "batch_size": AB_BATCH, "seq_len": AB_SEQ, "steps": AB_STEPS, "scope": "whole"}
 SHAPES = {"8b": B8, "1b": B1, "8b8": B8x8}
 WARMUP = 5
+EAGER_LABELS = ("hf-eager", "hf-eager-again", "hf-eager-permuted1", "hf-eager-permuted2")
 PARITY_STEPS = 6
 #: Seconds a phase needs left in the budget to start (else it is recorded as skipped).
 NEEDS = {"8b_ours": 75, "8b_hf_eager": 80, "1b_pair": 150}
@@ -198,11 +199,21 @@ def eager_child(spec: dict) -> dict:
         batches = torch.load(spec["batches"])[:spec["steps"]]
         start = trainable_state(model)
         cfg = TrainConfig(steps=spec["steps"], lr=LR, seed=SEED, progress=False)
-        for label, data in (("hf-eager", batches), ("hf-eager-again", batches),
-                            ("hf-eager-permuted1", permute_rows(batches, SEED + 1)),
-                            ("hf-eager-permuted2", permute_rows(batches, SEED + 2))):
-            load_trainable_state(model, start)
-            run["runs"][label] = _summary(train(model, data, cfg, label=label))
+        opt = None
+        try:
+            for label in spec.get("labels", EAGER_LABELS):  # HF labels first: optimize() casts the weights
+                data = permute_rows(batches, SEED + int(label[-1])) if "permuted" in label else batches
+                if label.startswith("fast-eager") and opt is None:
+                    from qlora_nb_utils.compile.fast_path import optimize
+
+                    opt = optimize(model, batches=batches, **spec["optimize"])
+                    run["description"] = opt.description
+                load_trainable_state(model, start)
+                forward = opt.eager if label.startswith("fast-eager") else None
+                run["runs"][label] = _summary(train(model, data, cfg, forward=forward, label=label))
+        finally:
+            if opt is not None:
+                opt.undo()
     except BaseException as exc:
         run["error"] = f"{type(exc).__name__}: {exc}"[:1500]
         run["traceback_tail"] = traceback.format_exc()[-2500:]
@@ -328,7 +339,8 @@ def main(out_dir: str, budget_s: float, a) -> int:
     extras = {"kind": "compute_extras", **head}
     step_path, extras_path = out / "nf4_dequant_step.json", out / "compute_extras.json"
     ch = Children(work)
-    shapes = {k: {**v, "model": a.model1 if k == "1b" else a.model8} for k, v in SHAPES.items() if k in parts}
+    shapes = {k: {**v, "model": a.model1 if k == "1b" else a.model8} for k, v in SHAPES.items()
+              if k in parts or (k == "8b" and "fasteager" in parts)}
     for key, sh in shapes.items():
         t = time.monotonic()
         if sh["model"] in models.MODEL_NAMES:
@@ -379,8 +391,25 @@ def main(out_dir: str, budget_s: float, a) -> int:
             save()
         return runs
 
+    pending: list = []
+
+    def finish_pending() -> None:
+        while pending:
+            key, t, child = pending.pop()
+            fe = ch.finish(child, max(5.0, min(200, left())))
+            fe["wall_s"] = round(time.monotonic() - t, 1)
+            extras["fast_eager"] = {**meta(key), "steps": PARITY_STEPS, "optimize": spec(key, "", False)["optimize"],
+                                    "what": "hf-eager once (ties this call to the last), then optimize()'s recipe "
+                                    "uncompiled (opt.eager), again, and rows permuted", **fe}
+            save()
+
     for part in parts:
-        if part == "8b8":
+        if part == "fasteager":  # eager only: runs beside the 1B arms' compilation, done before they are timed
+            key = "8b"
+            pending.append((key, time.monotonic(), ch.spawn("eager", {**spec(key, "8b_fast_eager", False),
+                            "steps": PARITY_STEPS, "labels": ["hf-eager", "fast-eager", "fast-eager-again",
+                                                              "fast-eager-permuted1"]})))
+        elif part == "8b8":
             sequential("8b8", [("8b8_ours_cold", False, "c"), ("8b8_ours_patched", True, "d")])
         elif part == "8b":
             r8 = sequential("8b", [("8b_ours_cold", False, "a"), ("8b_ours_patched", True, "b"),
@@ -398,14 +427,15 @@ def main(out_dir: str, budget_s: float, a) -> int:
             print("parity", {k: extras["parity"].get(k) for k in ("eager_deterministic", "error")},
                   {k: v for k, v in extras["parity"].get("verdict", {}).items() if k != "diffs"}, flush=True)
         elif part == "1b":
-            pair_1b(ch, spec, meta, step_res, work, left)
+            pair_1b(ch, spec, meta, step_res, work, left, finish_pending)
             save()
             print("1b", step_res["1b"].get("patched_vs_unpatched"), step_res["1b"].get("skipped"), flush=True)
+    finish_pending()
     save()
     return 0
 
 
-def pair_1b(ch: Children, spec, meta, step_res: dict, work: Path, left) -> None:
+def pair_1b(ch: Children, spec, meta, step_res: dict, work: Path, left, before_timing) -> None:
     """The 1B arms: compiled at the same time up to a barrier, then timed one after the other."""
     r1: dict = {}
     step_res["1b"] = {**meta("1b"), "grad_ckpt": False, "runs": r1, "same_as": "nf4_dequant_bench.py ab"}
@@ -420,6 +450,7 @@ def pair_1b(ch: Children, spec, meta, step_res: dict, work: Path, left) -> None:
     while (time.monotonic() - t < 220 and left() > 40 and any(arm[0].poll() is None for arm in arms)
            and not all((bar / f"ready_{arm[3]}").exists() for arm in arms)):
         time.sleep(0.5)
+    before_timing()  # nothing else on the GPU or the CPU while the arms are timed
     step_res["1b"]["barrier_s"] = round(time.monotonic() - t, 1)
     for arm in arms:
         (bar / f"go_{arm[3]}").touch()
@@ -437,7 +468,8 @@ if __name__ == "__main__":
     p.add_argument("cmd", choices=["main"])
     p.add_argument("out_dir")
     p.add_argument("budget_s", type=float)
-    p.add_argument("--parts", default="8b,1b", help="of 8b (A/B, warm start, parity), 1b (A/B), 8b8 (A/B at 8 x 1024)")
+    p.add_argument("--parts", default="8b,1b", help="of 8b (A/B, warm start, parity), 1b (A/B), 8b8 (A/B at 8 x 1024), fasteager "
+                   "(the recipe uncompiled at 8B, beside the 1B compile: put it before 1b)")
     p.add_argument("--model8", default=B8["model"])
     p.add_argument("--model1", default=B1["model"])
     p.add_argument("--device", default="auto")
