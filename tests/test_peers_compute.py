@@ -151,12 +151,16 @@ def test_the_committed_h100_file_and_its_tradeoff_plot(tmp_path):
         res["vs_unsloth"])
 
 
-def test_plan_adds_the_no_recompute_arm_only_when_asked():
-    from qlora_nb_utils.bench.peers.compute import SETTINGS, _plan
+def test_plan_adds_variants_only_when_asked():
+    from qlora_nb_utils.bench.peers.compute import SETTINGS, _plan, _variants
 
     st = SETTINGS["8b-8x1024-ckpt"]
     assert [n for n, _, _ in _plan("k", st, "regional", {})] == ["unsloth", "ours", "ours-held"]
-    plan = _plan("k", st, "regional", {}, no_recompute_too=True)
+    variants = _variants(['ours-no-recompute={"recompute": false}'])
+    plan = _plan("k", st, "regional", {}, variants)
     assert [n for n, _, _ in plan] == ["unsloth", "ours", "ours-no-recompute", "ours-held"]
     ours, no_rec = plan[1][2], plan[2][2]
     assert no_rec == {**ours, "recompute": False} and "recompute" not in ours
+    for bad in ("ours-x", "ours-x=[1]", "other={}", "ours-x={bad"):
+        with pytest.raises(ValueError, match="--variant"):
+            _variants([bad])

@@ -35,6 +35,8 @@ The choices, each overridable by passing it explicitly:
   elementwise result a backward matmul reads; the SwiGLU product and the LoRA inputs of hidden
   size are recomputed instead, one intermediate-sized and three hidden-sized tensors per token
   and layer fewer (:func:`~qlora_nb_utils.compile.recipe.partitioner_settings`).
+* **LoRA added into the base output by one ``addmm``** (``lora_addmm``), not a matmul and a
+  sum beside a defensive copy (:mod:`~qlora_nb_utils.compile.patches.lora_addmm`).
 * **Autocast** for bf16/fp16 compute (the LoRA matmuls in bf16, fp32 master weights); nothing
   for fp32.
 * **Eager's rounding** (``eager_numerics``) for bf16/fp16: Inductor keeps a fused kernel's
@@ -62,6 +64,7 @@ from ..ops.doc_attention import with_document_mask
 from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_peak_gib, estimate_terms, peak_from_terms
+from .model_patches import keep_bnb_training_layout, use_lora_addmm
 from .offload import plan
 from .packed import DOC_ATTENTION, choose_doc_kernel, packed_batches
 from .recipe import FastPrepared, can_recompute_elementwise, prepare_fast
@@ -201,7 +204,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
              dynamic: bool | str = "auto", memory_budget: float | None = None,
              eager_numerics: bool | str = "auto", scope: str = "whole", doc_attention: str = "auto",
              offload: bool | str = "auto", loss_rows: bool | str = "auto",
-             recompute: bool | str = "auto") -> Optimized:
+             recompute: bool | str = "auto", lora_addmm: bool | str = "auto") -> Optimized:
     """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
 
     Args:
@@ -240,6 +243,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             SwiGLU product, the norm outputs) instead of saving them
             (:func:`~qlora_nb_utils.compile.recipe.partitioner_settings`): ``"auto"`` (on with
             Inductor where this torch has the setting), True or False.
+        lora_addmm: add each LoRA update into its base output with one ``addmm``
+            (:mod:`~qlora_nb_utils.compile.patches.lora_addmm`): ``"auto"`` (on where PEFT's
+            version is supported), True or False.
 
     Returns:
         An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
@@ -259,6 +265,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("doc_attention", doc_attention, DOC_ATTENTION)
     _check("loss_rows", loss_rows, ("auto", True, False))
     _check("recompute", recompute, ("auto", True, False))
+    _check("lora_addmm", lora_addmm, ("auto", True, False))
     if loss_rows is True and not ce_chunks:
         raise ValueError("loss_rows=True needs the chunked loss (ce_chunks > 0); the model's own loss takes every row")
     if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
@@ -404,9 +411,15 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             doc_handle.undo()
         raise
     choices["cast"], reasons["cast"] = fast.cast, "non-LoRA weights cast to the compute dtype"
-    extra = _keep_bnb_training_layout(model, device, choices, reasons)
+    extra = keep_bnb_training_layout(model, device, choices, reasons)
     if doc_handle is not None:
         extra.insert(0, doc_handle)  # configs only: undone in any order
+    try:
+        extra += use_lora_addmm(model, lora_addmm, choices, reasons)
+    except BaseException:  # refused when asked for: leave the model as it was given, but for the cast
+        for handle in [*extra, fast]:
+            handle.undo()
+        raise
     pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
     compiled = fast.forward
     if packed:
@@ -418,23 +431,3 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
                      fast=fast, _pad_id=pad_id, _extra=extra,
                      _row_chunks=ce_chunks if choices["loss_rows"] == "labelled" else 0)
-
-
-def _keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choices: dict[str, Any],
-                              reasons: dict[str, str]) -> list[PatchHandle]:
-    """On a CPU, keep NF4 weights out of bitsandbytes' inference repack (an eval pass would break
-    the LoRA gradients: :mod:`~qlora_nb_utils.compile.patches.bnb_cpu_packing`)."""
-    if device.type != "cpu":
-        return []
-    from .patches import bnb_cpu_packing
-
-    if not bnb_cpu_packing.find_layers(model):
-        return []
-    try:
-        handle = bnb_cpu_packing.apply(model)
-    except RuntimeError as err:  # versions outside the verified range: say so, change nothing
-        choices["bnb_cpu_layout"], reasons["bnb_cpu_layout"] = "untouched", f"patch refused: {err}"
-        return []
-    choices["bnb_cpu_layout"] = "training"
-    reasons["bnb_cpu_layout"] = "an eval pass cannot repack NF4 for CPU inference (lost LoRA gradients)"
-    return [handle]

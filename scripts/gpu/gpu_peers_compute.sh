@@ -12,7 +12,8 @@
 # so a second call (the settings a budget left out) fills the same file; FRESH=1 starts anew.
 # Settings a budget leaves out are rows with error "skipped: ..." until a later call runs them.
 #
-# NO_RECOMPUTE_TOO=1 adds ours with optimize(recompute=False) at every setting (the same-call A/B).
+# VARIANTS="ours-no-recompute={\"recompute\":false} ..." adds those ours runs at every setting
+#   (space-separated NAME=JSON, JSON without spaces: the same-call A/B of an optimize() option).
 # Usage: bash scripts/gpu/gpu_peers_compute.sh OUT_DIR [BUDGET_S=560] [SETTINGS=all] [STEPS=12] [WARMUP=4]
 set -uo pipefail
 out=${1:?usage: scripts/gpu/gpu_peers_compute.sh OUT_DIR [BUDGET_S] [SETTINGS] [STEPS] [WARMUP]}
@@ -28,8 +29,8 @@ gpu=$(python3 -c "import torch; n=torch.cuda.get_device_name(); print(next((t.lo
 file="$out/peers_compute_${gpu}.json"
 if [ "${FRESH:-0}" != 1 ] && [ -f "results/peers_compute_${gpu}.json" ]; then cp "results/peers_compute_${gpu}.json" "$file"; fi
 extra=()
-if [ "${NO_RECOMPUTE_TOO:-0}" = 1 ]; then extra+=(--no-recompute-too); fi
-cmd="FRESH=${FRESH:-0} NO_RECOMPUTE_TOO=${NO_RECOMPUTE_TOO:-0} bash scripts/gpu/gpu_peers_compute.sh \$OUT $budget $settings $steps $warmup (code: ${COMMIT:-unknown commit} + working tree)"
+for v in ${VARIANTS:-}; do extra+=(--variant "$v"); done
+cmd="FRESH=${FRESH:-0} VARIANTS='${VARIANTS:-}' bash scripts/gpu/gpu_peers_compute.sh \$OUT $budget $settings $steps $warmup (code: ${COMMIT:-unknown commit} + working tree)"
 python3 -m qlora_nb_utils.bench.peers.compute run --out "$file" --settings "$settings" --steps "$steps" \
   --warmup "$warmup" --budget-s "$budget" --timeout-s 240 --work-dir /tmp/peers_compute_work --command "$cmd" "${extra[@]}" \
   2>&1 | tee "$out/peers_compute_log.txt"

@@ -17,9 +17,9 @@ checkpointing on or off, in a process of its own, on the same batches:
   launch-bound step; ``regional`` at 8B, where one layer's graph compiles in ~15 s instead of
   the whole graph's 150-200 s (both measured on an H100, ``results/offload_h100.json`` and
   issue 20) and the step is compute-bound, so the call fits a GPU lease. ``scope`` is recorded.
-* ``ours-no-recompute`` (with ``--no-recompute-too``): ``ours`` with ``recompute=False``, the
-  partitioner's default of saving what the backward's matmuls read: the same-call A/B of
-  ``optimize(recompute=...)``.
+* variants (``--variant NAME='{"recompute": false}'``, repeatable): ``ours`` with more
+  optimize() keyword arguments, e.g. ``ours-no-recompute`` (the partitioner's default of saving
+  what the backward's matmuls read) for the same-call A/B of ``optimize(recompute=...)``.
 * ``ours-held``: at a checkpointing-on setting, ``optimize(max_memory_gib=<Unsloth's peak in
   the same call>)``: optimize() picks checkpointing and offload by itself to meet it.
 
@@ -197,12 +197,12 @@ def _ours_run(ctx: dict, kwargs: dict, batches_path: Path, limit: float, work: P
 
 
 def _plan(key: str, st: dict, scope: str, ours_options: dict,
-          no_recompute_too: bool = False) -> list[tuple[str, str, dict | None]]:
+          variants: dict[str, dict] | None = None) -> list[tuple[str, str, dict | None]]:
     """(name, library, optimize kwargs) of a setting's runs, in order: Unsloth first (the held row needs its peak)."""
     ours = {"grad_ckpt": bool(st["grad_ckpt"]), "scope": scope, **ours_options}
     plan: list[tuple[str, str, dict | None]] = [("unsloth", "unsloth", None), ("ours", "ours", ours)]
-    if no_recompute_too:
-        plan.append(("ours-no-recompute", "ours", {**ours, "recompute": False}))
+    for name, extra in (variants or {}).items():
+        plan.append((name, "ours", {**ours, **extra}))
     if st.get("held"):
         plan.append(("ours-held", "ours", {"max_memory_gib": None, "scope": scope, **ours_options}))
     return plan
@@ -211,7 +211,7 @@ def _plan(key: str, st: dict, scope: str, ours_options: dict,
 def run_compute(out: str | Path, settings: Sequence[str | dict] = tuple(SETTINGS), *, steps: int = 12,
                 warmup: int = 4, lr: float = 2e-4, seed: int = 0, lora_r: int = 16, lora_alpha: float = 32,
                 device: Any = "auto", dtype: Any = "auto", scopes: dict[str, str] | None = None,
-                ours_options: dict | None = None, no_recompute_too: bool = False, timeout_s: float = 300, budget_s: float | None = None,
+                ours_options: dict | None = None, variants: dict[str, dict] | None = None, timeout_s: float = 300, budget_s: float | None = None,
                 peak_tflops: float | None = None, work_dir: str | Path | None = None, command: str | None = None,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run Unsloth and ours (and ours held to Unsloth's peak) at each setting; write ``out``.
@@ -232,7 +232,8 @@ def run_compute(out: str | Path, settings: Sequence[str | dict] = tuple(SETTINGS
         dtype: ``auto`` or a dtype name.
         scopes: optimize()'s scope per model (default :data:`SCOPES`, else ``whole``).
         ours_options: more optimize() keyword arguments for every ours run.
-        no_recompute_too: also run ``ours-no-recompute`` (``recompute=False``) at every setting.
+        variants: more ours runs at every setting, by name: their optimize() keyword arguments
+            on top of ``ours``'s.
         timeout_s: seconds per run's process.
         budget_s: seconds for the whole call; a run that would start with less than 30 s left
             is recorded as skipped.
@@ -300,7 +301,7 @@ def run_compute(out: str | Path, settings: Sequence[str | dict] = tuple(SETTINGS
         ctx = {"setting": key, "model": model, "batch_size": b, "seq_len": s, "grad_ckpt": bool(st["grad_ckpt"]),
                "steps": steps, "warmup": warmup, "lr": lr, "seed": seed, "lora_r": lora_r, "lora_alpha": lora_alpha,
                "device": str(dev), "dtype": dt_name, "peak_tflops": peak_tflops, "flops_per_step": flops.total}
-        for name, library, kwargs in _plan(key, st, scope, dict(ours_options or {}), no_recompute_too):
+        for name, library, kwargs in _plan(key, st, scope, dict(ours_options or {}), variants):
             left = None if budget_s is None else budget_s - (time.monotonic() - t_start)
             uns = next((r for r in runs if r.get("setting") == key and r.get("library") == "unsloth"), None)
             if left is not None and left < 30:
@@ -334,6 +335,21 @@ def run_compute(out: str | Path, settings: Sequence[str | dict] = tuple(SETTINGS
     return res
 
 
+def _variants(specs: Sequence[str]) -> dict[str, dict]:
+    """``NAME=JSON`` strings as {name: optimize() kwargs}; a clear error for a malformed one."""
+    out = {}
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        try:
+            kwargs = json.loads(text) if sep else None
+        except json.JSONDecodeError:
+            kwargs = None
+        if not name.startswith("ours-") or not isinstance(kwargs, dict):
+            raise ValueError(f"--variant must be ours-NAME='{{json object}}', got {spec!r}")
+        out[name] = kwargs
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``run`` (the job) or ``child`` (one ours run); see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m qlora_nb_utils.bench.peers.compute", description=__doc__.split("\n")[0])
@@ -347,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--budget-s", type=float, default=None)
     r.add_argument("--command", default=None, help="the command line to record")
     r.add_argument("--work-dir", default=None, help="batches, specs, child logs (default: beside --out)")
-    r.add_argument("--no-recompute-too", action="store_true", help="also ours with optimize(recompute=False)")
+    r.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="also an ours run with these optimize() arguments, e.g. ours-no-recompute='{\"recompute\": false}'")
     c = sub.add_parser("child")
     c.add_argument("spec")
     c.add_argument("out")
@@ -356,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _child(args.spec, args.out)
     run_compute(args.out, [s for s in args.settings.split(",") if s], steps=args.steps, warmup=args.warmup,
                 timeout_s=args.timeout_s, budget_s=args.budget_s, command=args.command, work_dir=args.work_dir,
-                no_recompute_too=args.no_recompute_too)
+                variants=_variants(args.variant))
     return 0
 
 

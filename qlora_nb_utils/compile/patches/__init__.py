@@ -15,10 +15,12 @@ Not a graph-break workaround, so not in :data:`PATCHES` (what ``prepare_for_comp
 which training loses gradients; ``training.evaluation`` and ``training.finetuning`` apply it.
 :mod:`.nf4_dequant` (a speed change, not applied by default) routes bitsandbytes' NF4
 ``matmul_4bit`` / ``dequantize_4bit`` to the one-pass op of ``ops.nf4_triton``.
+:mod:`.lora_addmm` (a memory change, applied by ``optimize()``) adds each LoRA update into its
+base output with one ``addmm``, on the model's PEFT LoRA layers.
 """
 
 from ...reversible import PatchHandle
-from . import input_require_grads, nf4_dequant, use_cache_warning
+from . import input_require_grads, lora_addmm, nf4_dequant, use_cache_warning
 
 #: Every patch, by name (the names ``compile.prepare_for_compile(patches=...)`` accepts).
 PATCHES = {
@@ -26,4 +28,4 @@ PATCHES = {
     "use_cache_warning": use_cache_warning,
 }
 
-__all__ = ["PATCHES", "PatchHandle", "input_require_grads", "nf4_dequant", "use_cache_warning"]
+__all__ = ["PATCHES", "PatchHandle", "input_require_grads", "lora_addmm", "nf4_dequant", "use_cache_warning"]

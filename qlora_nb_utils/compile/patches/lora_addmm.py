@@ -1,0 +1,123 @@
+"""Add each LoRA update into its base layer's output with one ``addmm``: fewer activation buffers.
+
+Not a graph-break workaround: a memory (and speed) patch. PEFT's ``Linear4bit.forward``
+computes a LoRA projection as ``result = base(x).clone()``, ``out = lora_B(lora_A(x)) * scaling``,
+``result = result + out``. Compiled, that is the base output, the ``lora_B`` matmul's output and
+their sum: three output-sized buffers where one is needed. Held to Unsloth's peak at 8B,
+8 x 1024, every layer checkpointed, the backward's recompute of one MLP had six of them alive
+at once beside the two base outputs, 224 MiB each (``results/held_peak_h100.json``,
+``live_at_peak``: ``lora/bnb.py`` sites). Here the update is one ``torch.addmm(base_2d, x@A^T,
+B^T, alpha=scaling)``: the matmul writes the sum into one new buffer, and the base output dies
+as soon as it is read. The backward is addmm's own (the base gets the output gradient as it is;
+``A`` and ``B`` their usual gradients from the saved ``x@A^T`` and ``x``), so what is saved
+does not grow.
+
+:func:`apply` sets an instance ``forward`` on each PEFT ``lora.bnb.Linear4bit`` (and plain
+``lora.Linear``) of the model, nothing process-wide. The replacement handles the plain case
+(one active adapter, vanilla LoRA, not merged, adapters enabled, no ``adapter_names``, and
+under autocast or with the LoRA weights in the base output's dtype) and hands every other call
+to PEFT's own forward, unchanged. Values differ from PEFT's only by rounding: the sum is
+rounded once in the matmul's epilogue, where PEFT rounds the update, its scaling and the sum.
+
+Smallest check (``tests/test_lora_addmm.py``)::
+
+    with lora_addmm.patched(model):
+        loss = torch.compile(step, fullgraph=True)(batch)   # 0 breaks; loss, LoRA grads as unpatched
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Iterator
+
+import torch
+
+from ...reversible import PatchHandle, check_versions, set_attribute
+
+__all__ = ["VERIFIED_ON", "SUPPORTED", "apply", "patched", "find_layers"]
+
+NAME = "lora_addmm"
+
+#: Versions this patch was verified on (CPU: tests here; CUDA: scripts/gpu/gpu_peers_compute.sh).
+VERIFIED_ON = {"torch": "2.13.0 (cpu), 2.11.0+cu130 (cuda)", "peft": "0.21.2"}
+
+#: Versions the patch accepts; outside them it refuses (PEFT's forward is what it stands in for).
+SUPPORTED = {"peft": ">=0.17,<0.22", "torch": ">=2.6"}
+
+
+def _lora_classes() -> tuple[type, ...]:
+    from peft.tuners.lora import layer
+
+    classes: list[type] = [layer.Linear]
+    try:
+        from peft.tuners.lora import bnb
+
+        classes.append(bnb.Linear4bit)
+    except (ImportError, AttributeError):  # PEFT without bitsandbytes: plain Linear only
+        pass
+    return tuple(classes)
+
+
+def find_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The PEFT LoRA linear layers of ``model`` this patch would replace the forward of."""
+    classes = _lora_classes()
+    return [m for m in model.modules() if type(m) in classes]
+
+
+def _plain(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
+    """The single adapter's name when this call is the plain case (module docstring), else None."""
+    if args or kwargs or layer.disable_adapters or layer.merged:
+        return None
+    active = [a for a in layer.active_adapters if a in layer.lora_A.keys()]
+    if len(active) != 1 or active[0] in getattr(layer, "lora_variant", {}):
+        return None
+    name = active[0]
+    if getattr(layer, "use_dora", {}).get(name, False) or x.dim() < 2:
+        return None
+    return name
+
+
+def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    name = _plain(self, x, args, kwargs)
+    if name is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    result = self.base_layer(x)
+    lora_A, lora_B = self.lora_A[name], self.lora_B[name]
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if not autocast and not (lora_A.weight.dtype == lora_B.weight.dtype == result.dtype == x.dtype):
+        return type(self).forward(self, x, *args, **kwargs)  # PEFT casts in and out: its own path
+    xa = lora_A(self.lora_dropout[name](x))
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), xa.reshape(-1, xa.shape[-1]), lora_B.weight.t(),
+                      alpha=self.scaling[name])
+    return out.view(result.shape)
+
+
+def apply(model: torch.nn.Module) -> PatchHandle:
+    """Give every PEFT LoRA linear layer of ``model`` the one-``addmm`` forward (module docstring).
+
+    Returns:
+        A :class:`PatchHandle`; ``details["layers"]`` is how many layers were patched.
+
+    Raises:
+        RuntimeError: Unsupported versions.
+        ValueError: ``model`` has no PEFT LoRA linear layer.
+    """
+    check_versions(NAME, SUPPORTED, VERIFIED_ON)
+    layers = find_layers(model)
+    if not layers:
+        raise ValueError("lora_addmm: the model has no PEFT LoRA linear layer")
+    handle = PatchHandle(NAME, {"layers": len(layers)})
+    for layer in layers:
+        set_attribute(handle, layer, "forward", types.MethodType(_forward, layer))
+    return handle
+
+
+@contextlib.contextmanager
+def patched(model: torch.nn.Module) -> Iterator[PatchHandle]:
+    """:func:`apply` for the duration of the block."""
+    handle = apply(model)
+    try:
+        yield handle
+    finally:
+        handle.undo()

@@ -1,0 +1,100 @@
+"""compile.patches.lora_addmm: each LoRA update added into its base output by one addmm: the same
+loss and LoRA gradients as PEFT's forward, no graph break, PEFT's own path for everything else,
+and an undo that restores every layer; optimize(lora_addmm=...) applies it."""
+
+import pytest
+import torch
+
+from qlora_nb_utils import data as qdata
+from qlora_nb_utils import diagnostics, optimize
+from qlora_nb_utils.compile.patches import lora_addmm
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(model, batch, compiled=False):
+    fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    loss = fn(**batch).loss
+    loss.backward()
+    grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.fixture(scope="module")
+def batch(tiny):
+    _, tok = tiny
+    (b,) = qdata.build_batches(tok, batch_size=2, steps=1, max_len=64, padding="fixed")
+    return b
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_patched_forward_gives_peft_loss_and_lora_grads(tiny, batch, compiled):
+    model, _ = tiny
+    ref_loss, ref_grads = _step(model, batch, compiled)
+    torch.compiler.reset()
+    with lora_addmm.patched(model) as handle:
+        assert handle.details["layers"] == len(lora_addmm.find_layers(model)) == 14  # 7 projections x 2 layers
+        loss, grads = _step(model, batch, compiled)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and any("lora_A" in n for n in grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_patched_model_traces_whole_and_undo_restores_every_layer(tiny, batch):
+    model, _ = tiny
+    layers = lora_addmm.find_layers(model)
+    with lora_addmm.patched(model):
+        assert all("forward" in vars(layer) for layer in layers)
+        assert diagnostics.graph_breaks(model, **batch).graph_break_count == 0
+    assert not any("forward" in vars(layer) for layer in layers)
+
+
+def test_unusual_calls_go_to_peft_forward(tiny, batch):
+    model, _ = tiny
+    layer = lora_addmm.find_layers(model)[0]
+    x = torch.randn(2, 5, layer.in_features)
+    with lora_addmm.patched(model):
+        with model.disable_adapter():  # adapters off: the base layer alone, as PEFT does
+            torch.testing.assert_close(layer(x), layer.base_layer(x))
+        names = ["default", "default"]  # a mixed-batch call (adapter_names): PEFT's own forward
+        torch.testing.assert_close(layer(x, adapter_names=names), type(layer).forward(layer, x, adapter_names=names))
+        bf16 = x.to(torch.bfloat16)  # the LoRA weights (fp32) differ from the input without autocast: PEFT casts
+        torch.testing.assert_close(layer(bf16), type(layer).forward(layer, bf16))
+
+
+def test_refuses_a_model_without_lora_and_unsupported_versions(tiny, monkeypatch):
+    model, _ = tiny
+    with pytest.raises(ValueError, match="no PEFT LoRA linear layer"):
+        lora_addmm.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    monkeypatch.setattr(lora_addmm, "SUPPORTED", {"peft": "<0.1"})
+    with pytest.raises(RuntimeError, match="lora_addmm"):
+        lora_addmm.apply(model)
+    opt = optimize(model, backend="eager")
+    try:  # auto: refused, said so, nothing patched
+        assert opt.choices["lora_addmm"] is False and "patch refused" in opt.reasons["lora_addmm"]
+        assert not any("forward" in vars(layer) for layer in lora_addmm.find_layers(model))
+    finally:
+        opt.undo()
+    with pytest.raises(RuntimeError, match="lora_addmm"):
+        optimize(model, backend="eager", lora_addmm=True)
+    assert not any("forward" in vars(layer) for layer in lora_addmm.find_layers(model))
+
+
+def test_optimize_applies_it_by_default_and_undoes_it(tiny, batch):
+    model, _ = tiny
+    opt = optimize(model, batches=[batch], backend="eager")
+    try:
+        assert opt.choices["lora_addmm"] is True and "14 LoRA layers" in opt.reasons["lora_addmm"]
+        assert all("forward" in vars(layer) for layer in lora_addmm.find_layers(model))
+    finally:
+        opt.undo()
+    assert not any("forward" in vars(layer) for layer in lora_addmm.find_layers(model))
+    opt = optimize(model, batches=[batch], backend="eager", lora_addmm=False)
+    try:
+        assert opt.choices["lora_addmm"] is False and opt.reasons["lora_addmm"] == "asked for"
+    finally:
+        opt.undo()
