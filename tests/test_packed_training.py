@@ -7,6 +7,7 @@ different document layouts, and undoes cleanly; bad combinations are refused bef
 changes; ``qlora-nb bench --packing`` and ``qlora-nb train --packing`` write what the checks name.
 """
 
+import contextlib
 import json
 
 import pytest
@@ -41,6 +42,26 @@ def _alone(model, docs):
     return total, count
 
 
+def _assert_packed_equals_each_document(model, opt, layouts, batches, alone_attention=contextlib.nullcontext):
+    """Each packed batch's loss and LoRA grads equal those of its documents run one by one."""
+    for seed, (lengths, batch) in enumerate(zip(layouts, batches)):
+        model.zero_grad(set_to_none=True)
+        loss = opt(**dict(batch)).loss
+        loss.backward()
+        packed_grads = _lora_grads(model)
+        model.zero_grad(set_to_none=True)
+        with alone_attention():
+            total, count = _alone(model, _docs(seed, lengths))
+            # the packed loss is the mean over every predicted token of every document
+            assert count == int((batch["labels"] != -100).sum())
+            torch.testing.assert_close(loss, total / count, atol=ATOL, rtol=0)
+            (total / count).backward()
+        alone_grads = _lora_grads(model)
+        assert packed_grads.keys() == alone_grads.keys() and packed_grads
+        for name in packed_grads:
+            torch.testing.assert_close(packed_grads[name], alone_grads[name], atol=ATOL, rtol=1e-4, msg=name)
+
+
 def test_optimize_trains_packed_batches_like_each_document_alone_in_one_compilation(tiny):
     model, _ = tiny
     layouts = [[30, 17, 40, 9, 25, 1], [64, 50, 14], [3, 61, 33, 31]]  # rows of 64, different documents
@@ -52,21 +73,7 @@ def test_optimize_trains_packed_batches_like_each_document_alone_in_one_compilat
         assert (c["packing"], c["attention"], c["doc_attention"]) == (True, "document", "sdpa")
         assert "no flex-attention backward on cpu" in opt.reasons["doc_attention"]
         assert model.get_base_model().config._attn_implementation == "sdpa"
-        for seed, (lengths, batch) in enumerate(zip(layouts, batches)):
-            model.zero_grad(set_to_none=True)
-            loss = opt(**dict(batch)).loss
-            loss.backward()
-            packed_grads = _lora_grads(model)
-            model.zero_grad(set_to_none=True)
-            total, count = _alone(model, _docs(seed, lengths))
-            # the packed loss is the mean over every predicted token of every document
-            assert count == int((batch["labels"] != -100).sum())
-            torch.testing.assert_close(loss, total / count, atol=ATOL, rtol=0)
-            (total / count).backward()
-            alone_grads = _lora_grads(model)
-            assert packed_grads.keys() == alone_grads.keys() and packed_grads
-            for name in packed_grads:
-                torch.testing.assert_close(packed_grads[name], alone_grads[name], atol=ATOL, rtol=1e-4, msg=name)
+        _assert_packed_equals_each_document(model, opt, layouts, batches)
         stats = opt.counter.to_dict()
         assert stats["compilations"] == 1 and stats["recompilations"] == 0
         assert opt.fast.prepared.options["fullgraph"] is True  # a break would have raised
@@ -191,20 +198,8 @@ def test_varlen_trains_packed_batches_like_each_document_alone_in_one_compilatio
     try:
         assert opt.choices["doc_attention"] == "varlen" and "dense mask" in opt.reasons["doc_attention"]
         assert model.get_base_model().config._attn_implementation == doc_attention.VARLEN
-        for seed, (lengths, batch) in enumerate(zip(layouts, batches)):
-            model.zero_grad(set_to_none=True)
-            loss = opt(**dict(batch)).loss
-            loss.backward()
-            packed_grads = _lora_grads(model)
-            model.zero_grad(set_to_none=True)
-            with doc_attention.use_document_attention(model, "sdpa"):
-                total, count = _alone(model, _docs(seed, lengths))
-                torch.testing.assert_close(loss, total / count, atol=ATOL, rtol=0)
-                (total / count).backward()
-            alone_grads = _lora_grads(model)
-            assert packed_grads.keys() == alone_grads.keys() and packed_grads
-            for name in packed_grads:
-                torch.testing.assert_close(packed_grads[name], alone_grads[name], atol=ATOL, rtol=1e-4, msg=name)
+        _assert_packed_equals_each_document(
+            model, opt, layouts, batches, alone_attention=lambda: doc_attention.use_document_attention(model, "sdpa"))
         stats = opt.counter.to_dict()
         assert stats["compilations"] == 1 and stats["recompilations"] == 0
         with pytest.raises(ValueError, match="cu_seq_lens_q"):  # the cuts are needed, never guessed
