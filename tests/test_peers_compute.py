@@ -141,7 +141,8 @@ def test_the_committed_h100_file_and_its_tradeoff_plot(tmp_path):
     offload = [(f.name, json.loads(f.read_text())) for f in sorted((ROOT / "results").glob("offload_h100*.json"))]
     points = report.tradeoff_points(res, offload, compute_name=path.name)
     at_shape = [r for r in res["runs"] if (r["model"], r["batch_size"], r["seq_len"]) == report.TRADEOFF_SHAPE]
-    assert sum(p["source"].startswith(path.name) for p in points) == len(at_shape) == 5
+    assert len(at_shape) >= 5  # Unsloth and ours, checkpointing off and on, the held run (+ any A/B variants)
+    assert sum(p["source"].startswith(path.name) for p in points) == len(at_shape)  # one point per run
     assert sorted(p["peak_gib"] for p in points if p["library"] == "unsloth") == sorted(
         r["peak_mem_gib"] for r in at_shape if r["library"] == "unsloth")
     png = report.plot_tradeoff(points, tmp_path / "tradeoff.png")
