@@ -17,6 +17,7 @@ alive whatever the step saves.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from typing import Any, Callable
 
@@ -49,7 +50,7 @@ class SavedTensors:
         """How many saved storages have ``size`` as their last dimension and one row per token
         (e.g. the model's intermediate size: the MLP's saved activations)."""
         return sum(1 for shape, _, n in self.tensors
-                   if shape and shape[-1] == size and _numel(shape) == self.tokens * size)
+                   if shape and shape[-1] == size and math.prod(shape) == self.tokens * size)
 
     def table(self) -> list[dict[str, Any]]:
         """Rows of (shape, dtype, count, bytes per token), largest share first: for a DataFrame."""
@@ -57,13 +58,6 @@ class SavedTensors:
         rows = [{"shape": shape, "dtype": dt, "count": c, "bytes_per_token": c * n / max(self.tokens, 1)}
                 for (shape, dt, n), c in counts.items()]
         return sorted(rows, key=lambda r: -r["bytes_per_token"])
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def _model_storages(model: torch.nn.Module | None) -> set[int]:
