@@ -38,6 +38,18 @@ def test_labelled_rows_lists_every_labelled_row_and_pads_with_ignored_ones():
     assert len(counts) <= ROW_BUCKETS + 1 and all(c % 4 == 0 for c in counts)  # bucketed: few sizes
 
 
+def test_labelled_rows_pads_to_at_least_the_given_count_in_the_same_steps_and_no_further_than_every_row():
+    labels = _labels()  # 117 target rows, the labelled ones fit in 64
+    assert labelled_rows(labels, at_least=0).numel() == 64
+    assert labelled_rows(labels, at_least=65).numel() == 128  # rounded up to the 64-row step
+    assert labelled_rows(labels, at_least=10_000).numel() == 128  # never past every row's bucket (117 -> 128)
+    rows = labelled_rows(labels, at_least=128)
+    n = int((labels[:, 1:] != -100).sum())
+    assert (rows[n:] == labels[:, 1:].numel()).all()  # the extra rows are ignored ones
+    with pytest.raises(ValueError, match="at_least must be an integer >= 0"):
+        labelled_rows(labels, at_least=-1)
+
+
 @pytest.mark.parametrize("labels, buckets, message", [
     (torch.zeros(5, dtype=torch.long), 16, "must be \\(B, S\\)"),
     (torch.zeros(2, 1, dtype=torch.long), 16, "must be \\(B, S\\)"),
@@ -102,6 +114,9 @@ def test_optimize_takes_labelled_rows_in_one_compilation_with_the_same_loss_and_
 
                 prepared = opt.prepare(**batches[1])
                 assert "loss_rows" in prepared
+                # every batch shown gets one length (the most any needs): one CUDA graph, not one per bucket
+                lengths = {opt.prepare(**b)["loss_rows"].numel() for b in batches}
+                assert lengths == {max(sizes)}, lengths
                 assert diagnostics.graph_breaks(opt.eager_prepared, **prepared).graph_break_count == 0
         finally:
             opt.undo()

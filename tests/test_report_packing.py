@@ -92,6 +92,13 @@ def test_loss_checks_and_kernels_are_tabled_per_step_and_against_flex():
                   "parity": {"floor_max_abs_loss_diff": 0.02}}
     alone = compare_kernels([varlen], [bench_flex])["m/kjv/varlen"]  # no flex kernel run: the benchmark's row
     assert alone["flex_from"].startswith("runs: ours-packed") and alone["within_flex_floor"] is True
+    assert comparison["m/kjv/varlen"]["same_call"] is False  # neither row says which call it came from
+    # a regional pair is compared within its scope and apart from the whole-graph pair; same_call from the rows' call
+    regional = [r | {"scope": "regional", "call": "gpu-1"} for r in (flex, varlen)]
+    both = compare_kernels([flex, varlen, *regional])
+    assert set(both) == {"m/kjv/varlen", "m/kjv/varlen/regional"}
+    assert both["m/kjv/varlen/regional"]["same_call"] is True and both["m/kjv/varlen"]["same_call"] is False
+    assert "m/kjv/varlen/regional" not in compare_kernels([flex, varlen, regional[1]])  # no regional flex to face
     results["doc_attention"] = {"runs": [flex, varlen, {**flex, "kernel": "sdpa", "error": "boom | x"}],
                                 "comparison": comparison}
     text = packing.markdown_table(results, "packing_x.json")

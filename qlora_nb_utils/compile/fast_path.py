@@ -123,6 +123,7 @@ class Optimized:
     fast: FastPrepared
     _pad_id: int = 0
     _row_chunks: int = 0  # labelled rows for the loss, in lengths divisible by this (0: every row)
+    _min_rows: int = 0  # ... padded to at least this many (the most a batch shown needed): one length
     _extra: list[PatchHandle] = dataclasses.field(default_factory=list)
 
     def __call__(self, **batch: Any) -> Any:
@@ -139,7 +140,7 @@ class Optimized:
         traces the recipe (graph-break counts) traces :meth:`eager_prepared` on this.
         """
         return prepare_batch(batch, multiple=self.choices["pad_multiple"], pad_id=self._pad_id,
-                             loss_rows=self._row_chunks)
+                             loss_rows=self._row_chunks, min_loss_rows=self._min_rows)
 
     def eager_prepared(self, **batch: Any) -> Any:
         """The recipe uncompiled on a batch from :meth:`prepare` (traceable: no data-dependent step)."""
@@ -421,13 +422,14 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             handle.undo()
         raise
     pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
+    min_rows = (head_rows or 0) if choices["loss_rows"] == "labelled" else 0
     compiled = fast.forward
     if packed:
         compiled = with_document_mask(compiled, choices["doc_attention"], required=False)
     forward = step_forward(compiled, multiple=pad_multiple, pad_id=pad_id, mark_dynamic=mark and scope == "whole",
                            loss_rows=ce_chunks if choices["loss_rows"] == "labelled" else 0,
-                           memory_budget=memory_budget, recompute_elementwise=rec)
+                           memory_budget=memory_budget, recompute_elementwise=rec, min_loss_rows=min_rows)
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
                      fast=fast, _pad_id=pad_id, _extra=extra,
-                     _row_chunks=ce_chunks if choices["loss_rows"] == "labelled" else 0)
+                     _row_chunks=ce_chunks if choices["loss_rows"] == "labelled" else 0, _min_rows=min_rows)

@@ -56,7 +56,7 @@ ROW_BUCKETS = 16
 
 
 def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple: int = 1,
-                  ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                  ignore_index: int = IGNORE_INDEX, at_least: int = 0) -> torch.Tensor:
     """The next-token target rows that carry a label, as indices for ``chunked_cross_entropy(rows=)``.
 
     Rows are numbered as :func:`causal_lm_targets` flattens them (``b * (S-1) + s`` predicts
@@ -72,25 +72,29 @@ def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple:
         buckets: how many sizes the padded count can take per batch shape (>= 1).
         multiple: the lengths are also multiples of this (the loss's ``chunks``; >= 1).
         ignore_index: the label value that is skipped.
+        at_least: pad to at least this many rows (rounded up to the same step, at most every
+            row's count): one length for every batch that needs no more, so CUDA graphs record
+            one graph and not one per bucket (``optimize`` passes the most any batch shown needs).
 
     Returns:
         A 1-D int64 tensor on ``labels``' device.
 
     Raises:
-        ValueError: ``labels`` not 2-D with at least 2 positions, ``buckets`` or ``multiple`` < 1.
+        ValueError: ``labels`` not 2-D with at least 2 positions, ``buckets`` or ``multiple`` < 1,
+            ``at_least`` < 0.
     """
     if labels.dim() != 2 or labels.shape[1] < 2:
         raise ValueError(f"labels must be (B, S) with S >= 2, got shape {tuple(labels.shape)}")
-    for name, value in (("buckets", buckets), ("multiple", multiple)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    for name, value, low in (("buckets", buckets, 1), ("multiple", multiple, 1), ("at_least", at_least, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     valid = labels[:, 1:].reshape(-1) != ignore_index
     rows = valid.nonzero().squeeze(1)
     n, total = rows.numel(), valid.numel()
     unit = math.lcm(64, multiple)
     per_bucket = -(-total // buckets)  # ceil division
     step = -(-per_bucket // unit) * unit
-    cap = -(-max(n, 1) // step) * step
+    cap = -(-max(n, 1, min(at_least, total)) // step) * step
     return torch.cat([rows, rows.new_full((cap - n,), total)])
 
 

@@ -174,7 +174,8 @@ def _kernels(results: dict) -> list[str]:
         check = r.get("loss_check") or {}
         err = r.get("error")
         out.append("| " + " | ".join([
-            f"{r['model']} / {r['data']}", r["kernel"], _fmt(r.get("real_tokens_per_s"), ",.0f"),
+            f"{r['model']} / {r['data']}",
+            r["kernel"] + ("" if r.get("scope", "whole") == "whole" else f" ({r['scope']})"), _fmt(r.get("real_tokens_per_s"), ",.0f"),
             _fmt(r.get("peak_mem_gib"), ".2f"),
             f"{_fmt(r.get('compilations'), 'd')} ({_fmt(r.get('epoch_compilations'), 'd')})",
             _fmt(r.get("graph_breaks"), "d"), "-" if not check else ("yes" if check["within_floor"] else "no"),
@@ -183,7 +184,8 @@ def _kernels(results: dict) -> list[str]:
         out.append(f"- {key}: {c['real_tokens_per_s_vs_flex']:.2f}x flex's real tok/s at "
                    f"{c['peak_mem_gib_vs_flex']:.2f}x its peak; loss against flex's over {c['steps']} steps: max "
                    f"{max(c['diffs_vs_flex']):.1e}, flex's floor {c['flex_floor_max']:.1e} "
-                   f"({'within' if c['within_flex_floor'] else 'over'})")
+                   f"({'within' if c['within_flex_floor'] else 'over'}); "
+                   f"{'the same GPU call' if c.get('same_call') else 'not shown to be the same GPU call'}")
     return out
 
 

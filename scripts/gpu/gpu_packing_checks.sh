@@ -3,7 +3,8 @@
 # Use (on the lent GPU machine, repository root; carry .whl .gpucache):
 #   bash scripts/gpu/gpu_packing_checks.sh OUT_DIR LIMIT_S CHECK [CHECK ...]
 #   CHECK: loss:MODEL:DATA:ROWS:STEPS:FLOOR_RUNS      (qlora_nb_utils.bench.peers.packed_checks loss)
-#          kernel:KERNEL:MODEL:DATA:ROWS:STEPS        (... kernel; warm-up 3, 4 loss-check steps, 2 permuted runs)
+#          kernel:KERNEL:MODEL:DATA:ROWS:STEPS[:SCOPE] (... kernel; warm-up 3, 4 loss-check steps, 2 permuted runs;
+#                                                      SCOPE whole (default) or regional, as at 8B)
 # e.g. bash scripts/gpu/gpu_packing_checks.sh $OUT 450 loss:llama-3.1-8b-shape:kjv:4:8:3 kernel:flex_attention:llama-3.2-1b-shape:kjv:8:10
 # Each check is a process of its own under `timeout` (what is left of LIMIT_S); a check with less
 # than 60 s left is skipped. An existing OUT_DIR/packing_<gpu>.json is added to, else the
@@ -13,6 +14,7 @@ set -euo pipefail
 out=${1:?usage: scripts/gpu/gpu_packing_checks.sh OUT_DIR LIMIT_S CHECK [CHECK ...]}
 limit=${2:?LIMIT_S}; shift 2
 t_start=$(date +%s)
+export QLORA_NB_CALL="${QLORA_NB_CALL:-$(hostname)-$t_start}"  # every row of this call carries it (same_call)
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 mkdir -p /tmp/qlora_nb_cache && cp -rn .gpucache/qlora_nb/. /tmp/qlora_nb_cache/
@@ -44,7 +46,7 @@ for check in "$@"; do
       2>&1 | grep -v -i "warning\|Loading weights" || echo "$check: exit ${PIPESTATUS[0]}"
   else
     timeout "$left" python3 -m qlora_nb_utils.bench.peers.packed_checks kernel --kernel "$a" --model "$b" --data "$c" \
-      --rows "$d" --steps "$e" --warmup 3 --parity-steps 4 --floor-runs 2 --out "$file" \
+      --rows "$d" --steps "$e" --warmup 3 --parity-steps 4 --floor-runs 2 --scope "${f:-whole}" --out "$file" \
       --command "bash scripts/gpu/gpu_packing_checks.sh OUT $limit $check" \
       2>&1 | grep -v -i "warning\|Loading weights" || echo "$check: exit ${PIPESTATUS[0]}"
   fi

@@ -35,6 +35,7 @@ import argparse
 import datetime as _dt
 import itertools
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -98,17 +99,19 @@ def compare_kernels(runs: Sequence[dict], bench_runs: Sequence[dict] = ()) -> di
     Flex's figures are its own kernel run, or else the benchmark's ``ours-packed`` row that ran flex
     (``bench_runs``; the entry's ``flex_from`` says which).
     """
-    by = {(r["model"], r["data"], r["kernel"]): r for r in runs if "error" not in r}
+    by = {(r["model"], r["data"], r["kernel"], r.get("scope", "whole")): r for r in runs if "error" not in r}
     out = {}
-    for (model, data, kernel), run in by.items():
-        flex = by.get((model, data, "flex_attention")) or _benchmark_flex(bench_runs, model, data)
+    for (model, data, kernel, scope), run in by.items():
+        flex = by.get((model, data, "flex_attention", scope)) or (
+            _benchmark_flex(bench_runs, model, data) if scope == "whole" else None)
         if kernel == "flex_attention" or flex is None or "loss_check" not in flex:
             continue
         n = min(len(run["losses"]), len(flex["losses"]))
         diffs = [abs(a - b) for a, b in zip(run["losses"][:n], flex["losses"][:n])]
         floor = flex["loss_check"]["floor_max"]
-        out[f"{model}/{data}/{kernel}"] = {
+        out[f"{model}/{data}/{kernel}" + ("" if scope == "whole" else f"/{scope}")] = {
             "flex_from": flex.get("from", "doc_attention: flex_attention"),
+            "same_call": run.get("call") is not None and run.get("call") == flex.get("call"),
             "steps": n, "diffs_vs_flex": diffs, "flex_floor_max": floor, "within_flex_floor": max(diffs) <= floor,
             "real_tokens_per_s_vs_flex": run["real_tokens_per_s"] / flex["real_tokens_per_s"],
             "peak_mem_gib_vs_flex": run["peak_mem_gib"] / flex["peak_mem_gib"]}
@@ -148,7 +151,9 @@ def _header(command: str | None) -> dict[str, Any]:
 
     return {"device": env.device_info("auto"), "versions": env.versions(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": command or shlex.join(sys.argv)}
+            "command": command or shlex.join(sys.argv),
+            # the GPU call's id (gpu_packing_checks.sh sets it): rows sharing it ran on one machine, one after another
+            "call": os.environ.get("QLORA_NB_CALL")}
 
 
 def _save(out: Path, key: str, entry: dict, match: tuple[str, ...]) -> None:
@@ -159,6 +164,8 @@ def _save(out: Path, key: str, entry: dict, match: tuple[str, ...]) -> None:
     if key == "doc_attention":
         section = results.setdefault("doc_attention", {"runs": []})
         rows = section["runs"]
+        for r in rows:  # rows from before the scope was recorded ran the default, one graph
+            r.setdefault("scope", "whole")
     else:
         rows = results.setdefault(key, [])
     rows[:] = [r for r in rows if tuple(r.get(m) for m in match) != tuple(entry.get(m) for m in match)] + [entry]
@@ -202,29 +209,29 @@ def run_loss_check(model_name: str, data: str, *, rows: int, seq_len: int, steps
 
 def run_kernel(model_name: str, data: str, kernel: str, *, rows: int, seq_len: int, steps: int, warmup: int,
                parity_steps: int, floor_runs: int, out: str | Path, seed: int = 0, lr: float = 2e-4,
-               epoch: bool = True, command: str | None = None) -> dict[str, Any]:
-    """The ``kernel`` run (module docstring); an error row when the kernel fails."""
+               epoch: bool = True, scope: str = "whole", command: str | None = None) -> dict[str, Any]:
+    """The ``kernel`` run (module docstring) in ``scope``; an error row when the kernel fails."""
     import traceback
 
     import torch
 
     out = Path(out)
-    entry: dict[str, Any] = {"model": model_name, "data": data, "kernel": kernel, "rows": rows, "seq_len": seq_len,
-                             **_header(command)}
+    entry: dict[str, Any] = {"model": model_name, "data": data, "kernel": kernel, "scope": scope, "rows": rows,
+                             "seq_len": seq_len, **_header(command)}
     try:
         entry.update(_kernel_run(model_name, data, kernel, rows, seq_len, steps, warmup, parity_steps, floor_runs,
-                                 seed, lr, epoch))
+                                 seed, lr, epoch, scope))
     except Exception as exc:  # the row says what blocked the kernel
         entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         entry["traceback_tail"] = traceback.format_exc()[-3000:]
     if torch.cuda.is_available():
         entry.setdefault("max_memory_allocated_gib", torch.cuda.max_memory_allocated() / 2**30)
-    _save(out, "doc_attention", entry, ("model", "data", "kernel"))
+    _save(out, "doc_attention", entry, ("model", "data", "kernel", "scope"))
     return entry
 
 
 def _kernel_run(model_name, data, kernel, rows, seq_len, steps, warmup, parity_steps, floor_runs, seed, lr,
-                epoch) -> dict[str, Any]:
+                epoch, scope="whole") -> dict[str, Any]:
     import torch
 
     from ... import diagnostics
@@ -235,7 +242,7 @@ def _kernel_run(model_name, data, kernel, rows, seq_len, steps, warmup, parity_s
 
     model, device, dtype, timed, every, _ = _setup(model_name, data, rows, seq_len, seed)
     timed = timed[:steps]
-    opt = optimize(model, batches=timed, dtype=dtype, doc_attention=kernel)
+    opt = optimize(model, batches=timed, dtype=dtype, doc_attention=kernel, scope=scope)
     start = trainable_state(model)
     try:
         hist = train(model, timed, TrainConfig(steps=len(timed), lr=lr, seed=seed, progress=False),
@@ -308,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         r = run_kernel(a.model, a.data, a.kernel, rows=a.rows, seq_len=a.seq_len, steps=a.steps, warmup=a.warmup,
                        parity_steps=a.parity_steps, floor_runs=a.floor_runs, out=a.out, epoch=not a.no_epoch,
-                       command=a.command)
+                       scope=a.scope, command=a.command)
         print(json.dumps({k: r.get(k) for k in ("kernel", "real_tokens_per_s", "peak_mem_gib", "compilations",
                                                 "epoch_compilations", "graph_breaks", "error")}))
     return 0
