@@ -9,6 +9,8 @@
 # peak, median step, peak GiB, MFU; plus the NF4 dequantize microbench of a 14336 x 4096 weight.
 #
 # Usage: bash scripts/gpu/gpu_profile_8b.sh OUT_DIR [DEADLINE_S=540]
+#   env PROFILE_JOBS=ours_ckpt_off,ours_ckpt_on (a subset of the jobs), PROFILE_SCOPE=regional (ours' scope),
+#   PROFILE_TAG=now (writes profile_8b_<gpu>_now.json, beside the committed file)
 set -uo pipefail
 out=${1:?usage: scripts/gpu/gpu_profile_8b.sh OUT_DIR [DEADLINE_S]}
 deadline=${2:-540}
@@ -16,5 +18,5 @@ mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 unsloth_site
 nvidia-smi -L
-export QLORA_NB_PROFILE_CMD="bash scripts/gpu/gpu_profile_8b.sh \$OUT $deadline"
+export QLORA_NB_PROFILE_CMD="PROFILE_JOBS=${PROFILE_JOBS:-} PROFILE_SCOPE=${PROFILE_SCOPE:-} PROFILE_TAG=${PROFILE_TAG:-} bash scripts/gpu/gpu_profile_8b.sh \$OUT $deadline"
 python3 scripts/gpu/profile_8b.py driver "$out" --deadline "$deadline" 2>&1 | tee "$out/profile_8b_log.txt"

@@ -99,7 +99,8 @@ def run_ours(spec: dict, out: str, grad_ckpt: bool) -> None:
             mark(part, "loaded")
         # mode="default": under CUDA graphs the profiler ties every kernel to cudaGraphLaunch, so no
         # kernel could be split into base and LoRA matmuls; the kernels are the same Inductor kernels
-        opt = optimize(model, batches=batches, grad_ckpt=grad_ckpt, mode="default")
+        opt = optimize(model, batches=batches, grad_ckpt=grad_ckpt, mode="default",
+                       **({"scope": spec["scope"]} if spec.get("scope") else {}))
         part["optimize"] = opt.description
         params = [p for p in model.parameters() if p.requires_grad]
         adam = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
@@ -254,7 +255,11 @@ def driver(out_dir: str, deadline_s: float) -> None:
     work = Path(tempfile.mkdtemp(prefix="profile8b_"))
     name = torch.cuda.get_device_name()
     gpu = next((t.lower() for t in ("H100", "H200", "A100") if t in name), "gpu")
-    path = out / f"profile_8b_{gpu}.json"
+    # PROFILE_JOBS (comma list of the jobs below; default all), PROFILE_SCOPE (ours' optimize() scope;
+    # default optimize's choice), PROFILE_TAG (file suffix: profile_8b_<gpu>_<tag>.json)
+    only = [j for j in os.environ.get("PROFILE_JOBS", "").split(",") if j]
+    scope, tag = os.environ.get("PROFILE_SCOPE") or None, os.environ.get("PROFILE_TAG", "")
+    path = out / (f"profile_8b_{gpu}_{tag}.json" if tag else f"profile_8b_{gpu}.json")
     res = {"device": env.device_info("cuda"), "versions": env.versions(),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "command": os.environ.get("QLORA_NB_PROFILE_CMD", " ".join(sys.argv)), "model": MODEL,
@@ -280,7 +285,8 @@ def driver(out_dir: str, deadline_s: float) -> None:
     save()
     log(f"batches, {res['peak_tflops']:.0f} TFLOP/s measured")
     spec = {"batches": str(work / "batches.pt"), "lock": str(work / "gpu.lock"), "gate": str(work / "unsloth_off.done"),
-            "vocab": int(config.vocab_size), "model_dir": str(model_dir), "deadline": t_start + deadline_s - 20}
+            "vocab": int(config.vocab_size), "model_dir": str(model_dir), "deadline": t_start + deadline_s - 20,
+            "scope": scope}
     (work / "spec.json").write_text(json.dumps(spec))
     me = str(Path(__file__).resolve())
     here = str(Path(__file__).resolve().parent / "profile_unsloth.py")
@@ -293,6 +299,12 @@ def driver(out_dir: str, deadline_s: float) -> None:
                              "--grad-ckpt"], 400),
         "dequant": ([sys.executable, me, "dequant", str(work / "spec.json"), str(work / "dequant.json")], 200),
     }
+    if only:
+        jobs = {job: v for job, v in jobs.items() if job in only}
+        res["jobs"] = sorted(jobs)
+    res["ours_scope"] = scope or "optimize()'s choice"
+    if "unsloth_ckpt_off" not in jobs:  # nothing to wait for: ours' first job starts at once
+        Path(spec["gate"]).touch()
     procs = {}
     for job, (cmd, limit) in jobs.items():
         child = _child_env("unsloth" if job.startswith("unsloth") else "ours", work / f"inductor_{job}")
