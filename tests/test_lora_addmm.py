@@ -98,3 +98,19 @@ def test_optimize_applies_it_by_default_and_undoes_it(tiny, batch):
         assert opt.choices["lora_addmm"] is False and opt.reasons["lora_addmm"] == "asked for"
     finally:
         opt.undo()
+
+
+def test_inductor_adds_every_update_into_its_base_output_in_place(tiny, batch):
+    """The patched model under Inductor: one in-place LoRA update per layer in the forward's code and no
+    out-of-place addmm there (whose cuBLAS copy of the base output cost 14.4 ms a step at 8B on an H100)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, _ = tiny
+    torch.compiler.reset()
+    with lora_addmm.patched(model) as handle:
+        fn = torch.compile(model, fullgraph=True)
+        _, codes = run_and_get_code(lambda: fn(**batch).loss.backward())
+        model.zero_grad(set_to_none=True)
+    forward = codes[0]
+    assert forward.count("torch.ops.qlora_nb.lora_addmm_.default(") == handle.details["layers"]
+    assert "extern_kernels.addmm(" not in forward

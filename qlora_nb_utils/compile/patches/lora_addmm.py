@@ -6,11 +6,12 @@ computes a LoRA projection as ``result = base(x).clone()``, ``out = lora_B(lora_
 their sum: three output-sized buffers where one is needed. Held to Unsloth's peak at 8B,
 8 x 1024, every layer checkpointed, the backward's recompute of one MLP had six of them alive
 at once beside the two base outputs, 224 MiB each (``results/held_peak_h100.json``,
-``live_at_peak``: ``lora/bnb.py`` sites). Here the update is one ``torch.addmm(base_2d, x@A^T,
-B^T, alpha=scaling)``: the matmul writes the sum into one new buffer, and the base output dies
-as soon as it is read. The backward is addmm's own (the base gets the output gradient as it is;
-``A`` and ``B`` their usual gradients from the saved ``x@A^T`` and ``x``), so what is saved
-does not grow.
+``live_at_peak``: ``lora/bnb.py`` sites). Here the update is one matmul that adds into the base
+output itself (:func:`qlora_nb_utils.ops.lora_update.add_lora_`, in place: an out-of-place
+``torch.addmm`` made cuBLAS copy the base output first, 14.4 ms a step at 8B 8 x 1024). The
+backward is the sum's (the base gets the output gradient as it is; ``A`` and ``B`` their usual
+gradients from the saved ``x@A^T`` and ``x``), so what is saved does not grow. When ``x@A^T``
+comes out in another dtype than the base output, it is the out-of-place ``torch.addmm``.
 
 :func:`apply` sets an instance ``forward`` on each PEFT ``lora.bnb.Linear4bit`` (and plain
 ``lora.Linear``) of the model, nothing process-wide. The replacement handles the plain case
@@ -33,6 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ...ops.lora_update import add_lora_
 from ...reversible import PatchHandle, check_versions, set_attribute
 
 __all__ = ["VERIFIED_ON", "SUPPORTED", "apply", "patched", "find_layers"]
@@ -88,8 +90,11 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     if not autocast and not (lora_A.weight.dtype == lora_B.weight.dtype == result.dtype == x.dtype):
         return type(self).forward(self, x, *args, **kwargs)  # PEFT casts in and out: its own path
     xa = lora_A(self.lora_dropout[name](x))
+    if xa.dtype == result.dtype and result.is_contiguous():  # in place: no copy of the base output
+        b = lora_B.weight if lora_B.weight.dtype == result.dtype else lora_B.weight.to(result.dtype)  # autocast's cast
+        return add_lora_(result, xa, b, self.scaling[name])
     out = torch.addmm(result.reshape(-1, result.shape[-1]), xa.reshape(-1, xa.shape[-1]), lora_B.weight.t(),
-                      alpha=self.scaling[name])
+                      alpha=self.scaling[name])  # autocast casts and rounds
     return out.view(result.shape)
 
 
