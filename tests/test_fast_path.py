@@ -79,8 +79,11 @@ def test_the_memory_target_picks_the_fewest_checkpointed_layers_that_fit(loaded)
     model, tok = loaded
     batches = _batches(tok, max_len=128, batch_size=8)
     b, s = batches[0]["input_ids"].shape
-    est = [estimate_peak_gib(model, b, s, n, act_bytes=4, cast_dtype=torch.float32, recompute=True) for n in range(3)]
-    assert est[0] < estimate_peak_gib(model, b, s, 0, act_bytes=4, cast_dtype=torch.float32)  # recompute saves less
+    # optimize()'s defaults: recompute and the in-place LoRA update, each counted
+    est = [estimate_peak_gib(model, b, s, n, act_bytes=4, cast_dtype=torch.float32, recompute=True, lora_in_place=True)
+           for n in range(3)]
+    assert est[0] < estimate_peak_gib(model, b, s, 0, act_bytes=4, cast_dtype=torch.float32,
+                                      lora_in_place=True)  # recompute saves less
     assert est[1] > est[2] and est[0] > est[2]  # checkpointing every layer keeps their inputs only
     assert estimate_peak_gib(model, 2 * b, s, 0, act_bytes=4) > est[0]
     # the weights the recipe will cast are counted at their cast size

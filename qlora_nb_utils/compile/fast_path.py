@@ -35,8 +35,8 @@ The choices, each overridable by passing it explicitly:
   elementwise result a backward matmul reads; the SwiGLU product and the LoRA inputs of hidden
   size are recomputed instead, one intermediate-sized and three hidden-sized tensors per token
   and layer fewer (:func:`~qlora_nb_utils.compile.recipe.partitioner_settings`).
-* **LoRA added into the base output by one ``addmm``** (``lora_addmm``), not a matmul and a
-  sum beside a defensive copy (:mod:`~qlora_nb_utils.compile.patches.lora_addmm`).
+* **LoRA added into the base output in place** (``lora_addmm``), not a matmul and a sum beside
+  a defensive copy (:mod:`~qlora_nb_utils.compile.patches.lora_addmm`).
 * **Autocast** for bf16/fp16 compute (the LoRA matmuls in bf16, fp32 master weights); nothing
   for fp32.
 * **Eager's rounding** (``eager_numerics``) for bf16/fp16: Inductor keeps a fused kernel's
@@ -64,7 +64,7 @@ from ..ops.doc_attention import with_document_mask
 from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_peak_gib, estimate_terms, peak_from_terms
-from .model_patches import keep_bnb_training_layout, use_lora_addmm
+from .model_patches import keep_bnb_training_layout, lora_addmm_expected, use_lora_addmm
 from .offload import plan
 from .packed import DOC_ATTENTION, choose_doc_kernel, packed_batches
 from .recipe import FastPrepared, can_recompute_elementwise, prepare_fast
@@ -307,7 +307,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     if max_memory_gib is not None:
         b, s = max(shapes, key=lambda x: x[0] * x[1])
         terms = estimate_terms(model, b, s, ce_chunks=ce_chunks, act_bytes=torch.finfo(dtype).bits // 8,
-                               cast_dtype=dtype if cast else None, head_rows=head_rows, recompute=rec)
+                               cast_dtype=dtype if cast else None, head_rows=head_rows, recompute=rec,
+                               lora_in_place=lora_addmm_expected(model, lora_addmm))
         est, at = functools.partial(peak_from_terms, terms), f"{b} x {s}"
     ck = plan(n_layers, grad_ckpt=grad_ckpt, ckpt_layers=ckpt_layers, max_memory_gib=max_memory_gib,
               offload=offload, scope=scope, estimate=est, shape=at)

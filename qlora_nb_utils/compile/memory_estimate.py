@@ -22,6 +22,12 @@ instead of saving them: counted on the CPU (``diagnostics.saved_for_backward``, 
 fewer, which the un-checkpointed layer's term subtracts from the fitted numbers
 (:data:`_ACT_RECOMPUTED`). That is counted, not fitted on a measured peak.
 
+With the LoRA updates added into the base outputs in place (``optimize(lora_addmm=...)``,
+:mod:`qlora_nb_utils.ops.lora_update`), the measured peak grew by one intermediate-sized tensor,
+0.22 GiB at 8B 8 x 1024 with checkpointing off and on alike (``results/profile_8b_h100_regional*.json``),
+so once, not per layer: ``lora_in_place_gib``, one ``tokens x intermediate`` tensor. Measured on
+one shape, not fitted.
+
 With the checkpointed inputs offloaded to CPU memory (:mod:`.offload`), a checkpointed layer
 keeps nothing on the GPU, and the backward holds at most two inputs copied back (the one in use
 and the one prefetched): ``offload_transient_gib``. That term is counted, not fitted: no
@@ -59,7 +65,8 @@ def _config_of(model: torch.nn.Module) -> Any:
 
 def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_chunks: int = 4,
                    act_bytes: int = 2, cast_dtype: torch.dtype | None = None,
-                   head_rows: int | None = None, recompute: bool = False) -> dict[str, Any]:
+                   head_rows: int | None = None, recompute: bool = False,
+                   lora_in_place: bool = False) -> dict[str, Any]:
     """The estimate's terms in GiB (and the shape numbers they come from).
 
     Args:
@@ -72,6 +79,8 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
         head_rows: the rows the LM head and loss run over (``optimize(loss_rows=...)``: the
             largest bucketed count of labelled rows shown); None: every token.
         recompute: the backward recomputes elementwise results (``optimize(recompute=...)``).
+        lora_in_place: the LoRA updates are added into the base outputs in place
+            (``optimize(lora_addmm=...)``): one more intermediate-sized tensor at the peak.
     """
     config = _config_of(model)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
@@ -97,6 +106,7 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
             "offload_transient_gib": _OFFLOAD_RELOADED * tokens * hidden * act_bytes / _GIB,
             "logits_gib": _LOGITS_FACTOR * (tokens if head_rows is None else min(head_rows, tokens))
             / max(ce_chunks, 1) * vocab * (act_bytes + 8) / _GIB,
+            "lora_in_place_gib": tokens * inter * act_bytes / _GIB if lora_in_place else 0.0,
             "overhead_gib": _OVERHEAD_GIB}
 
 
@@ -106,13 +116,14 @@ def peak_from_terms(terms: dict[str, Any], ckpt_layers: int, offload: bool = Fal
     n = max(0, min(ckpt_layers, terms["layers"]))
     kept = terms["offload_transient_gib"] if offload and n else n * terms["kept_per_layer_gib"]
     return (terms["static_gib"] + kept + (terms["layers"] - n) * terms["per_layer_gib"]
-            + (terms["ckpt_transient_gib"] if n else 0.0) + terms["logits_gib"] + terms["overhead_gib"])
+            + (terms["ckpt_transient_gib"] if n else 0.0) + terms["logits_gib"] + terms["overhead_gib"]
+            + terms.get("lora_in_place_gib", 0.0))
 
 
 def estimate_peak_gib(model: torch.nn.Module, batch_size: int, seq_len: int, ckpt_layers: int, *,
                       ce_chunks: int = 4, act_bytes: int = 2, cast_dtype: torch.dtype | None = None,
-                      offload: bool = False, recompute: bool = False) -> float:
+                      offload: bool = False, recompute: bool = False, lora_in_place: bool = False) -> float:
     """A training-step peak (GiB) of the fast path on a CUDA device (see the module docstring)."""
     terms = estimate_terms(model, batch_size, seq_len, ce_chunks=ce_chunks, act_bytes=act_bytes,
-                           cast_dtype=cast_dtype, recompute=recompute)
+                           cast_dtype=cast_dtype, recompute=recompute, lora_in_place=lora_in_place)
     return peak_from_terms(terms, ckpt_layers, offload)

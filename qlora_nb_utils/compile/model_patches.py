@@ -15,7 +15,7 @@ import torch
 
 from ..reversible import PatchHandle
 
-__all__ = ["keep_bnb_training_layout", "use_lora_addmm"]
+__all__ = ["keep_bnb_training_layout", "use_lora_addmm", "lora_addmm_expected"]
 
 
 def keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choices: dict[str, Any],
@@ -38,6 +38,14 @@ def keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choic
     return [handle]
 
 
+def lora_addmm_expected(model: torch.nn.Module, asked: bool | str) -> bool:
+    """Whether :func:`use_lora_addmm` will patch ``model`` (for the memory estimate, decided before:
+    a refusal on versions makes the estimate high by one tensor, never low)."""
+    from .patches import lora_addmm as patch
+
+    return asked is not False and bool(patch.find_layers(model))
+
+
 def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str, Any],
                     reasons: dict[str, str]) -> list[PatchHandle]:
     """``optimize(lora_addmm=...)``: the patch's handle (a list: empty when not applied)."""
@@ -55,5 +63,5 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
         reasons["lora_addmm"] = f"patch refused: {err}"
         return []
     choices["lora_addmm"] = True
-    reasons["lora_addmm"] = f"{handle.details['layers']} LoRA layers: base output + update in one addmm"
+    reasons["lora_addmm"] = f"{handle.details['layers']} LoRA layers: update added into the base output in place"
     return [handle]
