@@ -30,7 +30,7 @@ print("torch", torch.__version__, dev, dt)
 for fn in (inplace, outofplace):
     torch.compiler.reset()
     cf = torch.compile(fn, fullgraph=True)
-    _, codes = run_and_get_code(lambda: cf(x, w, a, b).float().sum().backward())
+    _, codes = run_and_get_code(lambda cf=cf: cf(x, w, a, b).float().sum().backward())
     for i, code in enumerate(codes):
         for line in code.splitlines():
             s = line.strip()
