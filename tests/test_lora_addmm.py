@@ -114,3 +114,22 @@ def test_inductor_adds_every_update_into_its_base_output_in_place(tiny, batch):
     forward = codes[0]
     assert forward.count("torch.ops.qlora_nb.lora_addmm_.default(") == handle.details["layers"]
     assert "extern_kernels.addmm(" not in forward
+
+
+def test_out_of_place_update_gives_the_same_values_and_optimize_takes_it_when_memory_is_short(tiny, batch):
+    model, _ = tiny
+    ref_loss, ref_grads = _step(model, batch)
+    with lora_addmm.patched(model, in_place=False) as handle:
+        assert handle.details == {"layers": 14, "in_place": False}
+        loss, grads = _step(model, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    for target, in_place in ((1e6, True), (1e-3, False)):  # met with room; not met with every layer checkpointed
+        opt = optimize(model, batches=[batch], max_memory_gib=target, backend="eager")
+        try:
+            assert opt.choices["lora_addmm"] is True
+            assert opt._extra[-1].details["in_place"] is in_place, opt.reasons["lora_addmm"]
+            assert ("out-of-place" in opt.reasons["lora_addmm"]) is (not in_place)
+        finally:
+            opt.undo()

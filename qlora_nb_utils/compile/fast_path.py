@@ -244,9 +244,11 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             SwiGLU product, the norm outputs) instead of saving them
             (:func:`~qlora_nb_utils.compile.recipe.partitioner_settings`): ``"auto"`` (on with
             Inductor where this torch has the setting), True or False.
-        lora_addmm: add each LoRA update into its base output with one ``addmm``
+        lora_addmm: add each LoRA update into its base output in place, one matmul
             (:mod:`~qlora_nb_utils.compile.patches.lora_addmm`): ``"auto"`` (on where PEFT's
-            version is supported), True or False.
+            version is supported), True or False. When ``max_memory_gib`` is not met even with
+            every layer checkpointed (and offloaded), the update is the out-of-place ``addmm``,
+            one tensor fewer at the peak.
 
     Returns:
         An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
@@ -313,6 +315,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     ck = plan(n_layers, grad_ckpt=grad_ckpt, ckpt_layers=ckpt_layers, max_memory_gib=max_memory_gib,
               offload=offload, scope=scope, estimate=est, shape=at)
     ckpt, scope = ck.ckpt_layers, ck.scope
+    # every saving taken and still over the target: the LoRA update out of place (one tensor fewer)
+    over_target = est is not None and est(ckpt, ck.offload) > max_memory_gib
     choices["ckpt_layers"], reasons["ckpt_layers"] = f"{ckpt}/{n_layers}", ck.ckpt_why
     choices["offload"], reasons["offload"] = ck.offload, ck.offload_why
     if ck.scope_why:
@@ -417,7 +421,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     if doc_handle is not None:
         extra.insert(0, doc_handle)  # configs only: undone in any order
     try:
-        extra += use_lora_addmm(model, lora_addmm, choices, reasons)
+        extra += use_lora_addmm(model, lora_addmm, choices, reasons, not over_target,
+                                "the memory target is not met with every layer checkpointed: one tensor fewer")
     except BaseException:  # refused when asked for: leave the model as it was given, but for the cast
         for handle in [*extra, fast]:
             handle.undo()

@@ -47,8 +47,9 @@ def lora_addmm_expected(model: torch.nn.Module, asked: bool | str) -> bool:
 
 
 def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str, Any],
-                    reasons: dict[str, str]) -> list[PatchHandle]:
-    """``optimize(lora_addmm=...)``: the patch's handle (a list: empty when not applied)."""
+                    reasons: dict[str, str], in_place: bool = True, why: str = "") -> list[PatchHandle]:
+    """``optimize(lora_addmm=...)``: the patch's handle (a list: empty when not applied);
+    ``in_place=False`` (with ``why``) for the out-of-place update."""
     from .patches import lora_addmm as patch
 
     choices["lora_addmm"] = False
@@ -56,12 +57,13 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
         reasons["lora_addmm"] = "asked for" if asked is False else "no PEFT LoRA linear layer"
         return []
     try:
-        handle = patch.apply(model)
+        handle = patch.apply(model, in_place)
     except RuntimeError as err:  # versions outside the verified range
         if asked is True:
             raise
         reasons["lora_addmm"] = f"patch refused: {err}"
         return []
     choices["lora_addmm"] = True
-    reasons["lora_addmm"] = f"{handle.details['layers']} LoRA layers: update added into the base output in place"
+    reasons["lora_addmm"] = (f"{handle.details['layers']} LoRA layers: update added into the base output in place"
+                             if in_place else f"{handle.details['layers']} LoRA layers: out-of-place addmm ({why})")
     return [handle]
