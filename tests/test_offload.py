@@ -147,7 +147,8 @@ def test_optimize_offload_true_is_regional_exact_and_undone(tiny_dir, scope):
 def test_a_memory_target_picks_offload_only_when_checkpointing_every_layer_is_not_enough(tiny_dir):
     model = build(tiny_dir, quant=True, how="kbit")
     batches = [batch(seq=64)]
-    terms = estimate_terms(model, 2, 64, act_bytes=4, cast_dtype=torch.float32, recompute=True)  # optimize()'s default
+    terms = estimate_terms(model, 2, 64, act_bytes=4, cast_dtype=torch.float32, recompute=True,
+                           lora_in_place=True)  # optimize()'s defaults
     all_ckpt, all_off = peak_from_terms(terms, LAYERS), peak_from_terms(terms, LAYERS, offload=True)
     assert all_off < all_ckpt
     between = (all_ckpt + all_off) / 2
