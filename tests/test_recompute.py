@@ -121,6 +121,8 @@ def test_recompute_choice_is_checked_and_counted_by_the_estimate(tiny, monkeypat
     from qlora_nb_utils.compile import fast_path
 
     monkeypatch.setattr(fast_path, "can_recompute_elementwise", lambda: False)
+    with pytest.raises(ValueError, match="recompute=True: torch .* has no setting"):
+        optimize(model, backend="eager", recompute=True)  # refused at once, not at the first step
     opt = optimize(model, backend="eager")
     try:
         assert opt.choices["recompute"] == "torch's default"

@@ -242,8 +242,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             :data:`LOSS_ROWS_WHEN_IGNORED_OVER` of their rows, or are not shown), True or False.
         recompute: the compiled backward recomputes the elementwise results its matmuls read (the
             SwiGLU product, the norm outputs) instead of saving them
-            (:func:`~qlora_nb_utils.compile.recipe.partitioner_settings`): ``"auto"`` (on with
-            Inductor where this torch has the setting), True or False.
+            (:func:`~qlora_nb_utils.compile.recipe.partitioner_settings`): ``"auto"`` (on where
+            this torch's partitioner has the setting; backends without that partitioner ignore
+            it), True (refused where torch lacks it) or False.
         lora_addmm: add each LoRA update into its base output in place, one matmul
             (:mod:`~qlora_nb_utils.compile.patches.lora_addmm`): ``"auto"`` (on where PEFT's
             version is supported), True or False. When ``max_memory_gib`` is not met even with
@@ -296,6 +297,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                                "scope": "one graph" if scope == "whole" else "one decoder layer's graph, shared"}
 
     # what the backward recomputes: decided first, the memory estimate counts it
+    if recompute is True and not can_recompute_elementwise():  # refused here, not at the first step
+        raise ValueError(f"recompute=True: torch {torch.__version__}'s partitioner has no setting for it "
+                         "(torch._functorch.config.ban_recompute_materialized_backward); use 'auto' or False")
     rec = recompute is True or (recompute == "auto" and can_recompute_elementwise())
     choices["recompute"] = "elementwise" if rec else "torch's default"
     reasons["recompute"] = ("asked for" if recompute is not True and recompute != "auto" else
