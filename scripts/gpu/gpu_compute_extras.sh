@@ -4,7 +4,9 @@
 # Rerun: bash scripts/gpu/gpu_compute_extras.sh OUT [BUDGET_S=540] [PARTS=8b,1b] (8b8: the A/B at 8 x 1024)
 #   (on the lent GPU machine, from the repository root; carry .whl .gpucache; about 450-540 s on an H100)
 # The committed results came from one call: COMMIT=dbc98a5 bash scripts/gpu/gpu_compute_extras.sh $OUT 530
-#   (parts 8b,1b; 375 s; its 1B arms failed on a bug fixed since). Not yet run: PARTS=fasteager,1b,8b8 (~330 s).
+#   (parts 8b,1b; 375 s; its 1B arms failed on a bug fixed since). The parts fasteager,8b8,1b ran in a second
+#   call (2026-11-24, `... $OUT <left> fasteager,8b8,1b`, ~430 s with a packing run before it) into
+#   results/compute_extras_h100_call2.json and results/nf4_dequant_step_h100_call2.json.
 # Issue 20's three small measurements in one call (scripts/gpu/compute_extras.py says how): the NF4
 # dequantize patch A/B in a real step at 8B (2 x 1024, regional) and 1B (4 x 512, whole), the warm
 # start of the 8B regional compile from a shared Inductor cache, and the 8B loss against HF eager's
