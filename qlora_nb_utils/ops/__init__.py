@@ -11,6 +11,8 @@
 - ``doc_attention``: per-document causal attention for packed rows, the mask built outside the
   compiled graph (``document_block_mask`` for flex, ``document_dense_mask`` for SDPA,
   ``with_document_mask``, ``document_mask_mod``, ``varlen_available``).
+- ``lora_update``: a LoRA update added into the base layer's output in place (``add_lora_``,
+  the mutable custom op ``qlora_nb::lora_addmm_``), with no copy of the base output.
 
 Nothing here imports the rest of the package except ``reversible`` (the undo handle).
 """
@@ -28,6 +30,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "use_causal_attention": "attention",
     "causal_block_mask": "attention",
     "check_right_padded": "attention",
+    "add_lora_": "lora_update",
     **{name: "doc_attention" for name in ("DOC_MASK_KERNELS", "document_mask_mod", "document_block_mask",
                                           "document_dense_mask", "with_document_mask", "varlen_available")},
 })
