@@ -276,3 +276,73 @@ def test_refuses_other_bitsandbytes_versions(monkeypatch):
     with pytest.raises(RuntimeError, match="refuses to apply"):
         nf4_dequant.apply()
     assert bnb.matmul_4bit is original
+
+
+# ----------------------------------------------------------------------------- optimize(nf4_dequant=...)
+def test_optimize_auto_leaves_it_off_on_cpu_and_true_applies_it(model):
+    from qlora_nb_utils import optimize
+    from qlora_nb_utils.compile.model_patches import nf4_layers
+
+    originals = (bnb.matmul_4bit, bnbF.dequantize_4bit)
+    opt = optimize(model, backend="eager")
+    try:
+        assert opt.choices["nf4_dequant"] is False and "CUDA" in opt.reasons["nf4_dequant"]
+        assert (bnb.matmul_4bit, bnbF.dequantize_4bit) == originals
+    finally:
+        opt.undo()
+    ref_loss, ref_grads = _loss_and_grads(model, model)
+    opt = optimize(model, backend="eager", nf4_dequant=True, cast=False)
+    try:
+        assert opt.choices["nf4_dequant"] is True and str(nf4_layers(model)) in opt.reasons["nf4_dequant"]
+        assert bnb.matmul_4bit is not originals[0] and bnbF.dequantize_4bit is not originals[1]
+        with OpCounter() as count:
+            loss, grads = _loss_and_grads(model, model)
+        assert count.ours > 0 and count.theirs == 0
+    finally:
+        opt.undo()
+    assert bnb.matmul_4bit is originals[0] and bnbF.dequantize_4bit is originals[1]
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=0, msg=name)
+
+
+def test_optimize_shares_the_process_wide_patch_until_the_last_undo(model):
+    from qlora_nb_utils import optimize
+
+    originals = (bnb.matmul_4bit, bnbF.dequantize_4bit)
+    first = optimize(model, backend="eager", nf4_dequant=True, cast=False)
+    second = optimize(model, backend="eager", nf4_dequant=True, cast=False)
+    patched = bnb.matmul_4bit
+    first.undo()  # the other optimize() still uses it: it stays
+    assert bnb.matmul_4bit is patched and bnbF.dequantize_4bit is not originals[1]
+    first.undo()  # twice: still one release
+    assert bnb.matmul_4bit is patched
+    second.undo()
+    assert bnb.matmul_4bit is originals[0] and bnbF.dequantize_4bit is originals[1]
+
+
+def test_optimize_refuses_when_asked_and_skips_when_auto_on_unsupported_versions(model, monkeypatch):
+    from qlora_nb_utils import optimize
+    from qlora_nb_utils.compile import model_patches
+
+    monkeypatch.setattr(nf4_dequant, "SUPPORTED", {"bitsandbytes": ">=99"})
+    originals = (bnb.matmul_4bit, bnbF.dequantize_4bit)
+    with pytest.raises(RuntimeError, match="nf4_dequant"):
+        optimize(model, backend="eager", nf4_dequant=True, cast=False)
+    assert (bnb.matmul_4bit, bnbF.dequantize_4bit) == originals and model_patches._NF4_SHARED["users"] == 0
+    cuda = torch.device("cuda")  # "auto" decides from the device only: no CUDA tensor is made
+    choices, reasons = {}, {}
+    monkeypatch.setattr(nf4_triton, "HAS_TRITON", True)
+    assert model_patches.use_nf4_dequant(model, "auto", cuda, choices, reasons) == []
+    assert choices["nf4_dequant"] is False and reasons["nf4_dequant"].startswith("patch refused")
+    with pytest.raises(ValueError, match="nf4_dequant must be one of"):
+        optimize(model, backend="eager", nf4_dequant="yes")
+
+
+def test_optimize_says_when_there_is_no_nf4_layer():
+    from qlora_nb_utils.compile.model_patches import nf4_layers, use_nf4_dequant
+
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    choices, reasons = {}, {}
+    assert nf4_layers(plain) == 0 and use_nf4_dequant(plain, True, torch.device("cpu"), choices, reasons) == []
+    assert choices["nf4_dequant"] is False and reasons["nf4_dequant"] == "no NF4 layer"

@@ -37,6 +37,8 @@ The choices, each overridable by passing it explicitly:
   and layer fewer (:func:`~qlora_nb_utils.compile.recipe.partitioner_settings`).
 * **LoRA added into the base output in place** (``lora_addmm``), not a matmul and a sum beside
   a defensive copy (:mod:`~qlora_nb_utils.compile.patches.lora_addmm`).
+* **NF4 dequantized in one kernel** (``nf4_dequant``, on CUDA): bitsandbytes' two kernels per
+  weight and step replaced by one Triton kernel (:mod:`~qlora_nb_utils.compile.patches.nf4_dequant`).
 * **Autocast** for bf16/fp16 compute (the LoRA matmuls in bf16, fp32 master weights); nothing
   for fp32.
 * **Eager's rounding** (``eager_numerics``) for bf16/fp16: Inductor keeps a fused kernel's
@@ -54,26 +56,24 @@ training steps (a Trainer's ``eval_steps``) cannot repack them and lose LoRA gra
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
 from ..ops.doc_attention import with_document_mask
-from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_peak_gib, estimate_terms, peak_from_terms
-from .model_patches import keep_bnb_training_layout, lora_addmm_expected, use_lora_addmm
+from .model_patches import keep_bnb_training_layout, lora_addmm_expected, use_lora_addmm, use_nf4_dequant
 from .offload import plan
+from .optimized import Optimized, _show
 from .packed import DOC_ATTENTION, choose_doc_kernel, packed_batches
-from .recipe import FastPrepared, can_recompute_elementwise, prepare_fast
+from .recipe import can_recompute_elementwise, prepare_fast
 from .step_inputs import (
     LOSS_ROWS_WHEN_IGNORED_OVER,
     batch_shapes,
     choose_loss_rows,
     pad_batch,
-    prepare_batch,
     step_forward,
 )
 
@@ -100,98 +100,6 @@ def _compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
     return default_dtype(device)
 
 
-@dataclasses.dataclass
-class Optimized:
-    """What :func:`optimize` hands back.
-
-    Attributes:
-        forward: What to train with: ``forward(**batch).loss`` (pads, marks lengths dynamic,
-            runs the compiled recipe).
-        module: The module that was compiled (the model wrapped in the chunked loss, or the
-            model itself); graph-break checks look at it.
-        counter: The :class:`~qlora_nb_utils.compile.CompileCounter` of every compilation.
-        choices: Each choice made, by name (``mode``, ``attention``, ``ckpt_layers``, ...).
-        reasons: Why, one short phrase per choice.
-        fast: The :class:`~qlora_nb_utils.compile.recipe.FastPrepared` underneath.
-    """
-
-    forward: Callable[..., Any]
-    module: torch.nn.Module
-    counter: Any
-    choices: dict[str, Any]
-    reasons: dict[str, str]
-    fast: FastPrepared
-    _pad_id: int = 0
-    _row_chunks: int = 0  # labelled rows for the loss, in lengths divisible by this (0: every row)
-    _min_rows: int = 0  # ... padded to at least this many (the most a batch shown needed): one length
-    _extra: list[PatchHandle] = dataclasses.field(default_factory=list)
-
-    def __call__(self, **batch: Any) -> Any:
-        return self.forward(**batch)
-
-    def eager(self, **batch: Any) -> Any:
-        """The same recipe uncompiled (padding, the document mask, autocast, the chunked loss): parity's reference."""
-        return self.eager_prepared(**self.prepare(**batch))
-
-    def prepare(self, **batch: Any) -> dict:
-        """``batch`` as the recipe takes it: padded, with its labelled rows (read from the labels' values).
-
-        What :meth:`forward` and :meth:`eager` do before the recipe, outside any graph. A tool that
-        traces the recipe (graph-break counts) traces :meth:`eager_prepared` on this.
-        """
-        return prepare_batch(batch, multiple=self.choices["pad_multiple"], pad_id=self._pad_id,
-                             loss_rows=self._row_chunks, min_loss_rows=self._min_rows)
-
-    def eager_prepared(self, **batch: Any) -> Any:
-        """The recipe uncompiled on a batch from :meth:`prepare` (traceable: no data-dependent step)."""
-        module = self.module
-        if self.choices.get("packing"):
-            module = with_document_mask(module, self.choices["doc_attention"], required=False)
-        if self.choices["autocast"]:
-            with torch.autocast(self.choices["device"], dtype=self.choices["dtype"]):
-                return module(**batch)
-        return module(**batch)
-
-    @property
-    def description(self) -> str:
-        """One line: every choice and its reason."""
-        parts = [f"{name}={_show(value)} ({self.reasons[name]})" for name, value in self.choices.items()
-                 if name in self.reasons]
-        return "optimize: " + "; ".join(parts)
-
-    def install(self, model: torch.nn.Module) -> None:
-        """Make ``model(**batch)`` run the optimized step (how a ``Trainer``/``SFTTrainer`` trains with it).
-
-        The model's ``forward`` is replaced on the instance (undone by :meth:`undo`) by one that
-        takes a Trainer's arguments (:func:`~qlora_nb_utils.compile.hf_forward.trainer_forward`:
-        ``num_items_in_batch``, TRL's ``fused_lm_head``); calls without labels still reach the
-        model's own forward. :func:`qlora_nb_utils.training.hf_trainer.optimized_trainer` does
-        this for a built trainer.
-
-        Raises:
-            ValueError: the loss is the model's own (``ce_chunks=0``): the compiled module is then
-                the model itself, whose forward this would replace.
-        """
-        if not self.choices["loss"].startswith("chunked"):
-            raise ValueError("install() needs the chunked loss (ce_chunks > 0): with the model's own loss the "
-                             "compiled module is the model, whose forward install() replaces")
-        from .hf_forward import trainer_forward
-
-        handle = PatchHandle("optimize.install", {"model": type(model).__name__})
-        set_attribute(handle, model, "forward", trainer_forward(self, model.forward))
-        self._extra.append(handle)
-
-    def undo(self) -> None:
-        """Revert every change but the weights' cast (newest first); safe to call twice."""
-        while self._extra:
-            self._extra.pop().undo()
-        self.fast.undo()
-
-
-def _show(value: Any) -> str:
-    return str(value).replace("torch.", "") if value is not None else "none"
-
-
 def _check(name: str, value: Any, valid: Iterable[Any]) -> None:
     valid = tuple(valid)
     if value not in valid:
@@ -205,7 +113,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
              dynamic: bool | str = "auto", memory_budget: float | None = None,
              eager_numerics: bool | str = "auto", scope: str = "whole", doc_attention: str = "auto",
              offload: bool | str = "auto", loss_rows: bool | str = "auto",
-             recompute: bool | str = "auto", lora_addmm: bool | str = "auto") -> Optimized:
+             recompute: bool | str = "auto", lora_addmm: bool | str = "auto",
+             nf4_dequant: bool | str = "auto") -> Optimized:
     """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
 
     Args:
@@ -250,6 +159,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             version is supported), True or False. When ``max_memory_gib`` is not met even with
             every layer checkpointed (and offloaded), the update is the out-of-place ``addmm``,
             one tensor fewer at the peak.
+        nf4_dequant: the NF4 weights dequantized in one Triton kernel, not bitsandbytes' two
+            (:func:`~qlora_nb_utils.compile.model_patches.use_nf4_dequant`: a process-wide patch,
+            shared): ``"auto"`` (on CUDA with Triton), True or False.
 
     Returns:
         An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
@@ -270,6 +182,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("loss_rows", loss_rows, ("auto", True, False))
     _check("recompute", recompute, ("auto", True, False))
     _check("lora_addmm", lora_addmm, ("auto", True, False))
+    _check("nf4_dequant", nf4_dequant, ("auto", True, False))
     if loss_rows is True and not ce_chunks:
         raise ValueError("loss_rows=True needs the chunked loss (ce_chunks > 0); the model's own loss takes every row")
     if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
@@ -427,6 +340,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     try:
         extra += use_lora_addmm(model, lora_addmm, choices, reasons, not over_target,
                                 "the memory target is not met with every layer checkpointed: one tensor fewer")
+        extra += use_nf4_dequant(model, nf4_dequant, device, choices, reasons)
     except BaseException:  # refused when asked for: leave the model as it was given, but for the cast
         for handle in [*extra, fast]:
             handle.undo()

@@ -30,7 +30,7 @@ import torch
 from transformers.utils import ModelOutput
 
 if TYPE_CHECKING:
-    from .fast_path import Optimized
+    from .optimized import Optimized
 
 __all__ = ["TokenStatsOutput", "trainer_forward"]
 

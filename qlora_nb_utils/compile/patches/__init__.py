@@ -13,7 +13,7 @@ and a ``patched(...)`` context manager. Importing this package patches nothing.
 Not a graph-break workaround, so not in :data:`PATCHES` (what ``prepare_for_compile`` applies):
 :mod:`.bnb_cpu_packing` keeps bitsandbytes from repacking NF4 weights on a CPU eval pass, after
 which training loses gradients; ``training.evaluation`` and ``training.finetuning`` apply it.
-:mod:`.nf4_dequant` (a speed change, not applied by default) routes bitsandbytes' NF4
+:mod:`.nf4_dequant` (a speed change, applied by ``optimize()`` on CUDA) routes bitsandbytes' NF4
 ``matmul_4bit`` / ``dequantize_4bit`` to the one-pass op of ``ops.nf4_triton``.
 :mod:`.lora_addmm` (a memory change, applied by ``optimize()``) adds each LoRA update into its
 base output with one ``addmm``, on the model's PEFT LoRA layers.

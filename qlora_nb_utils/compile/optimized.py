@@ -1,0 +1,112 @@
+"""What :func:`~qlora_nb_utils.compile.fast_path.optimize` hands back: the step, its choices, its undo.
+
+Why this module exists: ``optimize()`` decides; the object it returns is what a user and every
+training path in the package hold for the whole run (``forward`` each step, ``eager`` for parity,
+``install`` for a Trainer, ``undo`` at the end). Kept apart so that each reads on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from ..ops.doc_attention import with_document_mask
+from ..reversible import PatchHandle, set_attribute
+from .recipe import FastPrepared
+from .step_inputs import prepare_batch
+
+__all__ = ["Optimized"]
+
+
+@dataclasses.dataclass
+class Optimized:
+    """What :func:`optimize` hands back.
+
+    Attributes:
+        forward: What to train with: ``forward(**batch).loss`` (pads, marks lengths dynamic,
+            runs the compiled recipe).
+        module: The module that was compiled (the model wrapped in the chunked loss, or the
+            model itself); graph-break checks look at it.
+        counter: The :class:`~qlora_nb_utils.compile.CompileCounter` of every compilation.
+        choices: Each choice made, by name (``mode``, ``attention``, ``ckpt_layers``, ...).
+        reasons: Why, one short phrase per choice.
+        fast: The :class:`~qlora_nb_utils.compile.recipe.FastPrepared` underneath.
+    """
+
+    forward: Callable[..., Any]
+    module: torch.nn.Module
+    counter: Any
+    choices: dict[str, Any]
+    reasons: dict[str, str]
+    fast: FastPrepared
+    _pad_id: int = 0
+    _row_chunks: int = 0  # labelled rows for the loss, in lengths divisible by this (0: every row)
+    _min_rows: int = 0  # ... padded to at least this many (the most a batch shown needed): one length
+    _extra: list[PatchHandle] = dataclasses.field(default_factory=list)
+
+    def __call__(self, **batch: Any) -> Any:
+        return self.forward(**batch)
+
+    def eager(self, **batch: Any) -> Any:
+        """The same recipe uncompiled (padding, the document mask, autocast, the chunked loss): parity's reference."""
+        return self.eager_prepared(**self.prepare(**batch))
+
+    def prepare(self, **batch: Any) -> dict:
+        """``batch`` as the recipe takes it: padded, with its labelled rows (read from the labels' values).
+
+        What :meth:`forward` and :meth:`eager` do before the recipe, outside any graph. A tool that
+        traces the recipe (graph-break counts) traces :meth:`eager_prepared` on this.
+        """
+        return prepare_batch(batch, multiple=self.choices["pad_multiple"], pad_id=self._pad_id,
+                             loss_rows=self._row_chunks, min_loss_rows=self._min_rows)
+
+    def eager_prepared(self, **batch: Any) -> Any:
+        """The recipe uncompiled on a batch from :meth:`prepare` (traceable: no data-dependent step)."""
+        module = self.module
+        if self.choices.get("packing"):
+            module = with_document_mask(module, self.choices["doc_attention"], required=False)
+        if self.choices["autocast"]:
+            with torch.autocast(self.choices["device"], dtype=self.choices["dtype"]):
+                return module(**batch)
+        return module(**batch)
+
+    @property
+    def description(self) -> str:
+        """One line: every choice and its reason."""
+        parts = [f"{name}={_show(value)} ({self.reasons[name]})" for name, value in self.choices.items()
+                 if name in self.reasons]
+        return "optimize: " + "; ".join(parts)
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Make ``model(**batch)`` run the optimized step (how a ``Trainer``/``SFTTrainer`` trains with it).
+
+        The model's ``forward`` is replaced on the instance (undone by :meth:`undo`) by one that
+        takes a Trainer's arguments (:func:`~qlora_nb_utils.compile.hf_forward.trainer_forward`:
+        ``num_items_in_batch``, TRL's ``fused_lm_head``); calls without labels still reach the
+        model's own forward. :func:`qlora_nb_utils.training.hf_trainer.optimized_trainer` does
+        this for a built trainer.
+
+        Raises:
+            ValueError: the loss is the model's own (``ce_chunks=0``): the compiled module is then
+                the model itself, whose forward this would replace.
+        """
+        if not self.choices["loss"].startswith("chunked"):
+            raise ValueError("install() needs the chunked loss (ce_chunks > 0): with the model's own loss the "
+                             "compiled module is the model, whose forward install() replaces")
+        from .hf_forward import trainer_forward
+
+        handle = PatchHandle("optimize.install", {"model": type(model).__name__})
+        set_attribute(handle, model, "forward", trainer_forward(self, model.forward))
+        self._extra.append(handle)
+
+    def undo(self) -> None:
+        """Revert every change but the weights' cast (newest first); safe to call twice."""
+        while self._extra:
+            self._extra.pop().undo()
+        self.fast.undo()
+
+
+def _show(value: Any) -> str:
+    return str(value).replace("torch.", "") if value is not None else "none"
