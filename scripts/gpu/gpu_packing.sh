@@ -56,7 +56,7 @@ left=$(( budget - ($(date +%s) - t_start) ))
 extra=()
 [ -n "${EPOCH_DATA:-}" ] && extra+=(--epoch-data "$EPOCH_DATA")
 [ "${DATA_OUTER:-0}" = 1 ] && extra+=(--data-outer)
-python3 -m qlora_nb_utils.bench.peers.packed "${extra[@]}" --command "EPOCH_DATA=${EPOCH_DATA:-} DATA_OUTER=${DATA_OUTER:-0} LOWMEM_GIB=${LOWMEM_GIB:-unsloth} bash scripts/gpu/gpu_packing.sh $*" --model "$model" --data "$data" --runs "$runs" --seq-len "$seq" \
+python3 -m qlora_nb_utils.bench.peers.packed "${extra[@]}" --command "EPOCH_DATA=${EPOCH_DATA:-} DATA_OUTER=${DATA_OUTER:-0} LOWMEM_GIB=${LOWMEM_GIB:-unsloth} LOWMEM_SCOPE=${LOWMEM_SCOPE:-whole} bash scripts/gpu/gpu_packing.sh $*" --model "$model" --data "$data" --runs "$runs" --seq-len "$seq" \
   --rows "$rows" --steps "$steps" --warmup 3 --parity-steps 4 --long-tail-examples 600 --budget-s "$left" \
   --timeouts "$timeouts" --needs "$needs" --lowmem-gib "${LOWMEM_GIB:-unsloth}" --lowmem-scope "${LOWMEM_SCOPE:-whole}" \
   --out "$file" 2>&1 | grep -v -i "warning\|Loading weights" || true
