@@ -262,3 +262,32 @@ def test_padding_stats_hand_built():
                      "waste_fraction": 10 / 26, "shapes": [(2, 5), (2, 8)]}
     with pytest.raises(ValueError, match="no batches"):
         D.padding_stats([])
+
+
+# --- one tokenization for padded and packed batches -------------------------------------------
+
+
+@pytest.mark.parametrize("max_len", [100, 200])
+def test_cut_tokenized_equals_tokenizing_at_the_length(tokenizer, train_ds, max_len):
+    import warnings
+
+    rows = train_ds.select(range(40))
+    whole = D.tokenize_examples(rows, tokenizer, max_len=D.UNCUT)
+    with warnings.catch_warnings(record=True) as w_cut:
+        warnings.simplefilter("always")
+        got = D.cut_tokenized(whole, max_len)
+    with warnings.catch_warnings(record=True) as w_tok:
+        warnings.simplefilter("always")
+        want = D.tokenize_examples(rows, tokenizer, max_len=max_len)
+    assert got["input_ids"] == want["input_ids"] and got["labels"] == want["labels"] and got["length"] == want["length"]
+    assert [str(w.message) for w in w_cut] == [str(w.message) for w in w_tok]
+    assert max(got["length"]) <= max_len < max(whole["length"])
+    if max_len == 100:  # the shorter cut drops rows whose prompt fills it: the same rows, the same warning
+        assert len(got["length"]) < len(whole["length"]) and w_cut
+
+
+def test_cut_tokenized_refuses_bad_lengths_and_all_prompt_rows():
+    with pytest.raises(ValueError, match="max_len must be an integer >= 2"):
+        D.cut_tokenized([{"input_ids": [1, 2], "labels": [1, 2]}], 1)
+    with pytest.raises(ValueError, match="every example's prompt fills max_len=2"):
+        D.cut_tokenized([{"input_ids": [1, 2, 3], "labels": [-100, -100, 3]}], 2)

@@ -302,3 +302,24 @@ def test_bad_input_exits_2_with_a_message_before_any_model_loads(finished, data_
         assert message in err and err.startswith("qlora-nb train: error: "), (argv, err)
         assert took < 20, (argv, took)
     assert not (tmp_path / "fresh").exists()  # nothing written either
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_batches_tokenize_the_training_split_once(data_file, monkeypatch, packing):
+    """Packed or not, the training split is tokenized once (a packed run cuts its padded view from it)."""
+    from qlora_nb_utils import data, models
+    from qlora_nb_utils.training import build_finetune_batches
+
+    tok = models.load_tokenizer("tiny")
+    real = data.tokenize_examples
+    calls = []
+
+    def counting(ds, tokenizer, max_len=256, **kw):
+        calls.append(max_len)
+        return real(ds, tokenizer, max_len=max_len, **kw)
+
+    monkeypatch.setattr(data, "tokenize_examples", counting)
+    train, heldout, _ = build_finetune_batches(tok, data=data_file, batch_size=2, seq_len=48, eval_size=4,
+                                               packing=packing, log=lambda m: None)
+    assert calls == ([data.UNCUT, 48] if packing else [48, 48])  # the training split, then the held-out one
+    assert ("document_ids" in train[0]) is packing and heldout

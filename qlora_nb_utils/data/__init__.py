@@ -30,7 +30,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "validate_file", "validate_source", "load_examples", "load_splits", "format_example",
         "tokenize_examples")},
     **{name: "collate" for name in ("PaddingCollator", "make_batches", "padding_stats")},
-    **{name: "batches" for name in ("build_batches", "build_packed_batches", "pack_tokenized", "UNCUT",
+    **{name: "batches" for name in ("build_batches", "build_packed_batches", "pack_tokenized", "cut_tokenized", "UNCUT",
                                     "make_length_batcher", "pack_rows")},
     **{name: "packing" for name in ("pack_examples", "collate_packed", "best_fit_bins", "PackingStats",
                                     "PAD_DOCUMENT", "real_tokens")},

@@ -25,7 +25,7 @@ from .collate import PaddingCollator, make_batches
 from .examples import IGNORE_INDEX, load_examples, tokenize_examples
 from .packing import PackingStats, pack_examples
 
-__all__ = ["build_batches", "build_packed_batches", "pack_tokenized", "make_length_batcher", "pack_rows"]
+__all__ = ["build_batches", "build_packed_batches", "pack_tokenized", "cut_tokenized", "make_length_batcher", "pack_rows"]
 
 #: Tokenize whole (``tokenize_examples(max_len=UNCUT)``): the packer decides what a too-long example becomes.
 UNCUT = 1 << 30
@@ -93,6 +93,40 @@ def build_packed_batches(tokenizer: Any, *, batch_size: int, max_len: int, data:
     rows = tokenize_examples(load_examples(data, limit=limit), tokenizer, max_len=UNCUT)
     return pack_tokenized(rows, batch_size=batch_size, max_len=max_len, pad_id=tokenizer.pad_token_id,
                           seed=seed, truncate=truncate)
+
+
+def cut_tokenized(rows: Any, max_len: int) -> Any:
+    """Rows tokenized whole (``max_len=UNCUT``) as ``tokenize_examples(max_len=max_len)`` gives them.
+
+    The tokenizer's cut is a prefix, so one tokenization serves both a packed run (whole rows)
+    and a padded one (this): each row cut on the right, and a row left with no learned token
+    dropped with the same warning.
+
+    Raises:
+        ValueError: ``max_len`` < 2, or no row keeps a learned token.
+    """
+    import warnings
+
+    import datasets
+
+    if not isinstance(max_len, int) or max_len < 2:
+        raise ValueError(f"max_len must be an integer >= 2, got {max_len!r}")
+    out: dict[str, list] = {"input_ids": [], "labels": [], "length": []}
+    total = 0
+    for row in rows:
+        total += 1
+        ids, labels = list(row["input_ids"])[:max_len], list(row["labels"])[:max_len]
+        if all(x == IGNORE_INDEX for x in labels):
+            continue
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["length"].append(len(ids))
+    if not out["length"]:
+        raise ValueError(f"every example's prompt fills max_len={max_len}; raise max_len")
+    if total - len(out["length"]):
+        warnings.warn(f"dropped {total - len(out['length'])} of {total} examples whose prompt fills "
+                      f"max_len={max_len}", stacklevel=2)
+    return datasets.Dataset.from_dict(out)
 
 
 def pack_tokenized(rows: Any, *, batch_size: int, max_len: int, pad_id: int, seed: int = 0,

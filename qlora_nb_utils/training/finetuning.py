@@ -189,6 +189,7 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
     from ..data import (
         UNCUT,
         PaddingCollator,
+        cut_tokenized,
         load_splits,
         make_batches,
         pack_tokenized,
@@ -197,9 +198,14 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
     )
 
     train_ds, held_ds = load_splits(data, max_eval=eval_size, seed=seed)
+    whole = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rows = tokenize_examples(train_ds, tokenizer, max_len=seq_len)
+        if packing is not False:  # tokenized once, whole: cut here for the padded batches, packed below
+            whole = tokenize_examples(train_ds, tokenizer, max_len=UNCUT)
+            rows = cut_tokenized(whole, seq_len)
+        else:
+            rows = tokenize_examples(train_ds, tokenizer, max_len=seq_len)
         held = tokenize_examples(held_ds, tokenizer, max_len=seq_len)
     for w in caught:
         (log or print)(f"note: {w.message} (--seq-len {seq_len})")
@@ -210,9 +216,6 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
     if packing is not False:
         waste = padding_stats(train)["waste_fraction"]
         if packing is True or waste > PACK_WHEN_PADDING_OVER:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the same notes as above, already shown
-                whole = tokenize_examples(train_ds, tokenizer, max_len=UNCUT)
             train, stats = pack_tokenized(whole, batch_size=batch_size, max_len=seq_len,
                                           pad_id=tokenizer.pad_token_id, seed=seed)
             why = "asked for" if packing is True else f"padded batches would be {waste:.0%} padding"
