@@ -352,7 +352,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         compiled = with_document_mask(compiled, choices["doc_attention"], required=False)
     forward = step_forward(compiled, multiple=pad_multiple, pad_id=pad_id, mark_dynamic=mark and scope == "whole",
                            loss_rows=ce_chunks if choices["loss_rows"] == "labelled" else 0,
-                           memory_budget=memory_budget, recompute_elementwise=rec, min_loss_rows=min_rows)
+                           memory_budget=memory_budget, recompute_elementwise=rec, min_loss_rows=min_rows,
+                           # CUDA graphs: a dynamic row count re-recorded graphs (step_inputs' docstring)
+                           dynamic_rows=mode not in ("reduce-overhead", "max-autotune"))
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
                      fast=fast, _pad_id=pad_id, _extra=extra,

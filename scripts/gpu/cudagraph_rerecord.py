@@ -8,7 +8,10 @@ of 160 ms, look like CUDA graphs recorded again. This counts it: each arm trains
 batches in its own process and records, per step, its time and peak, and at the end how many
 CUDA graphs the tree holds, the re-record reasons cudagraph_trees logs, and Inductor's counters.
 The arms differ in one of optimize()'s choices each, so that the one that stops the re-records
-names the cause. The arms run at the same time on the one GPU (each process's peak is its own;
+names the cause. The graph count is read from the tree itself (a re-record adds a node); the
+debug log of cudagraph_trees is off unless ``CUDAGRAPH_LOGS=1`` (on torch 2.11 its re-record
+reason raised ``AssertionError: length mismatch between inputs, recorded_data_ptr, and
+placeholders`` in the three arms with labelled rows: the first call's finding). The arms run at the same time on the one GPU (each process's peak is its own;
 step times are then only roughly comparable, the counts exactly).
 
     python3 scripts/gpu/cudagraph_rerecord.py arm OUT.json --variant held
@@ -82,10 +85,11 @@ def arm(out: Path, variant: str) -> None:
         lg = logging.getLogger(name)
         lg.addHandler(lines)
         lg.setLevel(logging.DEBUG)
-    try:
-        torch._logging.set_logs(cudagraphs=True)
-    except Exception as exc:  # noqa: BLE001
-        part["set_logs_error"] = repr(exc)
+    if os.environ.get("CUDAGRAPH_LOGS") == "1":  # off by default: on torch 2.11 the debug reason of a
+        try:                                      # re-record raised an AssertionError of its own
+            torch._logging.set_logs(cudagraphs=True)
+        except Exception as exc:  # noqa: BLE001
+            part["set_logs_error"] = repr(exc)
     try:
         tok = models.load_tokenizer(MODEL)
         packed, _, info = build_data(tok, "long-tail", seq_len=SEQ, rows=ROWS, seed=SEED, long_tail_examples=600)
@@ -172,7 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("what", choices=("arm", "driver"))
     ap.add_argument("path")
     ap.add_argument("--variant", default="held", choices=sorted(VARIANTS))
-    ap.add_argument("--variants", default="held,held_no_addmm,held_no_rows,held_no_recompute")
+    ap.add_argument("--variants", default="held,held_no_rows,no_target")
     ap.add_argument("--limit-s", type=float, default=420)
     a = ap.parse_args(argv)
     if a.what == "arm":

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Writes: $OUT_DIR/cudagraph_rerecord.json (committed as results/cudagraph_rerecord_<gpu>.json), arm_*.json, arm_*.log
-# Rerun: bash scripts/gpu/gpu_cudagraph_rerecord.sh "$OUT" [VARIANTS=held,held_no_addmm,held_no_rows,held_no_recompute] [LIMIT_S=420]
+# Rerun: bash scripts/gpu/gpu_cudagraph_rerecord.sh "$OUT" [VARIANTS=held,held_no_rows,no_target] [LIMIT_S=420]
 #   (on the lent GPU machine, repository root; carry .whl .gpucache)
 # Issue 19: why optimize(max_memory_gib=9.61) in whole scope (CUDA graphs) on the 1B shape and the
 # long-tail draw peaked at 13.0 GiB: CUDA graphs counted per step, one arm per optimize() choice
 # (scripts/gpu/cudagraph_rerecord.py), the arms at the same time on the one GPU.
 set -uo pipefail
 out=${1:?usage: scripts/gpu/gpu_cudagraph_rerecord.sh OUT_DIR [VARIANTS] [LIMIT_S]}
-variants=${2:-held,held_no_addmm,held_no_rows,held_no_recompute}
+variants=${2:-held,held_no_rows,no_target}
 limit=${3:-420}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
