@@ -99,6 +99,19 @@ def test_flex_on_cuda_is_chosen_and_its_config_switch_undoes(tiny):
     assert base.config._attn_implementation == "sdpa"
 
 
+def test_optimize_gives_the_flex_mask_one_ids_buffer_under_cuda_graphs_only(tiny, monkeypatch):
+    from qlora_nb_utils.compile import fast_path
+
+    seen = []
+    real = fast_path.with_document_mask
+    monkeypatch.setattr(fast_path, "with_document_mask", lambda *a, **kw: seen.append(kw.get("stable_ids")) or real(*a, **kw))
+    model, _ = tiny
+    (packed,), _ = packing.pack_examples(_docs(5, [20, 30]), 64, rows_per_batch=1, pad_id=0)
+    for mode in ("default", "reduce-overhead"):  # only the step's wrapper is built: nothing runs on a CPU
+        optimize(model, batches=[packed], backend="inductor", mode=mode).undo()
+    assert seen == [False, True]
+
+
 def _packed_and_padded():
     (packed,), _ = packing.pack_examples(_docs(5, [20, 30]), 64, rows_per_batch=1, pad_id=0)
     padded = {"input_ids": torch.ones(1, 64, dtype=torch.long), "attention_mask": torch.ones(1, 64, dtype=torch.long),

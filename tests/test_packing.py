@@ -117,6 +117,34 @@ def test_the_masks_are_document_causal_and_skip_blocks_across_documents():
     assert doc_attention.varlen_available() == hasattr(torch.nn.attention, "varlen")
 
 
+def _captured_ids(block):
+    return next(c.cell_contents for c in block.mask_mod.__closure__ if torch.is_tensor(c.cell_contents))
+
+
+def test_stable_ids_read_one_buffer_per_shape_and_give_the_same_mask():
+    """Under CUDA graphs the ids a flex mask captures are a static input: one address for every batch."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    a = torch.tensor([[0] * 100 + [1] * 156, [0] * 256])
+    b = torch.tensor([[0] * 30 + [1] * 200 + [-1] * 26, [0] * 128 + [1] * 128])
+    first = doc_attention.document_block_mask(a, stable_ids=True)
+    held = _captured_ids(first)
+    assert held is not a and torch.equal(held, a)
+    second = doc_attention.document_block_mask(b, stable_ids=True)
+    assert _captured_ids(second) is held and held.data_ptr() == _captured_ids(first).data_ptr()
+    assert torch.equal(held, b) and torch.equal(b, torch.tensor([[0] * 30 + [1] * 200 + [-1] * 26, [0] * 128 + [1] * 128]))
+    plain = doc_attention.document_block_mask(b)
+    assert _captured_ids(plain) is b  # without it, the batch's own tensor
+    for got, want in ((second, plain),):
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(create_mask(second.mask_mod, 2, 1, 256, 256, device="cpu"), doc_attention.document_dense_mask(b))
+    other = doc_attention.document_block_mask(b[:1], stable_ids=True)  # another shape: its own buffer
+    assert _captured_ids(other) is not held and torch.equal(held, b)
+    kw = doc_attention.document_attention_kwargs(a, "flex_attention", stable_ids=True)
+    assert _captured_ids(kw["attention_mask"]) is held and torch.equal(held, a)
+
+
 # ----------------------------------------------------------------------------- the model (conftest.tiny)
 
 

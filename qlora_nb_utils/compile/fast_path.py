@@ -349,12 +349,11 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     min_rows = (head_rows or 0) if choices["loss_rows"] == "labelled" else 0
     compiled = fast.forward
     if packed:
-        compiled = with_document_mask(compiled, choices["doc_attention"], required=False)
+        compiled = with_document_mask(compiled, choices["doc_attention"], required=False,  # CUDA graphs: one address
+                                      stable_ids=mode in ("reduce-overhead", "max-autotune"))
     forward = step_forward(compiled, multiple=pad_multiple, pad_id=pad_id, mark_dynamic=mark and scope == "whole",
                            loss_rows=ce_chunks if choices["loss_rows"] == "labelled" else 0,
-                           memory_budget=memory_budget, recompute_elementwise=rec, min_loss_rows=min_rows,
-                           # CUDA graphs: a dynamic row count re-recorded graphs (step_inputs' docstring)
-                           dynamic_rows=mode not in ("reduce-overhead", "max-autotune"))
+                           memory_budget=memory_budget, recompute_elementwise=rec, min_loss_rows=min_rows)
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
                      fast=fast, _pad_id=pad_id, _extra=extra,

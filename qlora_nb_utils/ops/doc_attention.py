@@ -104,7 +104,20 @@ def document_mask_mod(document_ids: torch.Tensor) -> Callable:
     return mask_mod
 
 
-def document_block_mask(document_ids: torch.Tensor, block_size: int = 128):
+#: One buffer per (shape, dtype, device) for ``document_block_mask(stable_ids=True)``.
+_STABLE_IDS: dict[tuple, torch.Tensor] = {}
+
+
+def _stable_copy(document_ids: torch.Tensor) -> torch.Tensor:
+    """``document_ids`` copied into the one buffer of its shape, dtype and device (the same address each call)."""
+    key = (tuple(document_ids.shape), document_ids.dtype, document_ids.device)
+    buf = _STABLE_IDS.get(key)
+    if buf is None:
+        buf = _STABLE_IDS[key] = torch.empty_like(document_ids)
+    return buf.copy_(document_ids)
+
+
+def document_block_mask(document_ids: torch.Tensor, block_size: int = 128, *, stable_ids: bool = False):
     """The document-causal ``BlockMask`` of a packed batch, built eagerly.
 
     One mask per batch (``B=rows``, ``H=None``: broadcast over heads), on ``document_ids``'s
@@ -113,6 +126,12 @@ def document_block_mask(document_ids: torch.Tensor, block_size: int = 128):
     Args:
         document_ids: ``(rows, seq_len)`` integers, as :func:`pack_examples` gives.
         block_size: the mask's block size (flex attention's default, 128).
+        stable_ids: the ``mask_mod`` reads a copy of ``document_ids`` in one buffer reused by
+            every call of the same shape (for CUDA graphs, which take the tensor a ``mask_mod``
+            captures as a static input: recorded at its address, recorded again when a new
+            batch's ids lie elsewhere; 4 extra graphs in 14 steps and a held run 3.4 GiB over
+            its target, ``results/cudagraph_rerecord_h100.json``). The mask of the previous call
+            then reads the new ids: use it before building the next.
 
     Returns:
         A ``torch.nn.attention.flex_attention.BlockMask`` of shape ``(rows, 1, seq_len, seq_len)``.
@@ -128,6 +147,8 @@ def document_block_mask(document_ids: torch.Tensor, block_size: int = 128):
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     rows, seq_len = document_ids.shape
+    if stable_ids:
+        document_ids = _stable_copy(document_ids)
     return create_block_mask(document_mask_mod(document_ids), B=rows, H=None, Q_LEN=seq_len, KV_LEN=seq_len,
                              device=document_ids.device, BLOCK_SIZE=block_size)
 
@@ -146,7 +167,7 @@ def document_dense_mask(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 def with_document_mask(forward: Callable, kernel: str = "flex_attention", block_size: int = 128, *,
-                       required: bool = True) -> Callable:
+                       required: bool = True, stable_ids: bool = False) -> Callable:
     """Wrap ``forward`` (a model or its compiled twin) to take packed batches.
 
     The wrapper pops the batch's ``document_ids``, builds the mask (or the varlen cuts) for
@@ -154,6 +175,8 @@ def with_document_mask(forward: Callable, kernel: str = "flex_attention", block_
     ``input_ids``, ``position_ids`` and ``labels`` pass through. The model must attend with
     ``kernel`` (:func:`use_document_attention`). With ``required=False`` a batch
     without ``document_ids`` passes through untouched (a Trainer's padded evaluation batch, say).
+    ``stable_ids``: the flex mask reads its ids from one reused buffer (for CUDA graphs; see
+    :func:`document_block_mask`).
 
     Raises:
         ValueError: ``kernel`` not in :data:`DOC_MASK_KERNELS`; when called: no ``document_ids``
@@ -170,7 +193,7 @@ def with_document_mask(forward: Callable, kernel: str = "flex_attention", block_
             raise ValueError("with_document_mask needs document_ids (keyword), as pack_examples gives")
         if batch.get("attention_mask") is not None:
             raise ValueError("a packed batch takes its mask from document_ids; drop attention_mask")
-        batch.update(document_attention_kwargs(docs, kernel, block_size))
+        batch.update(document_attention_kwargs(docs, kernel, block_size, stable_ids=stable_ids))
         return forward(*args, **batch)
 
     return run
@@ -245,19 +268,21 @@ def document_cu_seqlens(document_ids: torch.Tensor, min_cuts: int = MIN_CUTS) ->
     return cuts
 
 
-def document_attention_kwargs(document_ids: torch.Tensor, kernel: str, block_size: int = 128) -> dict[str, Any]:
+def document_attention_kwargs(document_ids: torch.Tensor, kernel: str, block_size: int = 128, *,
+                              stable_ids: bool = False) -> dict[str, Any]:
     """What the model takes besides the tokens to attend per document with ``kernel``, built eagerly.
 
     ``flex_attention``: ``attention_mask`` = :func:`document_block_mask`; ``sdpa``:
     ``attention_mask`` = :func:`document_dense_mask`; ``varlen``: transformers' padding-free
     keywords ``cu_seq_lens_q``/``cu_seq_lens_k`` (:func:`document_cu_seqlens`) and
-    ``max_length_q``/``max_length_k`` (``seq_len``, a fixed bound).
+    ``max_length_q``/``max_length_k`` (``seq_len``, a fixed bound). ``stable_ids``: see
+    :func:`document_block_mask` (flex attention only; the other kernels take plain inputs).
 
     Raises:
         ValueError: ``kernel`` not in :data:`DOC_MASK_KERNELS`, or bad ``document_ids``.
     """
     if kernel == "flex_attention":
-        return {"attention_mask": document_block_mask(document_ids, block_size)}
+        return {"attention_mask": document_block_mask(document_ids, block_size, stable_ids=stable_ids)}
     if kernel == "sdpa":
         return {"attention_mask": document_dense_mask(document_ids)}
     if kernel == "varlen":
