@@ -9,9 +9,11 @@ batches in its own process and records, per step, its time and peak, and at the 
 CUDA graphs the tree holds, the re-record reasons cudagraph_trees logs, and Inductor's counters.
 The arms differ in one of optimize()'s choices each, so that the one that stops the re-records
 names the cause. The graph count is read from the tree itself (a re-record adds a node); the
-debug log of cudagraph_trees is off unless ``CUDAGRAPH_LOGS=1`` (on torch 2.11 its re-record
-reason raised ``AssertionError: length mismatch between inputs, recorded_data_ptr, and
-placeholders`` in the three arms with labelled rows: the first call's finding). The arms run at the same time on the one GPU (each process's peak is its own;
+debug log of cudagraph_trees (the re-record reasons) is off unless ``CUDAGRAPH_LOGS=1``: on
+torch 2.11 the reason of a re-record of a graph with a dynamic size (the labelled-row count)
+raised ``AssertionError: length mismatch between inputs, recorded_data_ptr, and placeholders``
+(the first call; the second, with that count static, logged the reasons: "static input data
+pointer changed" for two inputs of the flex attention call). The arms run at the same time on the one GPU (each process's peak is its own;
 step times are then only roughly comparable, the counts exactly).
 
     python3 scripts/gpu/cudagraph_rerecord.py arm OUT.json --variant held
@@ -81,12 +83,14 @@ def arm(out: Path, variant: str) -> None:
 
     part: dict = {"variant": variant, "optimize_kwargs": VARIANTS[variant]}
     lines = _Lines()
-    for name in ("torch._inductor.cudagraph_trees", "torch._inductor.cudagraph_utils"):
-        lg = logging.getLogger(name)
-        lg.addHandler(lines)
-        lg.setLevel(logging.DEBUG)
-    if os.environ.get("CUDAGRAPH_LOGS") == "1":  # off by default: on torch 2.11 the debug reason of a
-        try:                                      # re-record raised an AssertionError of its own
+    # Debug logs (re-record reasons) only with CUDAGRAPH_LOGS=1: on torch 2.11 the reason of a
+    # re-record of a graph with a dynamic size raised an AssertionError of its own (the first call).
+    if os.environ.get("CUDAGRAPH_LOGS") == "1":
+        for name in ("torch._inductor.cudagraph_trees", "torch._inductor.cudagraph_utils"):
+            lg = logging.getLogger(name)
+            lg.addHandler(lines)
+            lg.setLevel(logging.DEBUG)
+        try:
             torch._logging.set_logs(cudagraphs=True)
         except Exception as exc:  # noqa: BLE001
             part["set_logs_error"] = repr(exc)

@@ -16,4 +16,4 @@ export QLORA_NB_CACHE=/tmp/qlora_nb_cache
 nvidia-smi -L
 python3 -c "from qlora_nb_utils import models; models.materialize('llama-3.2-1b-shape')"
 export QLORA_NB_CALL="bash scripts/gpu/gpu_cudagraph_rerecord.sh \$OUT $variants $limit"
-python3 scripts/gpu/cudagraph_rerecord.py driver "$out" --variants "$variants" --limit-s "$limit" 2>&1 | tail -120
+CUDAGRAPH_LOGS=${CUDAGRAPH_LOGS:-0} python3 scripts/gpu/cudagraph_rerecord.py driver "$out" --variants "$variants" --limit-s "$limit" 2>&1 | tail -120
