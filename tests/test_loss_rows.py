@@ -157,3 +157,38 @@ def test_the_memory_estimate_counts_only_the_head_rows(tiny):
     part = estimate_terms(model, 8, 1024, ce_chunks=4, head_rows=1024)
     assert part["logits_gib"] == pytest.approx(full["logits_gib"] / 8)
     assert {k: v for k, v in part.items() if k != "logits_gib"} == {k: v for k, v in full.items() if k != "logits_gib"}
+
+
+@pytest.mark.parametrize("dynamic_rows", [True, False])
+def test_the_row_count_is_dynamic_without_cuda_graphs_and_static_under_them(dynamic_rows):
+    from qlora_nb_utils.compile.step_inputs import prepare_batch
+
+    labels = torch.full((2, 40), -100)
+    labels[:, 20:] = 7
+    out = prepare_batch({"input_ids": torch.ones(2, 40, dtype=torch.long), "labels": labels}, multiple=8, pad_id=0,
+                        loss_rows=4, min_loss_rows=64, dynamic_rows=dynamic_rows)
+    rows = out["loss_rows"]
+    assert rows.numel() == 64  # padded up to the count asked for: one length
+    assert (0 in getattr(rows, "_dynamo_weak_dynamic_indices", set())) is dynamic_rows
+    assert (0 in getattr(rows, "_dynamo_static_indices", set())) is not dynamic_rows
+
+
+def test_optimize_keeps_the_row_count_static_under_cuda_graphs_only(tiny, monkeypatch):
+    from qlora_nb_utils.compile import fast_path
+
+    seen = {}
+    real = fast_path.step_forward
+
+    def spy(*args, **kw):
+        seen.setdefault("dynamic_rows", []).append(kw["dynamic_rows"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fast_path, "step_forward", spy)
+    model, _ = tiny
+    labels = torch.full((2, 32), -100)
+    labels[:, 16:] = 5
+    batch = {"input_ids": torch.ones(2, 32, dtype=torch.long), "labels": labels}
+    for mode in ("default", "reduce-overhead"):  # CUDA graphs asked for on a CPU: only the step's inputs are looked at
+        opt = optimize(model, batches=[batch], backend="inductor", mode=mode, loss_rows=True)
+        opt.undo()
+    assert seen["dynamic_rows"] == [True, False]

@@ -11,12 +11,15 @@ They run here, on each call, in plain Python, and hand the graph only shapes it 
 * **Labelled rows** (:func:`~qlora_nb_utils.ops.losses.labelled_rows`): the indices of the
   target rows that carry a label, so that the LM head and the loss skip padding and masked
   prompts. Reading labels is a data-dependent step that would break a ``fullgraph`` trace, so
-  it happens here; the index's length is marked dynamic and bucketed, one compilation for
-  every count. It is padded to at least the most any batch shown to ``optimize`` needs: under
-  CUDA graphs every distinct length records a graph of its own (time and a memory pool), so
-  the batches like those shown share one length. (A held 1B run on long-tail packed data that
-  peaked at 13.0 GiB against a 9.6 GiB target had another cause: the document ids the flex
-  mask captures, ``ops.doc_attention.document_block_mask(stable_ids=)``.)
+  it happens here; the index's length is bucketed and padded to at least the most any batch
+  shown to ``optimize`` needs, so the batches like those shown share one length. Without CUDA
+  graphs it is marked dynamic: one compilation for every count. Under CUDA graphs it is static
+  (``mark_static``): a new count is a new compilation (one more graph), which the padding keeps
+  rare. Measured on an H100, 1B shape, ``optimize(max_memory_gib=9.61)`` in whole scope on
+  long-tail packed rows (``results/cudagraph_rerecord_h100.json``): with the count dynamic the
+  first step peaked at 13.04 GiB (the figure of the benchmark's held run that overshot,
+  ``results/packing_h100.json``), with it static at 9.21. (Its erratic steps had another cause:
+  the document ids the flex mask captures, ``ops.doc_attention.document_block_mask(stable_ids=)``.)
 
 :func:`step_forward` puts them around the compiled recipe; ``fast_path.optimize`` calls it and
 ``Optimized.eager`` applies the same preparation uncompiled (:func:`prepare_batch`).
@@ -83,12 +86,13 @@ def batch_shapes(batches: list[dict] | None, multiple: int) -> list[tuple[int, i
 
 
 def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool = False,
-                  loss_rows: int = 0, min_loss_rows: int = 0) -> dict:
+                  loss_rows: int = 0, min_loss_rows: int = 0, dynamic_rows: bool = True) -> dict:
     """One batch as the compiled recipe takes it: padded, optionally marked dynamic, with its labelled rows.
 
     ``loss_rows`` (the loss's chunk count; 0: off) adds ``loss_rows`` (its length marked
-    dynamic, a multiple of the chunk count, at least ``min_loss_rows`` long) when the batch has
-    ``labels`` and is not a per-token call (``token_stats``), which needs every row.
+    dynamic unless ``dynamic_rows`` is False, a multiple of the chunk count, at least
+    ``min_loss_rows`` long) when the batch has ``labels`` and is not a per-token call
+    (``token_stats``), which needs every row.
     """
     if multiple > 1:
         batch = pad_batch(batch, multiple, pad_id)
@@ -100,19 +104,22 @@ def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool
     labels = batch.get("labels")
     if loss_rows and torch.is_tensor(labels) and labels.dim() == 2 and not batch.get("token_stats"):
         rows = labelled_rows(labels, multiple=loss_rows, at_least=min_loss_rows)
-        torch._dynamo.maybe_mark_dynamic(rows, 0)
+        if dynamic_rows:
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
+        else:  # never made dynamic by torch's automatic dynamic shapes either
+            torch._dynamo.mark_static(rows, 0)
         batch = {**batch, "loss_rows": rows}
     return batch
 
 
 def step_forward(compiled: Callable[..., Any], *, multiple: int, pad_id: int, mark_dynamic: bool,
                  loss_rows: int, memory_budget: float | None, recompute_elementwise: bool = False,
-                 min_loss_rows: int = 0) -> Callable[..., Any]:
+                 min_loss_rows: int = 0, dynamic_rows: bool = True) -> Callable[..., Any]:
     """``forward(**batch)``: :func:`prepare_batch`, then the compiled recipe (under the
     partitioner's settings, if any: :func:`~qlora_nb_utils.compile.recipe.partitioner_settings`)."""
     def forward(**batch: Any) -> Any:
         batch = prepare_batch(batch, multiple=multiple, pad_id=pad_id, mark_dynamic=mark_dynamic,
-                              loss_rows=loss_rows, min_loss_rows=min_loss_rows)
+                              loss_rows=loss_rows, min_loss_rows=min_loss_rows, dynamic_rows=dynamic_rows)
         if memory_budget is None and not recompute_elementwise:  # nothing to set: keep the per-step path bare
             return compiled(**batch)
         with partitioner_settings(memory_budget, recompute_elementwise):
