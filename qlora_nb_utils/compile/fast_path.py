@@ -14,6 +14,9 @@ The choices, each overridable by passing it explicitly:
   :data:`MAX_CUDAGRAPH_SHAPES` shapes (fixed or bucketed lengths): the LoRA step is many small
   kernels, so it is launch-bound, and one graph per shape removes the launches. With more
   shapes, or shapes not shown, the default mode (a CUDA graph per shape would cost memory).
+  Under CUDA graphs the labelled-row count is static and the flex mask reads its document ids
+  from one buffer: otherwise the graphs were recorded again and a held run overshot its target
+  (``results/cudagraph_rerecord_h100.json``; :mod:`.step_inputs`, ``ops.doc_attention``).
 * **Lengths padded to a multiple of 8** (``pad_multiple``), on the right, masked and ignored by
   the loss. Unaligned lengths made a third compilation on a GPU (static, then dynamic, then a
   ``% 8`` alignment guard), and tensor cores prefer the alignment anyway.
