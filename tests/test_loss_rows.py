@@ -50,6 +50,20 @@ def test_labelled_rows_pads_to_at_least_the_given_count_in_the_same_steps_and_no
         labelled_rows(labels, at_least=-1)
 
 
+def test_a_count_over_at_least_takes_every_rows_length_with_overflow_to_all():
+    """Two lengths at most (a static graph's): at_least's bucket, else every row's."""
+    total = 4 * 1023
+    few, many = torch.full((4, 1024), -100), torch.full((4, 1024), -100)
+    few[:, 1:50] = 3  # 196 labelled rows
+    many[:, 1:600] = 3  # 2396 labelled rows
+    short = labelled_rows(few, multiple=4, at_least=300, overflow_to_all=True)
+    assert short.numel() == labelled_rows(few, multiple=4, at_least=300).numel() < total
+    own = labelled_rows(many, multiple=4, at_least=300)  # its own bucket, without the option
+    full = labelled_rows(many, multiple=4, at_least=300, overflow_to_all=True)
+    assert short.numel() < own.numel() < full.numel() == labelled_rows(few, multiple=4, at_least=total).numel()
+    assert torch.equal(full[:2396], own[:2396]) and (full[2396:] == total).all()  # the same rows, more ignored ones
+
+
 @pytest.mark.parametrize("labels, buckets, message", [
     (torch.zeros(5, dtype=torch.long), 16, "must be \\(B, S\\)"),
     (torch.zeros(2, 1, dtype=torch.long), 16, "must be \\(B, S\\)"),
@@ -171,6 +185,12 @@ def test_the_row_count_is_dynamic_without_cuda_graphs_and_static_under_them(dyna
     assert rows.numel() == 64  # padded up to the count asked for: one length
     assert (0 in getattr(rows, "_dynamo_weak_dynamic_indices", set())) is dynamic_rows
     assert (0 in getattr(rows, "_dynamo_static_indices", set())) is not dynamic_rows
+    labels = torch.full((4, 1024), -100)
+    labels[:, 1:600] = 7  # more labelled rows than the 64 any shown batch needed
+    more = prepare_batch({"input_ids": torch.ones(4, 1024, dtype=torch.long), "labels": labels}, multiple=8, pad_id=0,
+                         loss_rows=4, min_loss_rows=64, dynamic_rows=dynamic_rows)["loss_rows"]
+    every = labelled_rows(labels, multiple=4, at_least=4 * 1023).numel()
+    assert (more.numel() == every) is not dynamic_rows  # static: every row's length (two lengths at most)
 
 
 def test_optimize_keeps_the_row_count_static_under_cuda_graphs_only(tiny, monkeypatch):

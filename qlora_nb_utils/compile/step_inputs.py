@@ -14,8 +14,8 @@ They run here, on each call, in plain Python, and hand the graph only shapes it 
   it happens here; the index's length is bucketed and padded to at least the most any batch
   shown to ``optimize`` needs, so the batches like those shown share one length. Without CUDA
   graphs it is marked dynamic: one compilation for every count. Under CUDA graphs it is static
-  (``mark_static``): a new count is a new compilation (one more graph), which the padding keeps
-  rare. Measured on an H100, 1B shape, ``optimize(max_memory_gib=9.61)`` in whole scope on
+  (``mark_static``), and a batch that needs more rows than any shown takes every row's length
+  (``overflow_to_all``): two lengths, two compilations at most. Measured on an H100, 1B shape, ``optimize(max_memory_gib=9.61)`` in whole scope on
   long-tail packed rows (``results/cudagraph_rerecord_h100.json``): with the count dynamic the
   first step peaked at 13.04 GiB (the figure of the benchmark's held run that overshot,
   ``results/packing_h100.json``), with it static at 9.21. (Its erratic steps had another cause:
@@ -103,7 +103,7 @@ def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool
                 torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
     labels = batch.get("labels")
     if loss_rows and torch.is_tensor(labels) and labels.dim() == 2 and not batch.get("token_stats"):
-        rows = labelled_rows(labels, multiple=loss_rows, at_least=min_loss_rows)
+        rows = labelled_rows(labels, multiple=loss_rows, at_least=min_loss_rows, overflow_to_all=not dynamic_rows)
         if dynamic_rows:
             torch._dynamo.maybe_mark_dynamic(rows, 0)
         else:  # never made dynamic by torch's automatic dynamic shapes either

@@ -56,7 +56,7 @@ ROW_BUCKETS = 16
 
 
 def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple: int = 1,
-                  ignore_index: int = IGNORE_INDEX, at_least: int = 0) -> torch.Tensor:
+                  ignore_index: int = IGNORE_INDEX, at_least: int = 0, overflow_to_all: bool = False) -> torch.Tensor:
     """The next-token target rows that carry a label, as indices for ``chunked_cross_entropy(rows=)``.
 
     Rows are numbered as :func:`causal_lm_targets` flattens them (``b * (S-1) + s`` predicts
@@ -75,6 +75,8 @@ def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple:
         at_least: pad to at least this many rows (rounded up to the same step, at most every
             row's count): one length for every batch that needs no more, so CUDA graphs record
             one graph and not one per bucket (``optimize`` passes the most any batch shown needs).
+        overflow_to_all: a count over ``at_least``'s length takes every row's length instead of
+            its own bucket: two lengths at most (for a graph whose length is static).
 
     Returns:
         A 1-D int64 tensor on ``labels``' device.
@@ -94,7 +96,10 @@ def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple:
     unit = math.lcm(64, multiple)
     per_bucket = -(-total // buckets)  # ceil division
     step = -(-per_bucket // unit) * unit
-    cap = -(-max(n, 1, min(at_least, total)) // step) * step
+    floor = -(-max(1, min(at_least, total)) // step) * step
+    cap = -(-max(n, floor) // step) * step
+    if overflow_to_all and cap > floor:
+        cap = -(-total // step) * step
     return torch.cat([rows, rows.new_full((cap - n,), total)])
 
 
