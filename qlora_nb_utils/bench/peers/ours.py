@@ -36,11 +36,16 @@ def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, 
         seed=ctx["seed"])
     device = env.resolve_device(ctx["device"])
     dtype = env.resolve_dtype(ctx["dtype"], device)
+    shown = batches
+    if ctx.get("epoch_batches"):  # the epoch checked later is shown too, as qlora-nb train shows all it trains on
+        import torch
+
+        shown = list(batches) + list(torch.load(ctx["epoch_batches"]))
     if opts["auto"]:  # every choice optimize() can make, made by it
-        opt = optimize(model, batches=batches, dtype=dtype, grad_ckpt=True if grad_ckpt else "auto",
+        opt = optimize(model, batches=shown, dtype=dtype, grad_ckpt=True if grad_ckpt else "auto",
                        max_memory_gib=opts["max_memory_gib"], scope=opts["scope"])
     else:  # the variant's choices, each stated
-        opt = optimize(model, batches=batches, dtype=dtype, cast=opts["cast_bf16"], ce_chunks=opts["ce_chunks"],
+        opt = optimize(model, batches=shown, dtype=dtype, cast=opts["cast_bf16"], ce_chunks=opts["ce_chunks"],
                        grad_ckpt=grad_ckpt, ckpt_layers=opts["ckpt_layers"], autocast=opts["autocast"],
                        attention="causal" if opts["causal_attn"] else "mask", mode=opts["mode"] or "default",
                        backend=opts["backend"], memory_budget=opts["memory_budget"], dynamic=False,
@@ -83,8 +88,9 @@ def _packing_checks(model, opt, ctx: dict, batches: list, start: dict | None, lo
         out["epoch_batches"] = len(epoch)
         out["epoch_compilations"] = opt.counter.to_dict().get("compilations")
         out["epoch_how"] = ("after the timed steps, a forward and backward of every packed batch of the epoch "
-                            "through the same compiled step; compilations counted by optimize()'s counter over "
-                            "the whole process (timed steps included)")
+                            "through the same compiled step, optimize() having been shown the epoch's batches with "
+                            "the timed ones (as qlora-nb train shows every batch it trains on); compilations counted "
+                            "by optimize()'s counter over the whole process (timed steps included)")
     if start is not None:
         k = min(int(ctx["parity_steps"]), len(losses))
         cfg = TrainConfig(steps=k, lr=ctx["lr"], seed=ctx["seed"], progress=False)
