@@ -11,13 +11,26 @@ describes every choice, and the handles are returned for its ``undo()``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..reversible import PatchHandle
 
 __all__ = ["keep_bnb_training_layout", "use_lora_addmm", "lora_addmm_expected", "use_nf4_dequant", "nf4_layers"]
+
+
+def _apply_or_refuse(name: str, apply: Callable[[], PatchHandle], asked: bool | str, choices: dict[str, Any],
+                     reasons: dict[str, str], refused: Any = False) -> PatchHandle | None:
+    """``apply()``; a version or target refusal (``RuntimeError``) is raised when the patch was asked
+    for (``asked is True``), else stated as the choice ``refused`` and its reason (None returned)."""
+    try:
+        return apply()
+    except RuntimeError as err:  # versions or targets outside what the patch was verified on
+        if asked is True:
+            raise
+        choices[name], reasons[name] = refused, f"patch refused: {err}"
+        return None
 
 
 def keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choices: dict[str, Any],
@@ -30,10 +43,9 @@ def keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choic
 
     if not bnb_cpu_packing.find_layers(model):
         return []
-    try:
-        handle = bnb_cpu_packing.apply(model)
-    except RuntimeError as err:  # versions outside the verified range: say so, change nothing
-        choices["bnb_cpu_layout"], reasons["bnb_cpu_layout"] = "untouched", f"patch refused: {err}"
+    handle = _apply_or_refuse("bnb_cpu_layout", lambda: bnb_cpu_packing.apply(model), "auto", choices, reasons,
+                              refused="untouched")
+    if handle is None:
         return []
     choices["bnb_cpu_layout"] = "training"
     reasons["bnb_cpu_layout"] = "an eval pass cannot repack NF4 for CPU inference (lost LoRA gradients)"
@@ -58,12 +70,8 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
     if asked is False or not patch.find_layers(model):
         reasons["lora_addmm"] = "asked for" if asked is False else "no PEFT LoRA linear layer"
         return []
-    try:
-        handle = patch.apply(model, in_place)
-    except RuntimeError as err:  # versions outside the verified range
-        if asked is True:
-            raise
-        reasons["lora_addmm"] = f"patch refused: {err}"
+    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place), asked, choices, reasons)
+    if handle is None:
         return []
     choices["lora_addmm"] = True
     reasons["lora_addmm"] = (f"{handle.details['layers']} LoRA layers: update added into the base output in place"
@@ -77,12 +85,9 @@ _NF4_SHARED: dict[str, Any] = {"handle": None, "users": 0}
 
 def nf4_layers(model: torch.nn.Module) -> int:
     """How many bitsandbytes 4-bit layers of ``model`` hold an NF4 weight (without importing bitsandbytes)."""
-    count = 0
-    for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if type(module).__name__ == "Linear4bit" and getattr(state, "quant_type", None) == "nf4":
-            count += 1
-    return count
+    from .patches.bnb_cpu_packing import find_layers
+
+    return sum(getattr(getattr(m.weight, "quant_state", None), "quant_type", None) == "nf4" for m in find_layers(model))
 
 
 def _acquire_nf4() -> PatchHandle:
@@ -127,12 +132,8 @@ def use_nf4_dequant(model: torch.nn.Module, asked: bool | str, device: torch.dev
         reasons["nf4_dequant"] = (f"measured on CUDA only; off on {device.type}" if device.type != "cuda"
                                   else "no Triton here: bitsandbytes' own dequantize")
         return []
-    try:
-        handle = _acquire_nf4()
-    except RuntimeError as err:  # versions or targets outside what the patch was verified on
-        if asked is True:
-            raise
-        reasons["nf4_dequant"] = f"patch refused: {err}"
+    handle = _apply_or_refuse("nf4_dequant", _acquire_nf4, asked, choices, reasons)
+    if handle is None:
         return []
     choices["nf4_dequant"] = True
     reasons["nf4_dequant"] = (f"{layers} NF4 layers: dequantize in one Triton kernel, not bitsandbytes' two "
