@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .collate import PaddingCollator, make_batches
-from .examples import IGNORE_INDEX, load_examples, tokenize_examples
+from .examples import IGNORE_INDEX, learned_rows, load_examples, tokenize_examples
 from .packing import PackingStats, pack_examples
 
 __all__ = ["build_batches", "build_packed_batches", "pack_tokenized", "cut_tokenized", "make_length_batcher", "pack_rows"]
@@ -105,28 +105,10 @@ def cut_tokenized(rows: Any, max_len: int) -> Any:
     Raises:
         ValueError: ``max_len`` < 2, or no row keeps a learned token.
     """
-    import warnings
-
-    import datasets
-
     if not isinstance(max_len, int) or max_len < 2:
         raise ValueError(f"max_len must be an integer >= 2, got {max_len!r}")
-    out: dict[str, list] = {"input_ids": [], "labels": [], "length": []}
-    total = 0
-    for row in rows:
-        total += 1
-        ids, labels = list(row["input_ids"])[:max_len], list(row["labels"])[:max_len]
-        if all(x == IGNORE_INDEX for x in labels):
-            continue
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
-        out["length"].append(len(ids))
-    if not out["length"]:
-        raise ValueError(f"every example's prompt fills max_len={max_len}; raise max_len")
-    if total - len(out["length"]):
-        warnings.warn(f"dropped {total - len(out['length'])} of {total} examples whose prompt fills "
-                      f"max_len={max_len}", stacklevel=2)
-    return datasets.Dataset.from_dict(out)
+    return learned_rows(((list(r["input_ids"])[:max_len], list(r["labels"])[:max_len]) for r in rows), max_len,
+                        stacklevel=3)
 
 
 def pack_tokenized(rows: Any, *, batch_size: int, max_len: int, pad_id: int, seed: int = 0,

@@ -422,8 +422,6 @@ def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template
     Raises:
         ValueError: ``max_len`` < 2, or no row keeps a learned token.
     """
-    import datasets
-
     if not isinstance(max_len, int) or max_len < 2:
         raise ValueError(f"max_len must be an integer >= 2, got {max_len!r}")
     pairs = [format_example(ex, tokenizer, chat_template) for ex in ds]
@@ -432,19 +430,21 @@ def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template
     # tokenizer add its usual special tokens to the prompt.
     prompts = tokenizer([p for p, _ in pairs], add_special_tokens=plain)["input_ids"]
     completions = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
-    rows: dict[str, list] = {"input_ids": [], "labels": [], "length": []}
-    for p_ids, c_ids in zip(prompts, completions):
-        ids, labels = _tokenize_one(p_ids, c_ids, tokenizer.eos_token_id, max_len,
-                                    train_on_prompt)
-        if all(x == IGNORE_INDEX for x in labels):
-            continue
-        rows["input_ids"].append(ids)
-        rows["labels"].append(labels)
-        rows["length"].append(len(ids))
-    dropped = len(pairs) - len(rows["length"])
-    if not rows["length"]:
+    return learned_rows((_tokenize_one(p_ids, c_ids, tokenizer.eos_token_id, max_len, train_on_prompt)
+                         for p_ids, c_ids in zip(prompts, completions)), max_len, stacklevel=3)
+
+
+def learned_rows(rows: Any, max_len: int, stacklevel: int = 2) -> datasets.Dataset:
+    """``(input_ids, labels)`` pairs cut to ``max_len`` as a Dataset, less the rows with no learned token
+    (warned; ValueError if none is left): what :func:`tokenize_examples` and ``batches.cut_tokenized`` keep."""
+    import datasets
+
+    rows = list(rows)
+    kept = [(ids, labels) for ids, labels in rows if any(x != IGNORE_INDEX for x in labels)]
+    if not kept:
         raise ValueError(f"every example's prompt fills max_len={max_len}; raise max_len")
-    if dropped:
-        warnings.warn(f"dropped {dropped} of {len(pairs)} examples whose prompt fills "
-                      f"max_len={max_len}", stacklevel=2)
-    return datasets.Dataset.from_dict(rows)
+    if len(kept) < len(rows):
+        warnings.warn(f"dropped {len(rows) - len(kept)} of {len(rows)} examples whose prompt fills "
+                      f"max_len={max_len}", stacklevel=stacklevel)
+    return datasets.Dataset.from_dict({"input_ids": [ids for ids, _ in kept], "labels": [lab for _, lab in kept],
+                                       "length": [len(ids) for ids, _ in kept]})
