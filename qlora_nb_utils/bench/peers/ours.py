@@ -36,11 +36,12 @@ def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, 
         seed=ctx["seed"])
     device = env.resolve_device(ctx["device"])
     dtype = env.resolve_dtype(ctx["dtype"], device)
-    shown = batches
+    epoch = None
     if ctx.get("epoch_batches"):  # the epoch checked later is shown too, as qlora-nb train shows all it trains on
         import torch
 
-        shown = list(batches) + list(torch.load(ctx["epoch_batches"]))
+        epoch = list(torch.load(ctx["epoch_batches"]))
+    shown = list(batches) + epoch if epoch else batches
     if opts["auto"]:  # every choice optimize() can make, made by it
         opt = optimize(model, batches=shown, dtype=dtype, grad_ckpt=True if grad_ckpt else "auto",
                        max_memory_gib=opts["max_memory_gib"], scope=opts["scope"])
@@ -56,8 +57,8 @@ def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, 
     checks: dict[str, Any] = {}
     try:
         hist = train(model, batches, _train_cfg(ctx), forward=opt.forward, label=ctx["name"])
-        if ctx.get("epoch_batches") or start is not None:
-            checks = _packing_checks(model, opt, ctx, batches, start, list(hist["loss"]))
+        if epoch or start is not None:
+            checks = _packing_checks(model, opt, ctx, batches, start, list(hist["loss"]), epoch)
     finally:
         opt.undo()
     stats = opt.counter.to_dict()
@@ -71,16 +72,15 @@ def _peer_ours(ctx: dict, batches: list, variant: str, opts: dict) -> dict[str, 
     return run
 
 
-def _packing_checks(model, opt, ctx: dict, batches: list, start: dict | None, losses: list) -> dict[str, Any]:
-    """Compilations over one epoch of packed batches, and the loss against the uncompiled recipe."""
-    import torch
-
+def _packing_checks(model, opt, ctx: dict, batches: list, start: dict | None, losses: list,
+                    epoch: list | None) -> dict[str, Any]:
+    """Compilations over one epoch of packed batches (``epoch``, None: not checked), and the loss
+    against the uncompiled recipe."""
     from ...training.loop import TrainConfig, load_trainable_state, train
     from ...training.parity import judge, permute_rows
 
     out: dict[str, Any] = {}
-    if ctx.get("epoch_batches"):
-        epoch = torch.load(ctx["epoch_batches"])
+    if epoch:
         device = next(p.device for p in model.parameters() if p.requires_grad)
         for batch in epoch:  # a forward and backward of each; the weights do not change
             opt.forward(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
