@@ -41,8 +41,8 @@ def _seq_lens(text: str) -> list[int]:
 
 
 #: models.MODEL_NAMES in words, for every --model (tests/test_models.py checks each names them all)
-_MODEL_HELP = ("tiny, smollm2-135m, llama-3.2-1b-shape, llama-3.2-1b-shape-4l, llama-3.1-8b-shape, an HF id or a path "
-               "(a model folder)")
+_MODEL_HELP = ("tiny, smollm2-135m, llama-3.2-1b-shape, llama-3.2-1b-shape-4l, llama-3.1-8b-shape, "
+               "llama-3.1-8b-shape-4l, an HF id or a path (a model folder)")
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:

@@ -219,6 +219,7 @@ def test_local_path_loads_like_the_name(cache, tiny_dir):
     ("llama-3.2-1b-shape", (2048, 16, 32, 8, 8192, True, 32.0), 1_235_814_400),
     ("llama-3.2-1b-shape-4l", (2048, 4, 32, 8, 8192, True, 32.0), 505_956_352),
     ("llama-3.1-8b-shape", (4096, 32, 32, 8, 14336, False, 8.0), 8_030_261_248),
+    ("llama-3.1-8b-shape-4l", (4096, 4, 32, 8, 14336, False, 8.0), 1_923_125_248),
 ])
 def test_shape_model_configs(name, shape, params):
     from transformers import AutoModelForCausalLM
@@ -234,10 +235,11 @@ def test_shape_model_configs(name, shape, params):
     assert skeleton.num_parameters() == params
 
 
-def test_four_layer_1b_shape_differs_only_in_depth():
-    full = models.model_config("llama-3.2-1b-shape").to_dict()
-    short = models.model_config("llama-3.2-1b-shape-4l").to_dict()
-    assert (full.pop("num_hidden_layers"), short.pop("num_hidden_layers")) == (16, 4)
+@pytest.mark.parametrize("name, layers", [("llama-3.2-1b-shape", 16), ("llama-3.1-8b-shape", 32)])
+def test_four_layer_shapes_differ_only_in_depth(name, layers):
+    full = models.model_config(name).to_dict()
+    short = models.model_config(f"{name}-4l").to_dict()
+    assert (full.pop("num_hidden_layers"), short.pop("num_hidden_layers")) == (layers, 4)
     assert short == full
 
 

@@ -14,6 +14,9 @@ loads models so that reading a name, a choice or a config imports neither torch 
 * ``llama-3.2-1b-shape-4l``: the 1B shape with 4 layers instead of 16 (every other value the
   same). Whole-model compile time grows with depth, while guards and recompilations do not
   depend on it, so recompilation studies use it to fit in a time-limited GPU call.
+* ``llama-3.1-8b-shape-4l``: the 8B shape with 4 layers (1.9B parameters). Every decoder layer of
+  the 8B model runs the same kernels, so per-layer kernel studies (Inductor options, one kernel
+  against another) use it: it loads in seconds where the 8B model takes a minute.
 
 All of them use SmolLM2's real tokenizer, so every model reads the same real data; the configs
 of the random-init ones carry its special-token ids, so that model and tokenizer agree.
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 MODEL_NAMES = ("tiny", "smollm2-135m", "llama-3.2-1b-shape", "llama-3.2-1b-shape-4l",
-               "llama-3.1-8b-shape")
+               "llama-3.1-8b-shape", "llama-3.1-8b-shape-4l")
 QUANT_CHOICES = ("nf4", "none")
 ATTN_CHOICES = ("sdpa", "eager", "flex_attention")
 
@@ -86,6 +89,8 @@ _CONFIGS = {
 }
 # Derived, not copied, so that it stays the 1B shape if that one changes.
 _CONFIGS["llama-3.2-1b-shape-4l"] = {**copy.deepcopy(_CONFIGS["llama-3.2-1b-shape"]),
+                                      "num_hidden_layers": 4}
+_CONFIGS["llama-3.1-8b-shape-4l"] = {**copy.deepcopy(_CONFIGS["llama-3.1-8b-shape"]),
                                       "num_hidden_layers": 4}
 
 
