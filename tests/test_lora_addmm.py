@@ -120,7 +120,7 @@ def test_out_of_place_update_gives_the_same_values_and_optimize_takes_it_when_me
     model, _ = tiny
     ref_loss, ref_grads = _step(model, batch)
     with lora_addmm.patched(model, in_place=False) as handle:
-        assert handle.details == {"layers": 14, "in_place": False}
+        assert handle.details == {"layers": 14, "in_place": False, "nf4_layers": 0}
         loss, grads = _step(model, batch)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for name in grads:
@@ -133,3 +133,95 @@ def test_out_of_place_update_gives_the_same_values_and_optimize_takes_it_when_me
             assert ("out-of-place" in opt.reasons["lora_addmm"]) is (not in_place)
         finally:
             opt.undo()
+
+
+# ----------------------------------------------------------------------------- NF4 layers: one fused LoRA linear
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the in-place update op and bitsandbytes' own ops as they are dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.updates = self.bnb = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.updates += str(func).startswith("qlora_nb.lora_addmm_")
+        self.bnb += str(func).startswith("bitsandbytes.")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nf4_layers_run_fused_with_peft_loss_and_lora_grads(tiny, batch, compiled):
+    model, _ = tiny
+    ref_loss, ref_grads = _step(model, batch, compiled)
+    torch.compiler.reset()
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    ops = _Ops()
+    with lora_addmm.patched(model, nf4_rows={"cpu": 0, "cuda": 0}) as handle:
+        assert handle.details["nf4_layers"] == 14
+        if compiled:  # fullgraph: no break either
+            fn = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+            loss = fn(**batch).loss
+            loss.backward()
+            loss, grads = loss.detach(), _grads(model)
+            model.zero_grad(set_to_none=True)
+        else:
+            with ops:
+                loss, grads = _step(model, batch)
+    if compiled:  # a dispatch mode stops Dynamo: count the ops in the forward and backward graphs instead
+        nodes = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+        ops.updates = sum("qlora_nb.lora_addmm_" in str(n.target) + str(n.args[:1]) for n in nodes)  # functionalized
+        ops.bnb = sum(str(n.target).startswith("bitsandbytes") for n in nodes)
+    # every layer's forward and backward went through the fused Function
+    assert ops.bnb == 0 and ops.updates == 14 + 14 - 3  # layer 0's q, k, v: no input gradient
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_nf4_route_is_left_below_its_rows_with_dropout_and_without_grad(tiny, batch):
+    model, _ = tiny
+    layers = lora_addmm.find_layers(model)
+    with lora_addmm.patched(model, nf4_rows={"cpu": 10**6}), _Ops() as ops:  # below the row threshold
+        _step(model, batch)
+    assert ops.bnb > 0 and ops.updates == 14  # the in-place update after bitsandbytes' own matmul
+    with lora_addmm.patched(model, nf4_rows={"cpu": 0}), _Ops() as ops:
+        with torch.no_grad():  # inference: bitsandbytes' own path
+            model(**batch)
+        assert ops.bnb > 0
+        ops.bnb = 0
+        dropout = layers[0].lora_dropout["default"]
+        layers[0].lora_dropout["default"] = torch.nn.Dropout(0.0)  # not the identity: PEFT's x for the update
+        try:
+            _step(model, batch)
+        finally:
+            layers[0].lora_dropout["default"] = dropout
+    assert ops.bnb > 0
+    assert not any("forward" in vars(layer) for layer in layers)
+
+
+def test_optimize_fuses_nf4_layers_when_its_nf4_patch_is_on(tiny, batch):
+    model, _ = tiny
+    opt = optimize(model, batches=[batch], backend="eager", nf4_dequant=True)
+    try:
+        assert opt.choices["nf4_dequant"] is True
+        assert "14 over NF4 weights: the base matmul adds into the update" in opt.reasons["lora_addmm"]
+        loss = opt.forward(**batch).loss
+        loss.backward()
+        assert torch.isfinite(loss) and all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    finally:
+        opt.undo()
+        model.zero_grad(set_to_none=True)
+    opt = optimize(model, batches=[batch], backend="eager")  # nf4_dequant auto: off on a CPU, nothing fused
+    try:
+        assert opt.choices["nf4_dequant"] is False and "NF4" not in opt.reasons["lora_addmm"]
+    finally:
+        opt.undo()

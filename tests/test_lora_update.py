@@ -1,12 +1,14 @@
 """ops.lora_update: base += scaling * xa @ B^T in place. The custom op passes torch's opcheck, the
 Function gives the sum's values and gradients, Inductor runs it without copying the base output
-(the copy an out-of-place addmm costs), and bad input is refused."""
+(the copy an out-of-place addmm costs), and bad input is refused. nf4_lora_linear (a LoRA linear
+over an NF4 weight) gives the layer and its gradients, never saves the dequantized weight, and
+under Inductor its base matmul adds into the update in place, forward and backward."""
 
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from qlora_nb_utils.ops.lora_update import add_lora_, lora_addmm_
+from qlora_nb_utils.ops.lora_update import add_lora_, lora_addmm_, nf4_lora_linear
 
 
 def _inputs(dtype=torch.float64):
@@ -97,3 +99,83 @@ def test_bad_input_is_refused(shapes, dtypes, message):
     tensors = [torch.randn(s, dtype=d) for s, d in zip(shapes, dtypes)]
     with pytest.raises(ValueError, match=message):
         add_lora_(*tensors, 1.0)
+
+
+# ----------------------------------------------------------------------------- nf4_lora_linear
+def _nf4_inputs(out_f=48, in_f=64, r=4, rows=(3, 5), seed=0):
+    bnbF = pytest.importorskip("bitsandbytes.functional")
+    from qlora_nb_utils.ops import nf4_triton
+
+    g = torch.Generator().manual_seed(seed)
+    packed, state = bnbF.quantize_4bit(torch.randn(out_f, in_f, generator=g), blocksize=64, quant_type="nf4",
+                                       compress_statistics=True)
+    weight = bnbF.dequantize_4bit(packed, state)
+    x = torch.randn(*rows, in_f, generator=g, requires_grad=True)
+    a = (torch.randn(r, in_f, generator=g) * 0.3).requires_grad_()
+    b = (torch.randn(out_f, r, generator=g) * 0.3).requires_grad_()
+    return x, a, b, weight, nf4_triton.op_args(packed, state, torch.float32)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nf4_lora_linear_gives_the_lora_linear_and_its_gradients(compiled):
+    x, a, b, weight, args = _nf4_inputs()
+
+    def ours(x, a, b):
+        return nf4_lora_linear(x, a, b, 0.75, args)
+
+    def reference(x, a, b):
+        return x @ weight.t() + 0.75 * (x @ a.t()) @ b.t()
+
+    fn = torch.compile(ours, backend="aot_eager", fullgraph=True) if compiled else ours
+    out, grads = _grads(fn, (x, a, b))
+    ref, ref_grads = _grads(reference, (x, a, b))
+    assert out.shape == (3, 5, 48)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip("xab", grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_nf4_lora_linear_under_inductor_adds_the_base_matmul_into_the_update():
+    """Forward and backward: the base matmul (with the weight dequantized, never saved) writes into the
+    buffer a rank-r matmul wrote just before, in place: one lora_addmm_ each, no addmm, no copy."""
+    torch.compiler.reset()
+    x, a, b, weight, args = _nf4_inputs()
+    fn = torch.compile(lambda x, a, b: nf4_lora_linear(x, a, b, 0.75, args), fullgraph=True)
+    _, codes = run_and_get_code(lambda: fn(x, a, b).square().sum().backward())
+    assert len(codes) == 2, "a forward and a backward"
+    for code in codes:
+        calls = [ln.strip() for ln in code.splitlines() if "lora_addmm_" in ln and "torch.ops" in ln]
+        assert len(calls) == 1, code
+        target = calls[0].split("(", 1)[1].split(",")[0]
+        assert f"out={target})" in code  # an extern mm wrote the buffer the op adds into
+        assert "extern_kernels.addmm" not in code and "dequantize_nf4_fused" in code
+
+
+def test_nf4_lora_linear_saves_no_dequantized_weight():
+    x, a, b, weight, args = _nf4_inputs()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        nf4_lora_linear(x, a, b, 1.0, args)
+    shapes = [tuple(t.shape) for t in saved]
+    assert (15, 64) in shapes and (15, 4) in shapes  # x and x @ A^T (scaled), for A's and B's gradients
+    assert not any(t.is_floating_point() and t.shape == weight.shape for t in saved), shapes
+
+
+def test_nf4_lora_linear_skips_the_input_gradient_when_nothing_needs_it():
+    x, a, b, _, args = _nf4_inputs()
+    x = x.detach()
+    nf4_lora_linear(x, a, b, 1.0, args).sum().backward()
+    assert x.grad is None and a.grad is not None and b.grad is not None
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x, a, b: (x[..., :32], a, b), "do not make"),
+    (lambda x, a, b: (x, a[:, :32], b), "do not make"),
+    (lambda x, a, b: (x, a, b[:40]), "do not make"),
+    (lambda x, a, b: (x, a[0], b), "2-D"),
+    (lambda x, a, b: (x.double(), a, b), "one dtype"),
+])
+def test_nf4_lora_linear_refuses_bad_input(change, message):
+    x, a, b, _, args = _nf4_inputs()
+    with pytest.raises(ValueError, match=message):
+        nf4_lora_linear(*change(x.detach(), a.detach(), b.detach()), 1.0, args)

@@ -341,9 +341,10 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     if doc_handle is not None:
         extra.insert(0, doc_handle)  # configs only: undone in any order
     try:
+        nf4 = use_nf4_dequant(model, nf4_dequant, device, choices, reasons)
+        extra += nf4
         extra += use_lora_addmm(model, lora_addmm, choices, reasons, not over_target,
-                                "the memory target is not met with every layer checkpointed: one tensor fewer")
-        extra += use_nf4_dequant(model, nf4_dequant, device, choices, reasons)
+                                "the memory target is not met with every layer checkpointed: one tensor fewer", nf4)
     except BaseException:  # refused when asked for: leave the model as it was given, but for the cast
         for handle in [*extra, fast]:
             handle.undo()

@@ -61,21 +61,30 @@ def lora_addmm_expected(model: torch.nn.Module, asked: bool | str) -> bool:
 
 
 def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str, Any],
-                    reasons: dict[str, str], in_place: bool = True, why: str = "") -> list[PatchHandle]:
+                    reasons: dict[str, str], in_place: bool = True, why: str = "",
+                    nf4: list[PatchHandle] | None = None) -> list[PatchHandle]:
     """``optimize(lora_addmm=...)``: the patch's handle (a list: empty when not applied);
-    ``in_place=False`` (with ``why``) for the out-of-place update."""
+    ``in_place=False`` (with ``why``) for the out-of-place update. ``nf4``: the handles
+    :func:`use_nf4_dequant` returned; when it was applied (and the update is in place), the layers
+    over NF4 weights run as one LoRA linear whose base matmul adds into the update
+    (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`)."""
     from .patches import lora_addmm as patch
 
     choices["lora_addmm"] = False
     if asked is False or not patch.find_layers(model):
         reasons["lora_addmm"] = "asked for" if asked is False else "no PEFT LoRA linear layer"
         return []
-    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place), asked, choices, reasons)
+    rows = nf4[0].details.get("forward_min_rows") if nf4 and in_place else None
+    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place, rows), asked, choices, reasons)
     if handle is None:
         return []
     choices["lora_addmm"] = True
-    reasons["lora_addmm"] = (f"{handle.details['layers']} LoRA layers: update added into the base output in place"
-                             if in_place else f"{handle.details['layers']} LoRA layers: out-of-place addmm ({why})")
+    n, fused = handle.details["layers"], handle.details["nf4_layers"]
+    reasons["lora_addmm"] = (f"{n} LoRA layers: update added into the base output in place" if in_place
+                             else f"{n} LoRA layers: out-of-place addmm ({why})")
+    if fused:
+        reasons["lora_addmm"] += (f"; {fused} over NF4 weights: the base matmul adds into the update, forward "
+                                  "and backward (one input gradient)")
     return [handle]
 
 

@@ -12,7 +12,8 @@
   compiled graph (``document_block_mask`` for flex, ``document_dense_mask`` for SDPA,
   ``with_document_mask``, ``document_mask_mod``, ``varlen_available``).
 - ``lora_update``: a LoRA update added into the base layer's output in place (``add_lora_``,
-  the mutable custom op ``qlora_nb::lora_addmm_``), with no copy of the base output.
+  the mutable custom op ``qlora_nb::lora_addmm_``), with no copy of the base output; and a whole
+  LoRA linear over an NF4 base whose base matmul adds into the update (``nf4_lora_linear``).
 
 Nothing here imports the rest of the package except ``reversible`` (the undo handle).
 """
@@ -31,6 +32,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "causal_block_mask": "attention",
     "check_right_padded": "attention",
     "add_lora_": "lora_update",
+    "nf4_lora_linear": "lora_update",
     **{name: "doc_attention" for name in ("DOC_MASK_KERNELS", "document_mask_mod", "document_block_mask",
                                           "document_dense_mask", "with_document_mask", "varlen_available")},
 })

@@ -15,13 +15,23 @@ first argument and, since nothing reads the base output afterwards, runs it in p
 ``tests/test_lora_update.py`` reads the generated code). The Function marks the base dirty, so
 an autograd graph that still needed the old value would refuse at backward time, not compute
 with a changed tensor.
+
+:func:`nf4_lora_linear` goes one step further for an NF4 base layer: the whole LoRA linear
+``x @ W^T + s * (x @ A^T) @ B^T`` in one autograd Function, the order of its matmuls turned
+around. The small LoRA product is computed first and the big base matmul adds into it
+(``qlora_nb::lora_addmm_`` with the dequantized ``W``), so the output-sized buffer is written
+by a rank-``r`` matmul (memory-bound) and read back only by the base matmul's epilogue, which
+a compute-bound GEMM hides. The plain update above reads and writes it again after the base
+matmul. The backward does the same for the input gradient: ``(s * g @ B) @ A`` first, then
+``g @ W`` added into it, one tensor where autograd would sum two (the base's and the LoRA's)
+in the next elementwise kernel. ``W`` is dequantized again in the backward, never saved.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["lora_addmm_", "add_lora_"]
+__all__ = ["lora_addmm_", "add_lora_", "nf4_lora_linear"]
 
 
 @torch.library.custom_op("qlora_nb::lora_addmm_", mutates_args=("base",))
@@ -81,3 +91,70 @@ def add_lora_(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: fl
     if not base.is_contiguous():
         raise ValueError("add_lora_: base must be contiguous (it is written in place through a 2-D view)")
     return _AddLora.apply(base, xa, b, float(scaling))
+
+
+class _NF4LoraLinear(torch.autograd.Function):
+    """``x @ W^T + s * (x @ A^T) @ B^T`` with ``W`` the NF4 weight (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, scaling, packed, absmax, code, nested_code, nested_absmax, offset, blocksize,
+                nested_blocksize, shape, dtype):
+        from . import nf4_triton
+
+        x2 = x.reshape(-1, x.shape[-1])
+        xa = (x2 @ a.t()) * scaling  # (N, r): the scaling on the small tensor
+        out = xa @ b.t()  # the update first: a rank-r matmul writes the output buffer ...
+        weight = nf4_triton.dequantize(packed, absmax, code, nested_code, nested_absmax, offset, blocksize,
+                                       nested_blocksize, shape, dtype)
+        lora_addmm_(out, x2, weight.t(), 1.0)  # ... and the base matmul adds into it
+        ctx.save_for_backward(x2, xa, a, b, packed, absmax, code, nested_code, nested_absmax, offset)
+        ctx.constants = (float(scaling), blocksize, nested_blocksize, shape, dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        from . import nf4_triton
+
+        x2, xa, a, b, packed, absmax, code, nested_code, nested_absmax, offset = ctx.saved_tensors
+        scaling, blocksize, nested_blocksize, shape, dtype = ctx.constants
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gxa = (g2 @ b) * scaling  # (N, r)
+        grad_a = gxa.t() @ x2 if ctx.needs_input_grad[1] else None
+        grad_b = g2.t() @ xa if ctx.needs_input_grad[2] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = gxa @ a  # the LoRA part first, then the base's g @ W added into it
+            weight = nf4_triton.dequantize(packed, absmax, code, nested_code, nested_absmax, offset, blocksize,
+                                           nested_blocksize, shape, dtype)
+            lora_addmm_(grad_x, g2, weight, 1.0)
+            grad_x = grad_x.view(*grad.shape[:-1], x2.shape[-1])
+        return (grad_x, grad_a, grad_b) + (None,) * 11
+
+
+def nf4_lora_linear(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                    weight_args: tuple) -> torch.Tensor:
+    """A LoRA linear layer over an NF4 base weight, ``x @ W^T + scaling * (x @ a^T) @ b^T`` (module docstring).
+
+    Args:
+        x: ``(..., in)``.
+        a: ``(r, in)``, ``lora_A``'s weight; b: ``(out, r)``, ``lora_B``'s weight; both in ``x``'s dtype.
+        scaling: the adapter's ``alpha / r``.
+        weight_args: the NF4 weight as the dequantize op's ten arguments
+            (:func:`qlora_nb_utils.ops.nf4_triton.op_args`), dequantized to ``x``'s dtype.
+
+    Returns:
+        ``(..., out)``; differentiable in ``x``, ``a`` and ``b`` (the base weight is frozen).
+
+    Raises:
+        ValueError: mismatched shapes or dtypes.
+    """
+    shape, dtype = list(weight_args[8]), weight_args[9]
+    if a.dim() != 2 or b.dim() != 2 or len(shape) != 2:
+        raise ValueError(f"nf4_lora_linear takes 2-D a, b and weight, got {a.dim()}, {b.dim()} and {len(shape)} dims")
+    if x.shape[-1] != shape[1] or a.shape != (b.shape[1], shape[1]) or b.shape[0] != shape[0]:
+        raise ValueError(f"nf4_lora_linear: shapes x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} and "
+                         f"weight {tuple(shape)} do not make x @ W^T + (x @ a^T) @ b^T")
+    if not x.dtype == a.dtype == b.dtype == dtype:
+        raise ValueError(f"nf4_lora_linear: one dtype expected, got x {x.dtype}, a {a.dtype}, b {b.dtype}, "
+                         f"weight {dtype}")
+    return _NF4LoraLinear.apply(x, a, b, float(scaling), *weight_args)

@@ -22,6 +22,7 @@ timeout keeps what finished.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -37,18 +38,44 @@ from profile_8b import BATCH, LORA_ALPHA, LORA_R, LR, SEED, SEQ, gpu_lock, marke
 
 MODEL = "llama-3.1-8b-shape-4l"
 WARMUP, TIMED, PROFILED = 3, 10, 3
-#: name: (optimize() keywords, Inductor config patches held over the variant's run)
+def _unfused_route(min_rows):
+    return lambda layer, x: None  # no layer takes the fused NF4 LoRA linear
+
+
+#: name: (optimize() keywords, Inductor config patches held over the variant's run, and
+#: (module, attribute, value) patches held over it). ``grad_ckpt`` among the keywords checkpoints every layer.
 VARIANTS = {
-    "default": ({}, {}),
-    "no_eager_numerics": ({"eager_numerics": False}, {}),
-    "coord_descent": ({}, {"coordinate_descent_tuning": True}),
-    "coord_descent_no_eager_numerics": ({"eager_numerics": False}, {"coordinate_descent_tuning": True}),
-    "multi_kernel": ({}, {"triton.multi_kernel": 1}),
-    "no_recompute": ({"recompute": False}, {}),
-    "max_autotune_no_cudagraphs": ({"mode": "max-autotune-no-cudagraphs"}, {}),
+    "default": ({}, {}, ()),
+    "lora_unfused": ({}, {}, (("qlora_nb_utils.compile.patches.nf4_dequant", "make_lora_route", _unfused_route),)),
+    "ckpt": ({"grad_ckpt": True}, {}, ()),
+    "ckpt_lora_unfused": ({"grad_ckpt": True}, {},
+                          (("qlora_nb_utils.compile.patches.nf4_dequant", "make_lora_route", _unfused_route),)),
+    "no_eager_numerics": ({"eager_numerics": False}, {}, ()),
+    "coord_descent": ({}, {"coordinate_descent_tuning": True}, ()),
+    "coord_descent_no_eager_numerics": ({"eager_numerics": False}, {"coordinate_descent_tuning": True}, ()),
+    "multi_kernel": ({}, {"triton.multi_kernel": 1}, ()),
+    "no_recompute": ({"recompute": False}, {}, ()),
+    "max_autotune_no_cudagraphs": ({"mode": "max-autotune-no-cudagraphs"}, {}, ()),
 }
 #: Time a variant is expected to need (s): one is not started with less left.
 NEEDS = {"max_autotune_no_cudagraphs": 150}
+
+
+@contextlib.contextmanager
+def attributes(patches):
+    """Set ``(module, attribute, value)`` for the block, then put the old values back."""
+    import importlib
+
+    old = []
+    try:
+        for module, name, value in patches:
+            mod = importlib.import_module(module)
+            old.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, value in reversed(old):
+            setattr(mod, name, value)
 
 
 def kernel_sources(names: list[str], since: float) -> dict[str, str]:
@@ -71,18 +98,21 @@ def kernel_sources(names: list[str], since: float) -> dict[str, str]:
     return found
 
 
-def run_variant(model, batches, lora_state, name: str, kw: dict, patches: dict, vocab: int, lock: str) -> dict:
+def run_variant(model, batches, lora_state, name: str, kw: dict, patches: dict, attrs: tuple, vocab: int,
+                lock: str) -> dict:
     import torch
     import torch._inductor.config as inductor_config
 
     from qlora_nb_utils.bench.profile import profile_training
     from qlora_nb_utils.compile.fast_path import optimize
 
-    res: dict = {"optimize_kwargs": kw, "inductor_config": patches}
+    res: dict = {"optimize_kwargs": kw, "inductor_config": patches,
+                 "attributes": [f"{m}.{a}" for m, a, _ in attrs]}
     since = time.time()
     model.load_state_dict(lora_state, strict=False)
     torch._dynamo.reset()
-    opt = optimize(model, batches=batches, grad_ckpt=False, scope="regional", **{"mode": "default", **kw})
+    with attributes(attrs):
+        opt = optimize(model, batches=batches, scope="regional", **{"mode": "default", "grad_ckpt": False, **kw})
     res["optimize"] = opt.description
     params = [p for p in model.parameters() if p.requires_grad]
     adam = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
@@ -151,8 +181,11 @@ def main(argv=None) -> int:
         spec = {"batches": str(work / "batches.pt"), "lock": lock, "vocab": vocab, "model_dir": str(model_dir)}
         (work / "spec.json").write_text(json.dumps(spec))
         here = str(Path(__file__).resolve().parent / "profile_unsloth.py")
+        from qlora_nb_utils.bench.peers.process import _child_env
+
         unsloth = subprocess.Popen([sys.executable, here, str(work / "spec.json"), str(work / "unsloth.json")],
-                                   stdout=open(out / "unsloth_log.txt", "w"), stderr=subprocess.STDOUT)
+                                   stdout=open(out / "unsloth_log.txt", "w"), stderr=subprocess.STDOUT,
+                                   env=_child_env("unsloth", work / "inductor_unsloth"))
     log(f"built {model_dir}; batches ready")
     with gpu_lock(lock, shared=True):
         model, _ = models.load_model(MODEL, quant="nf4", lora=True, lora_r=LORA_R, lora_alpha=LORA_ALPHA,
@@ -160,14 +193,14 @@ def main(argv=None) -> int:
     lora_state = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
     log("ours loaded")
     for name in [v for v in a.variants.split(",") if v]:
-        kw, patches = VARIANTS[name]
+        kw, patches, attrs = VARIANTS[name]
         left = t_start + a.deadline - time.time()
         if left < NEEDS.get(name, 60):
             res["variants"][name] = {"skipped": f"{left:.0f} s left"}
             continue
         log(f"variant {name}")
         try:
-            r = run_variant(model, batches, lora_state, name, kw, patches, vocab, lock)
+            r = run_variant(model, batches, lora_state, name, kw, patches, attrs, vocab, lock)
             sources[name] = r.pop("sources")
         except Exception as exc:  # recorded: the table shows a failed variant
             import traceback

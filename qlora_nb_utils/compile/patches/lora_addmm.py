@@ -20,6 +20,13 @@ under autocast or with the LoRA weights in the base output's dtype) and hands ev
 to PEFT's own forward, unchanged. Values differ from PEFT's only by rounding: the sum is
 rounded once in the matmul's epilogue, where PEFT rounds the update, its scaling and the sum.
 
+With ``nf4_rows`` (what ``optimize()`` passes when its ``nf4_dequant`` patch is on), a layer over an
+NF4 weight that :func:`~qlora_nb_utils.compile.patches.nf4_dequant.make_lora_route` accepts runs
+as one :func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`: the update first, the base matmul
+adding into it, forward and backward (one input gradient, not two summed). PEFT's scaling, its
+identity dropout and the LoRA weights cast to the input's dtype under autocast are kept; any
+other layer, or a call outside the route, takes the path above.
+
 Smallest check (``tests/test_lora_addmm.py``)::
 
     with lora_addmm.patched(model):
@@ -30,11 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-from ...ops.lora_update import add_lora_
+from ...ops.lora_update import add_lora_, nf4_lora_linear
 from ...reversible import PatchHandle, check_versions, set_attribute
 
 __all__ = ["VERIFIED_ON", "SUPPORTED", "apply", "patched", "find_layers"]
@@ -80,13 +87,19 @@ def _plain(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None
     return name
 
 
-def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True, **kwargs: Any) -> torch.Tensor:
+def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True,
+             route: Callable[[Any, torch.Tensor], tuple | None] | None = None, **kwargs: Any) -> torch.Tensor:
     name = _plain(self, x, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
-    result = self.base_layer(x)
     lora_A, lora_B = self.lora_A[name], self.lora_B[name]
     autocast = torch.is_autocast_enabled(x.device.type)
+    weight_args = route(self.base_layer, x) if route is not None else None
+    if weight_args is not None and isinstance(self.lora_dropout[name], torch.nn.Identity) and (
+            autocast or lora_A.weight.dtype == lora_B.weight.dtype == x.dtype):
+        a, b = lora_A.weight, lora_B.weight  # autocast's casts, done here (differentiable) as lora_A/B would
+        return nf4_lora_linear(x, a.to(x.dtype), b.to(x.dtype), self.scaling[name], weight_args)
+    result = self.base_layer(x)
     if not autocast and not (lora_A.weight.dtype == lora_B.weight.dtype == result.dtype == x.dtype):
         return type(self).forward(self, x, *args, **kwargs)  # PEFT casts in and out: its own path
     xa = lora_A(self.lora_dropout[name](x))
@@ -98,11 +111,14 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True, **kw
     return out.view(result.shape)
 
 
-def _out_of_place(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _forward(self, x, *args, in_place=False, **kwargs)
+def _make_forward(in_place: bool, route: Callable | None) -> Callable:
+    def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return _forward(self, x, *args, in_place=in_place, route=route, **kwargs)
+
+    return forward
 
 
-def apply(model: torch.nn.Module, in_place: bool = True) -> PatchHandle:
+def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int] | None = None) -> PatchHandle:
     """Give every PEFT LoRA linear layer of ``model`` the one-matmul update (module docstring).
 
     ``in_place=False``: the out-of-place ``torch.addmm`` (a copy of each base output, but one
@@ -110,9 +126,14 @@ def apply(model: torch.nn.Module, in_place: bool = True) -> PatchHandle:
     slower; ``results/peers_compute_h100*.json``), which ``optimize()`` takes when a memory target
     is not met otherwise.
 
+    ``nf4_rows``: layers over an NF4 weight run as one ``nf4_lora_linear`` past this many input
+    rows per device type (module docstring; the ``forward_min_rows`` of the ``nf4_dequant``
+    patch's details). None: never.
+
     Returns:
         A :class:`PatchHandle`; ``details["layers"]`` is how many layers were patched,
-        ``details["in_place"]`` which update they use.
+        ``details["in_place"]`` which update they use, ``details["nf4_layers"]`` how many have an
+        NF4 base that may take the fused route (0 without ``nf4_rows``).
 
     Raises:
         RuntimeError: Unsupported versions.
@@ -122,16 +143,25 @@ def apply(model: torch.nn.Module, in_place: bool = True) -> PatchHandle:
     layers = find_layers(model)
     if not layers:
         raise ValueError("lora_addmm: the model has no PEFT LoRA linear layer")
-    handle = PatchHandle(NAME, {"layers": len(layers), "in_place": bool(in_place)})
+    route = None
+    if nf4_rows is not None:
+        from .nf4_dequant import make_lora_route
+
+        route = make_lora_route(dict(nf4_rows))
+    nf4 = sum(getattr(getattr(getattr(layer.base_layer, "weight", None), "quant_state", None), "quant_type", None)
+              == "nf4" for layer in layers) if route is not None else 0
+    handle = PatchHandle(NAME, {"layers": len(layers), "in_place": bool(in_place), "nf4_layers": nf4})
+    forward = _make_forward(bool(in_place), route)
     for layer in layers:
-        set_attribute(handle, layer, "forward", types.MethodType(_forward if in_place else _out_of_place, layer))
+        set_attribute(handle, layer, "forward", types.MethodType(forward, layer))
     return handle
 
 
 @contextlib.contextmanager
-def patched(model: torch.nn.Module, in_place: bool = True) -> Iterator[PatchHandle]:
+def patched(model: torch.nn.Module, in_place: bool = True,
+            nf4_rows: dict[str, int] | None = None) -> Iterator[PatchHandle]:
     """:func:`apply` for the duration of the block."""
-    handle = apply(model, in_place)
+    handle = apply(model, in_place, nf4_rows)
     try:
         yield handle
     finally:

@@ -44,7 +44,7 @@ import torch
 
 from ...reversible import PatchHandle, check_signature, check_versions, set_attribute
 
-__all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routable"]
+__all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routable", "make_lora_route"]
 
 NAME = "nf4_dequant"
 
@@ -152,6 +152,36 @@ def _make_matmul(original, op: Any, cuda_rows: int, cpu_rows: int):
 
     matmul_4bit.__doc__ = f"bitsandbytes' matmul_4bit, NF4 through the one-pass op (patch {NAME!r})."
     return matmul_4bit
+
+
+def make_lora_route(min_rows: dict[str, int]):
+    """A ``route(layer, x)`` for :mod:`.lora_addmm`: the op's arguments for ``layer``'s weight when
+    ``layer`` (a bitsandbytes ``Linear4bit``) would send ``x`` down this patch's NF4 route with nothing
+    else to do, else None.
+
+    "Nothing else": an NF4 weight :func:`routable` accepts, no bias, ``x`` already in the weight's
+    dtype and the layer's compute dtype, on the weight's device, gradients on, and more than
+    ``min_rows[device type]`` rows (the ``forward_min_rows`` of :func:`apply`'s details: below it
+    bitsandbytes' fused 4-bit kernels run). Everything it reads is resolved here, not while tracing.
+    """
+    from bitsandbytes.nn import Linear4bit
+
+    op = _op()
+
+    def route(layer: Any, x: torch.Tensor) -> tuple | None:
+        if type(layer) is not Linear4bit or layer.bias is not None or not torch.is_grad_enabled():
+            return None
+        weight = layer.weight
+        qs = getattr(weight, "quant_state", None)
+        if qs is None or not routable(weight, qs, op.HAS_TRITON) or len(qs.shape) != 2:
+            return None
+        if x.dtype != qs.dtype or layer.compute_dtype not in (None, x.dtype) or x.device != weight.device:
+            return None
+        if x.dim() < 2 or x.shape[-1] != qs.shape[1] or x.numel() // x.shape[-1] <= min_rows.get(x.device.type, 0):
+            return None
+        return op.op_args(weight, qs, x.dtype)
+
+    return route
 
 
 def _make_dequantize(original, op: Any):
