@@ -213,6 +213,7 @@ def test_optimize_fuses_nf4_layers_when_its_nf4_patch_is_on(tiny, batch):
     opt = optimize(model, batches=[batch], backend="eager", nf4_dequant=True)
     try:
         assert opt.choices["nf4_dequant"] is True
+        assert [h for h in opt._extra if h.name == "lora_addmm"][0].details["nf4_layers"] == 14
         assert "14 over NF4 weights: the base matmul adds into the update" in opt.reasons["lora_addmm"]
         loss = opt.forward(**batch).loss
         loss.backward()
@@ -220,6 +221,13 @@ def test_optimize_fuses_nf4_layers_when_its_nf4_patch_is_on(tiny, batch):
     finally:
         opt.undo()
         model.zero_grad(set_to_none=True)
+    opt = optimize(model, batches=[batch], backend="eager", nf4_dequant=True, lora_addmm="unfused")
+    try:
+        assert opt.choices["lora_addmm"] is True and "NF4 layers unfused (asked for)" in opt.reasons["lora_addmm"]
+        (handle,) = [h for h in opt._extra if h.name == "lora_addmm"]
+        assert handle.details["nf4_layers"] == 0 and handle.details["layers"] == 14
+    finally:
+        opt.undo()
     opt = optimize(model, batches=[batch], backend="eager")  # nf4_dequant auto: off on a CPU, nothing fused
     try:
         assert opt.choices["nf4_dequant"] is False and "NF4" not in opt.reasons["lora_addmm"]

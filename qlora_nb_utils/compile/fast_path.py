@@ -159,9 +159,12 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             it), True (refused where torch lacks it) or False.
         lora_addmm: add each LoRA update into its base output in place, one matmul
             (:mod:`~qlora_nb_utils.compile.patches.lora_addmm`): ``"auto"`` (on where PEFT's
-            version is supported), True or False. When ``max_memory_gib`` is not met even with
-            every layer checkpointed (and offloaded), the update is the out-of-place ``addmm``,
-            one tensor fewer at the peak.
+            version is supported), True, False, or ``"unfused"``. With the ``nf4_dequant`` patch on,
+            a layer over an NF4 weight runs as one LoRA linear whose base matmul adds into the
+            update, forward and backward (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`);
+            ``"unfused"`` keeps the update after bitsandbytes' base matmul. When ``max_memory_gib``
+            is not met even with every layer checkpointed (and offloaded), the update is the
+            out-of-place ``addmm``, one tensor fewer at the peak.
         nf4_dequant: the NF4 weights dequantized in one Triton kernel, not bitsandbytes' two
             (:func:`~qlora_nb_utils.compile.model_patches.use_nf4_dequant`: a process-wide patch,
             shared): ``"auto"`` (on CUDA with Triton), True or False.
@@ -184,7 +187,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("doc_attention", doc_attention, DOC_ATTENTION)
     _check("loss_rows", loss_rows, ("auto", True, False))
     _check("recompute", recompute, ("auto", True, False))
-    _check("lora_addmm", lora_addmm, ("auto", True, False))
+    _check("lora_addmm", lora_addmm, ("auto", True, False, "unfused"))
     _check("nf4_dequant", nf4_dequant, ("auto", True, False))
     if loss_rows is True and not ce_chunks:
         raise ValueError("loss_rows=True needs the chunked loss (ce_chunks > 0); the model's own loss takes every row")

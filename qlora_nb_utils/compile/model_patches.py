@@ -74,14 +74,17 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
     if asked is False or not patch.find_layers(model):
         reasons["lora_addmm"] = "asked for" if asked is False else "no PEFT LoRA linear layer"
         return []
-    rows = nf4[0].details.get("forward_min_rows") if nf4 and in_place else None
-    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place, rows), asked, choices, reasons)
+    rows = nf4[0].details.get("forward_min_rows") if nf4 and in_place and asked != "unfused" else None
+    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place, rows),
+                              True if asked == "unfused" else asked, choices, reasons)
     if handle is None:
         return []
     choices["lora_addmm"] = True
     n, fused = handle.details["layers"], handle.details["nf4_layers"]
     reasons["lora_addmm"] = (f"{n} LoRA layers: update added into the base output in place" if in_place
                              else f"{n} LoRA layers: out-of-place addmm ({why})")
+    if asked == "unfused" and nf4:
+        reasons["lora_addmm"] += "; NF4 layers unfused (asked for)"
     if fused:
         reasons["lora_addmm"] += (f"; {fused} over NF4 weights: the base matmul adds into the update, forward "
                                   "and backward (one input gradient)")
