@@ -65,16 +65,17 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
                     nf4: list[PatchHandle] | None = None) -> list[PatchHandle]:
     """``optimize(lora_addmm=...)``: the patch's handle (a list: empty when not applied);
     ``in_place=False`` (with ``why``) for the out-of-place update. ``nf4``: the handles
-    :func:`use_nf4_dequant` returned; when it was applied (and the update is in place), the layers
-    over NF4 weights run as one LoRA linear whose base matmul adds into the update
-    (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`)."""
+    :func:`use_nf4_dequant` returned; when it was applied, the layers over NF4 weights run as one
+    LoRA linear whose base matmul adds into the update
+    (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`; in place or not is then moot: no
+    base output is written apart), unless ``asked == "unfused"``."""
     from .patches import lora_addmm as patch
 
     choices["lora_addmm"] = False
     if asked is False or not patch.find_layers(model):
         reasons["lora_addmm"] = "asked for" if asked is False else "no PEFT LoRA linear layer"
         return []
-    rows = nf4[0].details.get("forward_min_rows") if nf4 and in_place and asked != "unfused" else None
+    rows = nf4[0].details.get("forward_min_rows") if nf4 and asked != "unfused" else None
     handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place, rows),
                               True if asked == "unfused" else asked, choices, reasons)
     if handle is None:
