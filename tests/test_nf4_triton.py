@@ -291,7 +291,9 @@ def test_optimize_auto_leaves_it_off_on_cpu_and_true_applies_it(model):
     finally:
         opt.undo()
     ref_loss, ref_grads = _loss_and_grads(model, model)
-    opt = optimize(model, backend="eager", nf4_dequant=True, cast=False)
+    # unfused: the LoRA update after the routed base matmul, so the values stay bit-equal (the fused
+    # LoRA linear sums in another order: tests/test_lora_addmm.py checks it within tolerances)
+    opt = optimize(model, backend="eager", nf4_dequant=True, cast=False, lora_addmm="unfused")
     try:
         assert opt.choices["nf4_dequant"] is True and str(nf4_layers(model)) in opt.reasons["nf4_dequant"]
         assert bnb.matmul_4bit is not originals[0] and bnbF.dequantize_4bit is not originals[1]
