@@ -10,7 +10,9 @@ thing the default setup gets wrong under ``torch.compile``, and each can be undo
   the norms to fp32, which turns the whole residual stream fp32. :func:`cast_non_lora` casts
   every non-LoRA float weight back to the compute dtype (the LoRA weights stay fp32).
 * **Chunked loss.** The model is wrapped in :class:`~qlora_nb_utils.ops.losses.ChunkedLossLM`,
-  whose loss never holds the full fp32 logits of a 128k vocabulary.
+  whose loss never holds the full fp32 logits of a 128k vocabulary. In regional scope, where
+  the head and the loss stay eager, each chunk's softmax arithmetic is compiled on CUDA
+  (``compiled_math``).
 * **Causal-only attention.** While Dynamo traces, transformers always builds a 4-D mask, so
   the compiled model never takes SDPA's flash kernel and repeats K/V over the query groups.
   On right-padded batches the causal flag alone gives real tokens the same attention
@@ -264,7 +266,9 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
         check_right_padded(batches)
         attn = use_causal_sdpa(model)
     try:
-        target = ChunkedLossLM(model, ce_chunks) if ce_chunks else model
+        # regional scope leaves the head and the loss eager: their softmax arithmetic is compiled on CUDA
+        compiled_math = scope == "regional" and device.type == "cuda" and backend == "inductor"
+        target = ChunkedLossLM(model, ce_chunks, compiled_math) if ce_chunks else model
         prepared = prepare_for_compile(target, grad_ckpt=bool(grad_ckpt), mode=mode, backend=backend,
                                        eager_numerics=eager_numerics, scope=scope, dynamic=dynamic)
     except BaseException:  # leave the model as it was given, but for the cast

@@ -127,34 +127,64 @@ def _chunk_scores(h, weight, t, ignore_index: int):
     return logits, lse, valid, safe_t, logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
 
 
+def _ce_math(logits: torch.Tensor, t: torch.Tensor, denom: torch.Tensor, ignore_index: int, want_grad: bool):
+    """One chunk's summed CE over ``logits.float()`` and, with ``want_grad``, its gradient with respect
+    to the logits divided by ``denom``, in the logits' dtype (zero on ignored rows)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    valid = t != ignore_index
+    safe_t = torch.where(valid, t, torch.zeros_like(t))
+    picked = lf.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+    total = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+    if not want_grad:
+        return total, None
+    # d(sum CE)/d logits = softmax - onehot, zero on ignored rows; the mean divides by count.
+    g = torch.exp(lf - lse.unsqueeze(1))
+    g = g.scatter_add(1, safe_t.unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
+    return total, (g * (valid.unsqueeze(1) / denom)).to(logits.dtype)
+
+
+#: ``_ce_math`` compiled once per process, for losses computed outside a compiled graph (:func:`_math`).
+_COMPILED_MATH: dict = {}
+
+
+def _math(compiled: bool):
+    """``_ce_math``, or (``compiled`` and not already inside a graph being traced) its compiled form."""
+    if not compiled or torch.compiler.is_compiling():
+        return _ce_math
+    if "fn" not in _COMPILED_MATH:
+        _COMPILED_MATH["fn"] = torch.compile(_ce_math, dynamic=True, fullgraph=True)
+    return _COMPILED_MATH["fn"]
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """mean CE of ``(hidden @ weight.T).float()``; gradients computed chunk by chunk in forward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunks: int, ignore_index: int,
-                want_hidden: bool, want_weight: bool):
+                want_hidden: bool, want_weight: bool, compiled_math: bool = False):
         count = (targets != ignore_index).sum()
         denom = count.clamp(min=1).to(torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         total = hidden.new_zeros((), dtype=torch.float32)
+        math_fn = _math(compiled_math)
         # tensor_split gives exactly `chunks` pieces whatever the length (the last ones may be
         # shorter or empty), so the loop never depends on the token count: under dynamic shapes
         # Dynamo keeps the length symbolic instead of specialising on it.
         pieces = []
         for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
-            logits, lse, valid, safe_t, picked = _chunk_scores(h, weight, t, ignore_index)
-            total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
-            if not (want_hidden or want_weight):
+            want = want_hidden or want_weight
+            if compiled_math and h.shape[0] == 0:
+                continue  # an empty piece adds nothing (and would specialise the compiled arithmetic)
+            chunk_total, g = math_fn(h @ weight.t(), t, denom, ignore_index, want)
+            total = total + chunk_total
+            if not want:
                 continue
-            # d(sum CE)/d logits = softmax - onehot, zero on ignored rows; the mean divides by count.
-            g = torch.exp(logits - lse.unsqueeze(1))
-            g = g.scatter_add(1, safe_t.unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
-            g = (g * (valid.unsqueeze(1) / denom)).to(hidden.dtype)
             if want_hidden:
                 pieces.append(g @ weight)
             if grad_weight is not None:
                 grad_weight += (g.t() @ h).float()
-        grad_hidden = torch.cat(pieces) if want_hidden else None
+        grad_hidden = (torch.cat(pieces) if pieces else hidden.new_zeros(hidden.shape)) if want_hidden else None
         ctx.save_for_backward(grad_hidden if grad_hidden is not None else hidden.new_empty(0),
                               grad_weight if grad_weight is not None else weight.new_empty(0))
         ctx.weight_dtype = weight.dtype
@@ -165,12 +195,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                           chunks: int = 4, ignore_index: int = IGNORE_INDEX,
-                          rows: torch.Tensor | None = None) -> torch.Tensor:
+                          rows: torch.Tensor | None = None, compiled_math: bool = False) -> torch.Tensor:
     """Causal-LM loss of an LM head without materialising all logits.
 
     Equal to ``F.cross_entropy((hidden[:, :-1] @ weight.T).float(), labels[:, 1:],
@@ -186,6 +216,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         ignore_index: label value to skip.
         rows: the target rows to compute, from :func:`labelled_rows` (None: all of them); the
             result is the same as long as every labelled row is among them.
+        compiled_math: when the loss runs outside a compiled graph (``optimize(scope="regional")``
+            compiles the decoder layers only), compile each chunk's softmax arithmetic once
+            (``torch.compile``, dynamic lengths): one fused kernel pass instead of about ten eager
+            kernels over the fp32 logits. Inside a graph being traced it changes nothing.
 
     Returns:
         The scalar fp32 loss.
@@ -201,8 +235,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         h = h.index_select(0, safe)
         t = torch.where(inside, t.index_select(0, safe), torch.full_like(safe, ignore_index))
     grad_on = torch.is_grad_enabled()
-    return _ChunkedLinearCrossEntropy.apply(h, weight, t, chunks, ignore_index,
-                                            grad_on and h.requires_grad, grad_on and weight.requires_grad)
+    return _ChunkedLinearCrossEntropy.apply(h, weight, t, chunks, ignore_index, grad_on and h.requires_grad,
+                                            grad_on and weight.requires_grad, bool(compiled_math))
 
 
 class TokenStats(NamedTuple):
@@ -292,12 +326,14 @@ class ChunkedLossLM(torch.nn.Module):
     With ``token_stats=True`` it returns the :class:`TokenStats` of
     :func:`chunked_token_log_probs` instead (for trainers that reduce per-token losses themselves).
     ``loss_rows`` (from :func:`labelled_rows`) limits the head and the loss to those rows.
+    ``compiled_math``: :func:`chunked_cross_entropy`'s, for a loss run outside a compiled graph.
     """
 
-    def __init__(self, model: torch.nn.Module, chunks: int = 4) -> None:
+    def __init__(self, model: torch.nn.Module, chunks: int = 4, compiled_math: bool = False) -> None:
         super().__init__()
         self.model = model
         self.chunks = chunks
+        self.compiled_math = compiled_math
 
     def forward(self, input_ids, attention_mask=None, labels=None, token_stats: bool = False,
                 loss_rows=None, **kwargs):
@@ -309,7 +345,7 @@ class ChunkedLossLM(torch.nn.Module):
         if token_stats:
             return chunked_token_log_probs(hidden, weight, labels, chunks=self.chunks)
         return CausalLMOutputWithPast(loss=chunked_cross_entropy(hidden, weight, labels, chunks=self.chunks,
-                                                                 rows=loss_rows))
+                                                                 rows=loss_rows, compiled_math=self.compiled_math))
 
 
 def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

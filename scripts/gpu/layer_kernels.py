@@ -42,11 +42,18 @@ def _unfused_route(min_rows):
     return lambda layer, x: None  # no layer takes the fused NF4 LoRA linear
 
 
+def _eager_math(compiled):
+    from qlora_nb_utils.ops.losses import _ce_math
+
+    return _ce_math  # the loss's softmax arithmetic eager, as before compiled_math
+
+
 #: name: (optimize() keywords, Inductor config patches held over the variant's run, and
 #: (module, attribute, value) patches held over it). ``grad_ckpt`` among the keywords checkpoints every layer.
 VARIANTS = {
     "default": ({}, {}, ()),
     "lora_unfused": ({}, {}, (("qlora_nb_utils.compile.patches.nf4_dequant", "make_lora_route", _unfused_route),)),
+    "eager_loss_math": ({}, {}, (("qlora_nb_utils.ops.losses", "_math", _eager_math),)),
     "ckpt": ({"grad_ckpt": True}, {}, ()),
     "ckpt_lora_unfused": ({"grad_ckpt": True}, {},
                           (("qlora_nb_utils.compile.patches.nf4_dequant", "make_lora_route", _unfused_route),)),
