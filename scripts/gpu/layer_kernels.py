@@ -118,13 +118,14 @@ def run_variant(model, batches, lora_state, name: str, kw: dict, patches: dict, 
     since = time.time()
     model.load_state_dict(lora_state, strict=False)
     torch._dynamo.reset()
-    with attributes(attrs):
+    with contextlib.ExitStack() as held:
+        held.enter_context(attributes(attrs))  # over optimize() and every step
         opt = optimize(model, batches=batches, scope="regional", **{"mode": "default", "grad_ckpt": False, **kw})
-    res["optimize"] = opt.description
-    params = [p for p in model.parameters() if p.requires_grad]
-    adam = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
-    step = marked_step(opt.forward, adam)
-    try:
+        held.callback(opt.undo)
+        res["optimize"] = opt.description
+        params = [p for p in model.parameters() if p.requires_grad]
+        adam = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+        step = marked_step(opt.forward, adam)
         with inductor_config.patch(patches):
             first = {k: v.cuda() for k, v in batches[0].items()}
             with gpu_lock(lock, shared=True):
@@ -136,8 +137,6 @@ def run_variant(model, batches, lora_state, name: str, kw: dict, patches: dict, 
                 res.update(profile_training(step, batches, warmup=WARMUP - 1, timed=TIMED, profiled=PROFILED,
                                             memory=False, lora_r=LORA_R, vocab=vocab, top=30))
         res["compilations"] = opt.counter.to_dict().get("compilations")
-    finally:
-        opt.undo()
     triton = [k["name"] for k in res.get("top_kernels", []) if k["name"].startswith("triton_")]
     res["sources"] = kernel_sources(triton, since)
     return res
