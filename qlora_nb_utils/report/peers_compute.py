@@ -148,7 +148,7 @@ def plot_tradeoff(points: Sequence[Mapping], path: str | Path, title: str = "") 
     import matplotlib.pyplot as plt
 
     sources = sorted({p["source"] for p in points if p["library"] != "unsloth"})
-    markers = dict(zip(sources, "osD^v<>p"))
+    markers = {src: "osD^v<>ph*Pd"[i % 12] for i, src in enumerate(sources)}  # more files than shapes: cycled
     fig, axes = plt.subplots(1, 3, figsize=(19, 6.5), gridspec_kw={"width_ratios": [1.1, 1.1, 0.9]})
     low = min(p["peak_gib"] for p in points)
     zoom = [p for p in points if p["peak_gib"] <= max(1.6 * low, low + 2.0)]
