@@ -20,6 +20,10 @@ can answer two of them, so a GPU lease is spent once:
   ``training.parity.judge`` against that floor.
 * ``8b8_*`` (part ``8b8``): the A/B again at 8 x 1024 (14 steps), where the GPU, not the CPU, is
   the bottleneck: the two arms only.
+* ``cast`` (part ``cast``): ``optimize()`` as it is and with ``cast=False`` (k-bit prep's fp32
+  embeddings, norms and head kept), each judged against HF eager's floor (``hf-eager`` and two
+  row permutations) on the first ``PARITY_STEPS`` batches: what the recipe's bf16 cast costs in
+  loss against HF, and in step time.
 * ``1b_*``: ``nf4_dequant_bench.py``'s ``ab`` part (1B shape, 4 x 512, whole scope, CUDA graphs,
   25 steps). The two arms compile at the same time (each 90-150 s cold), wait at a barrier, and
   are then timed one after the other, so neither step is timed while the other process works.
@@ -30,7 +34,7 @@ each arm: the functions ``bitsandbytes.matmul_4bit`` / ``functional.dequantize_4
 and the dequantize kernels a profiler window counts (``_nf4_dequant_kernel``: ours;
 ``kDequantize*``: bitsandbytes). Median step times leave out the first ``WARMUP`` steps.
 
-    python3 scripts/gpu/compute_extras.py main OUT_DIR BUDGET_S [--parts 8b,1b,8b8] [--model8 M] [--model1 M] [--device D] [--backend B]
+    python3 scripts/gpu/compute_extras.py main OUT_DIR BUDGET_S [--parts 8b,1b,8b8,fasteager,cast] [--model8 M] [--model1 M] [--device D] [--backend B]
     python3 scripts/gpu/compute_extras.py ours|eager SPEC.json RUN.json   (one child process)
 """
 
@@ -340,7 +344,7 @@ def main(out_dir: str, budget_s: float, a) -> int:
     step_path, extras_path = out / "nf4_dequant_step.json", out / "compute_extras.json"
     ch = Children(work)
     shapes = {k: {**v, "model": a.model1 if k == "1b" else a.model8} for k, v in SHAPES.items()
-              if k in parts or (k == "8b" and "fasteager" in parts)}
+              if k in parts or (k == "8b" and ("fasteager" in parts or "cast" in parts))}
     for key, sh in shapes.items():
         t = time.monotonic()
         if sh["model"] in models.MODEL_NAMES:
@@ -409,6 +413,24 @@ def main(out_dir: str, budget_s: float, a) -> int:
             pending.append((key, time.monotonic(), ch.spawn("eager", {**spec(key, "8b_fast_eager", False),
                             "steps": PARITY_STEPS, "labels": ["hf-eager", "fast-eager", "fast-eager-again",
                                                               "fast-eager-permuted1"]})))
+        elif part == "cast":  # optimize() against HF eager's floor, with and without its bf16 cast (cast=False)
+            cast_runs = {}
+            for name, extra in (("8b_ours", {}), ("8b_ours_no_cast", {"cast": False})):
+                sp = spec("8b", name, False, profile=False)
+                sp["optimize"] = {**sp["optimize"], **extra}
+                cast_runs[name] = ch.run("ours", sp, min(240, left()), work / f"inductor_{name}")
+                print(name, {k: cast_runs[name].get(k) for k in ("median_step_ms", "peak_mem_gib", "error")}, flush=True)
+            eager = ch.run("eager", {**spec("8b", "8b_hf_eager", False), "steps": PARITY_STEPS}, min(200, left()))
+            extras["cast_parity"] = {
+                **meta("8b"), "steps": PARITY_STEPS, "eager_process": {k: v for k, v in eager.items() if k != "runs"},
+                "runs": {n: {k: r.get(k) for k in ("median_step_ms", "peak_mem_gib", "compile_s", "compilations",
+                                                    "description", "error")} for n, r in cast_runs.items()},
+                "default": _parity(eager, cast_runs["8b_ours"], {}),
+                "cast_false": _parity(eager, cast_runs["8b_ours_no_cast"], {})}
+            save()
+            for k in ("default", "cast_false"):
+                print("cast parity", k, {x: y for x, y in extras["cast_parity"][k].get("verdict", {}).items()
+                                         if x != "diffs"}, extras["cast_parity"][k].get("error"), flush=True)
         elif part == "8b8":
             sequential("8b8", [("8b8_ours_cold", False, "c"), ("8b8_ours_patched", True, "d")])
         elif part == "8b":
