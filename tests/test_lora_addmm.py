@@ -64,6 +64,16 @@ def test_unusual_calls_go_to_peft_forward(tiny, batch):
         torch.testing.assert_close(layer(x, adapter_names=names), type(layer).forward(layer, x, adapter_names=names))
         bf16 = x.to(torch.bfloat16)  # the LoRA weights (fp32) differ from the input without autocast: PEFT casts
         torch.testing.assert_close(layer(bf16), type(layer).forward(layer, bf16))
+        lora_b = layer.lora_B["default"]  # PEFT's lora_bias: B with a bias, which the one-matmul update has not
+        biased = torch.nn.Linear(lora_b.in_features, lora_b.out_features, bias=True)
+        with torch.no_grad():
+            biased.weight.copy_(lora_b.weight)
+            biased.bias.fill_(0.5)
+        layer.lora_B["default"] = biased
+        try:
+            torch.testing.assert_close(layer(x), type(layer).forward(layer, x))
+        finally:
+            layer.lora_B["default"] = lora_b
 
 
 def test_refuses_a_model_without_lora_and_unsupported_versions(tiny, monkeypatch):

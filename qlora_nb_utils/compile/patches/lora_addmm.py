@@ -84,6 +84,8 @@ def _plain(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None
     name = active[0]
     if getattr(layer, "use_dora", {}).get(name, False) or x.dim() < 2:
         return None
+    if getattr(layer.lora_B[name], "bias", None) is not None:  # PEFT's lora_bias: B has a bias the update needs
+        return None
     return name
 
 
