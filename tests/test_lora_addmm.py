@@ -224,7 +224,8 @@ def test_optimize_fuses_nf4_layers_when_its_nf4_patch_is_on(tiny, batch):
     try:
         assert opt.choices["nf4_dequant"] is True
         assert [h for h in opt._extra if h.name == "lora_addmm"][0].details["nf4_layers"] == 14
-        assert "14 over NF4 weights: the base matmul adds into the update" in opt.reasons["lora_addmm"]
+        assert opt.choices["nf4_lora_linear"] == 14
+        assert "14 LoRA layers over NF4 weights: the base matmul adds into the update" in opt.description
         loss = opt.forward(**batch).loss
         loss.backward()
         assert torch.isfinite(loss) and all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
@@ -233,13 +234,15 @@ def test_optimize_fuses_nf4_layers_when_its_nf4_patch_is_on(tiny, batch):
         model.zero_grad(set_to_none=True)
     opt = optimize(model, batches=[batch], backend="eager", nf4_dequant=True, lora_addmm="unfused")
     try:
-        assert opt.choices["lora_addmm"] is True and "NF4 layers unfused (asked for)" in opt.reasons["lora_addmm"]
+        assert opt.choices["lora_addmm"] is True and opt.choices["nf4_lora_linear"] == 0
+        assert "asked for (lora_addmm='unfused')" in opt.reasons["nf4_lora_linear"]
         (handle,) = [h for h in opt._extra if h.name == "lora_addmm"]
         assert handle.details["nf4_layers"] == 0 and handle.details["layers"] == 14
     finally:
         opt.undo()
     opt = optimize(model, batches=[batch], backend="eager")  # nf4_dequant auto: off on a CPU, nothing fused
     try:
-        assert opt.choices["nf4_dequant"] is False and "NF4" not in opt.reasons["lora_addmm"]
+        assert opt.choices["nf4_dequant"] is False and opt.choices["nf4_lora_linear"] == 0
+        assert "nf4_dequant" in opt.reasons["nf4_lora_linear"]
     finally:
         opt.undo()

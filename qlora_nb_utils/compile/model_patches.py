@@ -68,10 +68,14 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
     :func:`use_nf4_dequant` returned; when it was applied, the layers over NF4 weights run as one
     LoRA linear whose base matmul adds into the update
     (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`; in place or not is then moot: no
-    base output is written apart), unless ``asked == "unfused"``."""
+    base output is written apart), unless ``asked == "unfused"``: the choice ``nf4_lora_linear``
+    says how many do."""
     from .patches import lora_addmm as patch
 
-    choices["lora_addmm"] = False
+    choices["lora_addmm"], choices["nf4_lora_linear"] = False, 0
+    reasons["nf4_lora_linear"] = ("asked for (lora_addmm='unfused')" if asked == "unfused" else
+                                  "needs lora_addmm and the nf4_dequant patch" if not nf4 or asked is False else
+                                  "no LoRA layer over an NF4 weight")
     if asked is False or not patch.find_layers(model):
         reasons["lora_addmm"] = "asked for" if asked is False else "no PEFT LoRA linear layer"
         return []
@@ -84,11 +88,10 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
     n, fused = handle.details["layers"], handle.details["nf4_layers"]
     reasons["lora_addmm"] = (f"{n} LoRA layers: update added into the base output in place" if in_place
                              else f"{n} LoRA layers: out-of-place addmm ({why})")
-    if asked == "unfused" and nf4:
-        reasons["lora_addmm"] += "; NF4 layers unfused (asked for)"
     if fused:
-        reasons["lora_addmm"] += (f"; {fused} over NF4 weights: the base matmul adds into the update, forward "
-                                  "and backward (one input gradient)")
+        choices["nf4_lora_linear"] = fused
+        reasons["nf4_lora_linear"] = (f"{fused} LoRA layers over NF4 weights: the base matmul adds into the update, "
+                                      "forward and backward (one input gradient)")
     return [handle]
 
 
