@@ -118,23 +118,19 @@ def causal_lm_targets(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: 
     return hidden[:, :-1, :].reshape(-1, d), labels[:, 1:].reshape(-1)
 
 
-def _chunk_scores(h, weight, t, ignore_index: int):
-    """One chunk's fp32 logits, their logsumexp, the valid mask, safe targets and the target logits."""
-    logits = (h @ weight.t()).float()
+def _chunk_scores(logits, t, ignore_index: int):
+    """One chunk's fp32 ``logits``: their logsumexp, the valid mask, safe targets and the target logits."""
     lse = torch.logsumexp(logits, dim=-1)
     valid = t != ignore_index
     safe_t = torch.where(valid, t, torch.zeros_like(t))
-    return logits, lse, valid, safe_t, logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+    return lse, valid, safe_t, logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
 
 
 def _ce_math(logits: torch.Tensor, t: torch.Tensor, denom: torch.Tensor, ignore_index: int, want_grad: bool):
     """One chunk's summed CE over ``logits.float()`` and, with ``want_grad``, its gradient with respect
     to the logits divided by ``denom``, in the logits' dtype (zero on ignored rows)."""
     lf = logits.float()
-    lse = torch.logsumexp(lf, dim=-1)
-    valid = t != ignore_index
-    safe_t = torch.where(valid, t, torch.zeros_like(t))
-    picked = lf.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+    lse, valid, safe_t, picked = _chunk_scores(lf, t, ignore_index)
     total = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
     if not want_grad:
         return total, None
@@ -172,8 +168,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # shorter or empty), so the loop never depends on the token count: under dynamic shapes
         # Dynamo keeps the length symbolic instead of specialising on it.
         pieces = []
+        want = want_hidden or want_weight
         for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
-            want = want_hidden or want_weight
             if compiled_math and h.shape[0] == 0:
                 continue  # an empty piece adds nothing (and would specialise the compiled arithmetic)
             chunk_total, g = math_fn(h @ weight.t(), t, denom, ignore_index, want)
@@ -255,7 +251,8 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunks: int, ignore_index: int, want_hidden: bool):
         log_probs, entropies, tops, grads = [], [], [], []
         for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
-            logits, lse, valid, safe_t, picked = _chunk_scores(h, weight, t, ignore_index)
+            logits = (h @ weight.t()).float()
+            lse, valid, safe_t, picked = _chunk_scores(logits, t, ignore_index)
             probs = torch.exp(logits - lse.unsqueeze(1))
             zero = torch.zeros_like(lse)
             log_probs.append(torch.where(valid, picked - lse, zero))
