@@ -102,8 +102,9 @@ _NF4_SHARED: dict[str, Any] = {"handle": None, "users": 0}
 def nf4_layers(model: torch.nn.Module) -> int:
     """How many bitsandbytes 4-bit layers of ``model`` hold an NF4 weight (without importing bitsandbytes)."""
     from .patches.bnb_cpu_packing import find_layers
+    from .patches.nf4_dequant import holds_nf4
 
-    return sum(getattr(getattr(m.weight, "quant_state", None), "quant_type", None) == "nf4" for m in find_layers(model))
+    return sum(holds_nf4(m) for m in find_layers(model))
 
 
 def _acquire_nf4() -> PatchHandle:

@@ -145,13 +145,12 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
     layers = find_layers(model)
     if not layers:
         raise ValueError("lora_addmm: the model has no PEFT LoRA linear layer")
-    route = None
+    route, nf4 = None, 0
     if nf4_rows is not None:
-        from .nf4_dequant import make_lora_route
+        from .nf4_dequant import holds_nf4, make_lora_route
 
         route = make_lora_route(dict(nf4_rows))
-    nf4 = sum(getattr(getattr(getattr(layer.base_layer, "weight", None), "quant_state", None), "quant_type", None)
-              == "nf4" for layer in layers) if route is not None else 0
+        nf4 = sum(holds_nf4(layer.base_layer) for layer in layers)
     handle = PatchHandle(NAME, {"layers": len(layers), "in_place": bool(in_place), "nf4_layers": nf4})
     forward = _make_forward(bool(in_place), route)
     for layer in layers:

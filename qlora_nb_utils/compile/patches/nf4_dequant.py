@@ -44,7 +44,7 @@ import torch
 
 from ...reversible import PatchHandle, check_signature, check_versions, set_attribute
 
-__all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routable", "make_lora_route"]
+__all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routable", "holds_nf4", "make_lora_route"]
 
 NAME = "nf4_dequant"
 
@@ -152,6 +152,11 @@ def _make_matmul(original, op: Any, cuda_rows: int, cpu_rows: int):
 
     matmul_4bit.__doc__ = f"bitsandbytes' matmul_4bit, NF4 through the one-pass op (patch {NAME!r})."
     return matmul_4bit
+
+
+def holds_nf4(layer: Any) -> bool:
+    """Whether ``layer``'s weight carries an NF4 quant state (without importing bitsandbytes)."""
+    return getattr(getattr(getattr(layer, "weight", None), "quant_state", None), "quant_type", None) == "nf4"
 
 
 def make_lora_route(min_rows: dict[str, int]):
