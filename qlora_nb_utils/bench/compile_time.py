@@ -11,6 +11,10 @@ and autotuning; a Colab user pays it again after every reconnect. Three levers, 
 * **Cache artifacts** (``torch.compiler.save_cache_artifacts()`` ->
   ``load_cache_artifacts(bytes)``): the same caches as one portable blob, so a new machine (a
   reconnected Colab runtime, with an empty cache directory) starts warm.
+* **AOTAutograd's cache for the recipe's graphs** (``optimize(warm_cache=...)``): without it the
+  AOTAutograd cache refuses every graph holding an autograd Function, and a warm process traces
+  and partitions again. ``cache_counters`` (AOTAutograd's and Inductor's hit, miss and bypass
+  counts after the run) shows which caches a process used.
 
 An honest cold start needs a new process (Dynamo and Inductor keep in-memory caches), so
 :func:`measure` runs ``python -m qlora_nb_utils.bench.compile_time`` with its own cache folder and
@@ -18,7 +22,10 @@ reads back the JSON it writes. The process trains through :func:`qlora_nb_utils.
 one fast path (its description and choices are in the result), so what is timed is what a user
 gets. What is timed: ``first_step_s`` (the first training step,
 compile included), the steady ``median_step_ms``, ``compile_s`` (first step minus the steady
-step), and the process's whole wall time (imports and model load included) for context.
+step), and where the rest of a start goes: ``import_s`` (torch, transformers, peft,
+bitsandbytes and the package, each in ``imports``), ``load_s`` (``from_pretrained`` with NF4
+quantization, LoRA, the batches), ``optimize_s`` and ``time_to_first_step_s`` (from the parent
+starting the process to the end of the first step), and the process's whole wall time.
 """
 
 from __future__ import annotations
@@ -34,13 +41,18 @@ from typing import Any, Sequence
 
 from .._paths import pythonpath_with_package
 
-__all__ = ["measure", "load_case", "child_main"]
+__all__ = ["measure", "load_case", "child_main", "WARM_CACHE", "IMPORTS"]
+
+#: What ``measure(warm_cache=...)`` passes on to ``optimize()``.
+WARM_CACHE = ("auto", True, False)
+#: The libraries a measured process imports first, each timed (``imports`` in its result).
+IMPORTS = ("torch", "transformers", "peft", "bitsandbytes")
 
 
 def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path, device: str = "cpu",
             dtype: str = "float32", batch_size: int = 2, seq_len: int = 128, steps: int = 3,
             save_artifacts: str | Path | None = None, load_artifacts: str | Path | None = None,
-            timeout_s: float = 900) -> dict[str, Any]:
+            warm_cache: bool | str = "auto", timeout_s: float = 900) -> dict[str, Any]:
     """Train ``steps`` compiled QLoRA steps in a new process and report the compile cost.
 
     Args:
@@ -54,6 +66,7 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
         steps: steps to train (>= 2: one compiling, the rest steady).
         save_artifacts: write ``torch.compiler.save_cache_artifacts()`` here after the run.
         load_artifacts: ``torch.compiler.load_cache_artifacts`` this file before compiling.
+        warm_cache: :func:`qlora_nb_utils.optimize`'s ``warm_cache`` (``"auto"``, True or False).
         timeout_s: limit for the process.
 
     Returns:
@@ -62,18 +75,20 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
         ``optimize``: ``{"description": ..., "choices": {name: str(value)}}`` of the run.
 
     Raises:
-        ValueError: a bad ``scope`` or ``steps`` < 2.
+        ValueError: a bad ``scope``, ``warm_cache`` or ``steps`` < 2.
         RuntimeError: the process failed (its output's tail is in the message).
     """
     if scope not in ("whole", "regional"):
         raise ValueError(f"scope must be one of ['whole', 'regional'], got {scope!r}")
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (one compiling step, then steady ones), got {steps}")
+    if warm_cache not in WARM_CACHE:
+        raise ValueError(f"warm_cache must be one of {list(WARM_CACHE)}, got {warm_cache!r}")
     out = Path(cache_dir) / "result.json"
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "qlora_nb_utils.bench.compile_time", "--model", model, "--scope", scope,
            "--device", device, "--dtype", dtype, "--batch-size", str(batch_size), "--seq-len", str(seq_len),
-           "--steps", str(steps), "--out", str(out)]
+           "--steps", str(steps), "--out", str(out), "--warm-cache", str(warm_cache)]
     if save_artifacts:
         cmd += ["--save-artifacts", str(save_artifacts)]
     if load_artifacts:
@@ -81,6 +96,7 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(cache_dir) / "inductor"),
            "TRITON_CACHE_DIR": str(Path(cache_dir) / "triton")}
     env["PYTHONPATH"] = pythonpath_with_package(env.get("PYTHONPATH"))
+    cmd += ["--spawned-at", repr(time.time())]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0
@@ -113,9 +129,43 @@ def load_case(*, model: str = "tiny", device: str = "cpu", dtype: str = "float32
     return loaded, batches
 
 
+def _import_timed() -> dict[str, float]:
+    """Import :data:`IMPORTS`, then the package's training path: seconds each, in that order."""
+    import importlib
+
+    took = {}
+    for name in (*IMPORTS, "qlora_nb_utils"):
+        t0 = time.perf_counter()
+        if name == "qlora_nb_utils":  # what the run below uses: the fast path, the loop, the models
+            importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.compile.fast_path")
+            importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.models.load")
+            importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.training.loop")
+        else:
+            importlib.import_module(name)
+        took[name] = round(time.perf_counter() - t0, 3)
+    return took
+
+
+def _cache_counters() -> dict[str, dict[str, int]]:
+    """AOTAutograd's and Inductor's cache counters so far (hits, misses, bypasses, saves)."""
+    from torch._dynamo.utils import counters
+
+    return {group: {k: int(v) for k, v in counters[group].items() if "cache" in k}
+            for group in ("aot_autograd", "inductor")}
+
+
+def _warm_cache_arg(text: str) -> bool | str:
+    """``--warm-cache auto|True|False`` back to what ``optimize(warm_cache=...)`` takes."""
+    if text not in ("auto", "True", "False"):
+        raise argparse.ArgumentTypeError(f"--warm-cache must be auto, True or False, got {text!r}")
+    return {"auto": "auto", "True": True, "False": False}[text]
+
+
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     import statistics
 
+    t_main, t_main_perf = time.time(), time.perf_counter()
+    imports = _import_timed()
     import torch
 
     from ..compile.fast_path import optimize
@@ -126,9 +176,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         info = torch.compiler.load_cache_artifacts(Path(args.load_artifacts).read_bytes())
         loaded = time.perf_counter() - t0
+    t_load = time.perf_counter()
     model, batches = load_case(model=args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                                seq_len=args.seq_len, steps=args.steps)
-    opt = optimize(model, batches=batches, scope=args.scope)
+    t_opt = time.perf_counter()
+    opt = optimize(model, batches=batches, scope=args.scope, warm_cache=args.warm_cache)
+    t_train = time.perf_counter()
     try:
         hist = train(model, batches, TrainConfig(steps=args.steps, progress=False), forward=opt.forward)
     finally:
@@ -140,7 +193,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
               "compilations": opt.counter.compilations, "recompile_reasons": opt.counter.recompile_reasons,
               "dynamo_compile_s": opt.counter.compile_s, "losses": [float(x) for x in hist["loss"]],
               "load_artifacts_s": loaded, "loaded_artifacts": bool(args.load_artifacts),
+              "imports": imports, "import_s": round(sum(imports.values()), 3),
+              "load_s": round(t_opt - t_load, 3), "optimize_s": round(t_train - t_opt, 3),
+              "cache_counters": _cache_counters(),
               "optimize": {"description": opt.description, "choices": {k: str(v) for k, v in opt.choices.items()}}}
+    if args.spawned_at is not None:  # the parent's clock: Python's own start counts too
+        result["spawn_to_main_s"] = round(t_main - args.spawned_at, 3)
+        result["time_to_first_step_s"] = round(t_main - args.spawned_at + t_train - t_main_perf + ms[0] / 1e3, 3)
     if args.load_artifacts:
         result["artifacts_loaded"] = info is not None
     if args.save_artifacts:
@@ -165,6 +224,8 @@ def child_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--save-artifacts", default=None)
     p.add_argument("--load-artifacts", default=None)
+    p.add_argument("--warm-cache", type=_warm_cache_arg, default="auto")
+    p.add_argument("--spawned-at", type=float, default=None, help="the parent's time.time() at the spawn")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     result = _run(args)

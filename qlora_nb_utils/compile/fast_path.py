@@ -44,6 +44,10 @@ The choices, each overridable by passing it explicitly:
   weight and step replaced by one Triton kernel (:mod:`~qlora_nb_utils.compile.patches.nf4_dequant`).
 * **Autocast** for bf16/fp16 compute (the LoRA matmuls in bf16, fp32 master weights); nothing
   for fp32.
+* **A warm start that skips AOTAutograd** (``warm_cache``): its on-disk cache refused every
+  graph of the recipe (each holds an autograd Function), so a second process traced and
+  partitioned them again; torch's setting for it lets the cache take them
+  (:func:`~qlora_nb_utils.compile.recipe.partitioner_settings`).
 * **Eager's rounding** (``eager_numerics``) for bf16/fp16: Inductor keeps a fused kernel's
   intermediates in fp32 where eager rounds every op to bf16. Once the non-LoRA weights are cast
   back to bf16, the whole residual stream is bf16 and that difference grew to 2e-2 in the loss
@@ -71,7 +75,7 @@ from .model_patches import keep_bnb_training_layout, lora_addmm_expected, use_lo
 from .offload import plan
 from .optimized import Optimized, _show
 from .packed import DOC_ATTENTION, choose_doc_kernel, packed_batches
-from .recipe import can_recompute_elementwise, prepare_fast
+from .recipe import can_cache_functions, can_recompute_elementwise, prepare_fast
 from .step_inputs import (
     LOSS_ROWS_WHEN_IGNORED_OVER,
     batch_shapes,
@@ -117,7 +121,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
              eager_numerics: bool | str = "auto", scope: str = "whole", doc_attention: str = "auto",
              offload: bool | str = "auto", loss_rows: bool | str = "auto",
              recompute: bool | str = "auto", lora_addmm: bool | str = "auto",
-             nf4_dequant: bool | str = "auto") -> Optimized:
+             nf4_dequant: bool | str = "auto", warm_cache: bool | str = "auto") -> Optimized:
     """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
 
     Args:
@@ -168,6 +172,10 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         nf4_dequant: the NF4 weights dequantized in one Triton kernel, not bitsandbytes' two
             (:func:`~qlora_nb_utils.compile.model_patches.use_nf4_dequant`: a process-wide patch,
             shared): ``"auto"`` (on CUDA with Triton), True or False.
+        warm_cache: let AOTAutograd's on-disk cache store and reuse the recipe's graphs, which
+            hold autograd Functions (:func:`~qlora_nb_utils.compile.recipe.can_cache_functions`):
+            ``"auto"`` (on where this torch has the setting and the backend is Inductor), True
+            (refused where torch lacks it) or False.
 
     Returns:
         An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
@@ -189,6 +197,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("recompute", recompute, ("auto", True, False))
     _check("lora_addmm", lora_addmm, ("auto", True, False, "unfused"))
     _check("nf4_dequant", nf4_dequant, ("auto", True, False))
+    _check("warm_cache", warm_cache, ("auto", True, False))
     if loss_rows is True and not ce_chunks:
         raise ValueError("loss_rows=True needs the chunked loss (ce_chunks > 0); the model's own loss takes every row")
     if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
@@ -224,6 +233,17 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     reasons["recompute"] = ("asked for" if recompute is not True and recompute != "auto" else
                             "SwiGLU product and norm outputs recomputed in the backward, not saved" if rec
                             else "this torch's partitioner has no such setting")
+
+    # AOTAutograd's cache for graphs holding autograd Functions: refused here, not at the first step
+    if warm_cache is True and not can_cache_functions():
+        raise ValueError(f"warm_cache=True: torch {torch.__version__}'s AOTAutograd cache has no setting for it "
+                         "(torch._functorch.config.autograd_cache_allow_custom_autograd_functions); use 'auto' or False")
+    cache_fns = warm_cache is True or (warm_cache == "auto" and backend == "inductor" and can_cache_functions())
+    choices["warm_cache"] = cache_fns
+    reasons["warm_cache"] = ("asked for" if warm_cache != "auto" else
+                             "AOTAutograd's cache takes the graphs with autograd Functions (a warm start skips "
+                             "tracing and partitioning)" if cache_fns else
+                             f"backend {backend!r}" if backend != "inductor" else "this torch has no such setting")
 
     # checkpointing and offload (offload.plan): decided first, offloading makes the scope regional
     n_layers = len(decoder_layers(model))
@@ -361,7 +381,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     forward = step_forward(compiled, multiple=pad_multiple, pad_id=pad_id, mark_dynamic=mark and scope == "whole",
                            loss_rows=ce_chunks if choices["loss_rows"] == "labelled" else 0,
                            memory_budget=memory_budget, recompute_elementwise=rec, min_loss_rows=min_rows,
-                           dynamic_rows=not graphs)  # a dynamic count cost 3.8 GiB (step_inputs' docstring)
+                           dynamic_rows=not graphs,  # a dynamic count cost 3.8 GiB (step_inputs' docstring)
+                           cache_functions=cache_fns)
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
                      fast=fast, _pad_id=pad_id, _extra=extra,

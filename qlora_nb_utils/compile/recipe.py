@@ -36,6 +36,14 @@ thing the default setup gets wrong under ``torch.compile``, and each can be undo
   statistics), and together they are four of a layer's saved tensors, one of them
   intermediate-sized (:func:`partitioner_settings`; counted on the CPU with
   :func:`~qlora_nb_utils.diagnostics.saved_for_backward`).
+* **A warm start that skips AOTAutograd.** Its on-disk cache refuses any graph that holds an
+  autograd Function (``Unsupported call_function target autograd_function_apply``), and every
+  graph of the recipe holds one (the chunked loss, the fused LoRA linear, bitsandbytes' own).
+  So a second process traced and partitioned the joint graph again, from a warm cache too
+  (``results/compute_extras_h100.json``: ``autograd_cache_bypass``). Dynamo traces a Function's
+  forward and backward into the graph, so the cache key covers both; torch's setting
+  ``autograd_cache_allow_custom_autograd_functions`` (off by default) lets the cache take them
+  (:func:`partitioner_settings` with ``cache_functions``).
 
 :func:`prepare_fast` applies them in that order and hands back a :class:`FastPrepared`: the
 forward to train with, the compile counter, what was done (for a run's notes) and ``undo()``.
@@ -68,6 +76,7 @@ __all__ = [
     "activation_memory_budget",
     "partitioner_settings",
     "can_recompute_elementwise",
+    "can_cache_functions",
     "RECOMPUTE_KNOB",
     "prepare_fast",
 ]
@@ -144,26 +153,44 @@ def can_recompute_elementwise() -> bool:
     return hasattr(torch._functorch.config, RECOMPUTE_KNOB)
 
 
+#: AOTAutograd's setting that lets its on-disk cache take graphs holding autograd Functions.
+CACHE_FUNCTIONS_KNOB = "autograd_cache_allow_custom_autograd_functions"
+
+
+def can_cache_functions() -> bool:
+    """Whether this torch's AOTAutograd cache has :data:`CACHE_FUNCTIONS_KNOB` (torch 2.13 does)."""
+    return hasattr(torch._functorch.config, CACHE_FUNCTIONS_KNOB)
+
+
 @contextlib.contextmanager
-def partitioner_settings(memory_budget: float | None = None, recompute_elementwise: bool = False) -> Iterator[None]:
-    """The partitioner's settings for a compile inside the block; the defaults leave torch's.
+def partitioner_settings(memory_budget: float | None = None, recompute_elementwise: bool = False,
+                         cache_functions: bool = False) -> Iterator[None]:
+    """AOTAutograd's settings for a compile inside the block; the defaults leave torch's.
 
     Args:
-        memory_budget: ``activation_memory_budget`` (0..1); None leaves it.
+        memory_budget: the partitioner's ``activation_memory_budget`` (0..1); None leaves it.
         recompute_elementwise: let the backward recompute elementwise results that its matmuls
             read (the SwiGLU product, the norm outputs) instead of saving them.
+        cache_functions: let AOTAutograd's on-disk cache store and reuse graphs that hold
+            autograd Functions (:data:`CACHE_FUNCTIONS_KNOB`): a warm process skips tracing and
+            partitioning the joint graph.
 
     Raises:
-        RuntimeError: ``recompute_elementwise`` on a torch without :data:`RECOMPUTE_KNOB`.
+        RuntimeError: ``recompute_elementwise`` on a torch without :data:`RECOMPUTE_KNOB`, or
+            ``cache_functions`` on one without :data:`CACHE_FUNCTIONS_KNOB`.
 
-    Compile (run the first step) inside the block: the partitioner reads the settings when it
-    splits the forward from the backward.
+    Compile (run the first step) inside the block: the partitioner and the cache read the
+    settings when AOTAutograd runs.
     """
     patch: dict[str, Any] = {} if memory_budget is None else {"activation_memory_budget": float(memory_budget)}
     if recompute_elementwise:
         if not can_recompute_elementwise():
             raise RuntimeError(f"this torch ({torch.__version__}) has no torch._functorch.config.{RECOMPUTE_KNOB}")
         patch[RECOMPUTE_KNOB] = False
+    if cache_functions:
+        if not can_cache_functions():
+            raise RuntimeError(f"this torch ({torch.__version__}) has no torch._functorch.config.{CACHE_FUNCTIONS_KNOB}")
+        patch[CACHE_FUNCTIONS_KNOB] = True
     with torch._functorch.config.patch(**patch):
         yield
 

@@ -114,15 +114,16 @@ def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool
 
 def step_forward(compiled: Callable[..., Any], *, multiple: int, pad_id: int, mark_dynamic: bool,
                  loss_rows: int, memory_budget: float | None, recompute_elementwise: bool = False,
-                 min_loss_rows: int = 0, dynamic_rows: bool = True) -> Callable[..., Any]:
-    """``forward(**batch)``: :func:`prepare_batch`, then the compiled recipe (under the
-    partitioner's settings, if any: :func:`~qlora_nb_utils.compile.recipe.partitioner_settings`)."""
+                 min_loss_rows: int = 0, dynamic_rows: bool = True,
+                 cache_functions: bool = False) -> Callable[..., Any]:
+    """``forward(**batch)``: :func:`prepare_batch`, then the compiled recipe (under AOTAutograd's
+    settings, if any: :func:`~qlora_nb_utils.compile.recipe.partitioner_settings`)."""
     def forward(**batch: Any) -> Any:
         batch = prepare_batch(batch, multiple=multiple, pad_id=pad_id, mark_dynamic=mark_dynamic,
                               loss_rows=loss_rows, min_loss_rows=min_loss_rows, dynamic_rows=dynamic_rows)
-        if memory_budget is None and not recompute_elementwise:  # nothing to set: keep the per-step path bare
-            return compiled(**batch)
-        with partitioner_settings(memory_budget, recompute_elementwise):
+        if memory_budget is None and not recompute_elementwise and not cache_functions:
+            return compiled(**batch)  # nothing to set: keep the per-step path bare
+        with partitioner_settings(memory_budget, recompute_elementwise, cache_functions):
             return compiled(**batch)
 
     return forward

@@ -1,0 +1,157 @@
+"""Issue 20's warm start: where a new process's time to its first step goes, with
+``optimize(warm_cache=...)`` on and off, each start in its own process.
+
+Wrote: results/warm_start_<gpu>.json (from OUT/warm_start.json)
+Rerun: bash scripts/gpu/gpu_warm_start.sh OUT [BUDGET_S=420]  (GPU machine, repo root; carry .whl .gpucache)
+
+Why: a warm start (a second process, the Inductor cache on disk from the first) took 31.6 s to
+its first step at 8B in ``results/compute_extras_h100.json``, against a 20 s target, and its
+counters said AOTAutograd's cache was bypassed: every graph of the recipe holds an autograd
+Function, which that cache refuses unless torch's setting says otherwise (``warm_cache``, on
+by default now). Each start is :func:`qlora_nb_utils.bench.compile_time.measure`, which splits
+the time into spawn, imports (torch, transformers, peft, bitsandbytes, the package), model load
+(``from_pretrained`` with NF4 quantization, LoRA, batches), ``optimize()`` and the first step,
+and records the cache counters.
+
+Per shape, in this order, all in one Inductor cache folder:
+
+* ``cold``: an empty cache, ``warm_cache`` on (``"auto"``);
+* ``warm``: the same again (AOTAutograd cache hits expected);
+* ``warm_off``: ``warm_cache=False`` (the behaviour before: Inductor's graph cache hits, the
+  AOTAutograd cache bypassed);
+* ``warm_again``: ``warm_cache`` on once more, a repeat to set the difference against.
+
+The shapes: Llama-3.1-8B, 2 x 1024, regional scope (the compute_extras warm start's), then, if the
+budget leaves room, Llama-3.2-1B, 4 x 512, whole scope (CUDA graphs; its cold compile was
+119-125 s in ``results/peers_compute_h100.json``). A model is built into the cache before its
+first start (its build is not timed as a start).
+
+    python3 scripts/gpu/warm_start.py OUT_JSON BUDGET_S
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+SHAPES = [
+    {"model": "llama-3.1-8b-shape", "scope": "regional", "batch_size": 2, "seq_len": 1024, "steps": 6},
+    {"model": "llama-3.2-1b-shape", "scope": "whole", "batch_size": 4, "seq_len": 512, "steps": 8},
+]
+#: (run, optimize's warm_cache) in the order they run.
+RUNS = [("cold", "auto"), ("warm", "auto"), ("warm_off", False), ("warm_again", "auto")]
+#: Seconds a start needs left in the budget (a cold one, a warm one), by model.
+NEEDS = {"llama-3.1-8b-shape": (90, 60), "llama-3.2-1b-shape": (200, 90)}
+TARGET_S = 20.0
+
+
+def write(path: Path, data: dict) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def summarize(runs: dict) -> dict:
+    """The warm start with the setting against without it, and the target."""
+    def get(name, key):
+        r = runs.get(name) or {}
+        return r.get(key)
+
+    out = {}
+    for key in ("compile_s", "first_step_s", "time_to_first_step_s", "import_s", "load_s", "dynamo_compile_s"):
+        out[key] = {name: get(name, key) for name in runs}
+    on = [v for v in (get("warm", "compile_s"), get("warm_again", "compile_s")) if v is not None]
+    off = get("warm_off", "compile_s")
+    if on and off is not None:
+        out["warm_compile_s_on_median"] = statistics.median(on)
+        out["warm_compile_s_off"] = off
+        out["warm_compile_saved_s"] = off - statistics.median(on)
+    ttfs = [v for v in (get("warm", "time_to_first_step_s"), get("warm_again", "time_to_first_step_s")) if v]
+    if ttfs:
+        best = min(ttfs)
+        out["warm_time_to_first_step_s_best"] = best
+        out["warm_time_to_first_step_under_target"] = best < TARGET_S
+        r = runs["warm" if get("warm", "time_to_first_step_s") == best else "warm_again"]
+        out["warm_breakdown_s"] = {"spawn": r.get("spawn_to_main_s"), "imports": r.get("import_s"),
+                                   "load": r.get("load_s"), "optimize": r.get("optimize_s"),
+                                   "first_step": r.get("first_step_s")}
+    out["aot_autograd_counters"] = {name: (r or {}).get("cache_counters", {}).get("aot_autograd")
+                                    for name, r in runs.items()}
+    return out
+
+
+def main(out_path: str, budget_s: float) -> int:
+    import torch
+
+    from qlora_nb_utils import env
+    from qlora_nb_utils.bench import compile_time
+    from qlora_nb_utils.models.build import materialize
+
+    t0 = time.monotonic()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    work = Path(os.environ.get("WARM_START_WORK", "/tmp/warm_start_work"))
+    work.mkdir(parents=True, exist_ok=True)
+    res = {"what": __doc__.split("\n\n")[0], "device": env.device_info(dev), "versions": env.versions(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": os.environ.get("QLORA_NB_WARM_CMD", " ".join(sys.argv)), "tool": "scripts/gpu/warm_start.py",
+           "target_s": TARGET_S, "budget_s": budget_s,
+           "time_to_first_step_how": "from the parent starting the process to the end of the first optimizer step "
+                                     "(bench.compile_time.measure: spawn, imports, load, optimize(), first step)",
+           "compile_s_how": "first step minus the median later step", "shapes": []}
+    write(Path(out_path), res)
+    for shape in SHAPES:
+        name = shape["model"]
+        entry = {**shape, "runs": {}, "skipped": []}
+        res["shapes"].append(entry)
+        cold_need, warm_need = NEEDS[name]
+        if budget_s - (time.monotonic() - t0) < cold_need + 2 * warm_need:
+            entry["skipped"] = [r for r, _ in RUNS]
+            entry["error"] = "skipped: the budget leaves too little for a cold and two warm starts"
+            write(Path(out_path), res)
+            continue
+        t_build = time.monotonic()
+        try:
+            materialize(name)
+        except Exception as exc:  # a failed build ends this shape, not the call
+            entry["error"] = f"build: {type(exc).__name__}: {exc}"
+            write(Path(out_path), res)
+            continue
+        entry["build_s"] = round(time.monotonic() - t_build, 1)
+        cache = work / name.replace(".", "_")
+        for run, warm_cache in RUNS:
+            left = budget_s - (time.monotonic() - t0)
+            if left < (cold_need if run == "cold" else warm_need):
+                entry["skipped"].append(run)
+                continue
+            print(f"[warm_start] {name} {run} (warm_cache={warm_cache}), {left:.0f} s left", flush=True)
+            try:
+                r = compile_time.measure(model=name, scope=shape["scope"], cache_dir=cache, device=dev.type,
+                                         dtype="bfloat16", batch_size=shape["batch_size"], seq_len=shape["seq_len"],
+                                         steps=shape["steps"], warm_cache=warm_cache, timeout_s=max(left - 5, 30))
+                if run != "cold":  # one description per shape is enough
+                    r.pop("optimize", None)
+                entry["runs"][run] = {"warm_cache": warm_cache, **r}
+                print(f"[warm_start]   first step {r['first_step_s']:.1f} s, compile {r['compile_s']:.1f} s, "
+                      f"to first step {r.get('time_to_first_step_s')} s, imports {r['import_s']:.1f} s, "
+                      f"load {r['load_s']:.1f} s, aot {r['cache_counters']['aot_autograd']}", flush=True)
+            except Exception as exc:
+                entry["runs"][run] = {"warm_cache": warm_cache, "error": f"{type(exc).__name__}: {exc}",
+                                      "traceback": traceback.format_exc()[-2000:]}
+                print(f"[warm_start]   failed: {exc}", flush=True)
+            entry["summary"] = summarize({k: v for k, v in entry["runs"].items() if "error" not in v})
+            write(Path(out_path), res)
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    write(Path(out_path), res)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    sys.exit(main(sys.argv[1], float(sys.argv[2])))
