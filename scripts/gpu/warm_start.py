@@ -26,7 +26,7 @@ budget leaves room, Llama-3.2-1B, 4 x 512, whole scope (CUDA graphs; its cold co
 119-125 s in ``results/peers_compute_h100.json``). A model is built into the cache before its
 first start (its build is not timed as a start).
 
-    python3 scripts/gpu/warm_start.py OUT_JSON BUDGET_S
+    python3 scripts/gpu/warm_start.py OUT_JSON BUDGET_S   (WARM_START_MODELS=m1,m2: only those shapes)
 """
 
 from __future__ import annotations
@@ -105,8 +105,11 @@ def main(out_path: str, budget_s: float) -> int:
                                      "(bench.compile_time.measure: spawn, imports, load, optimize(), first step)",
            "compile_s_how": "first step minus the median later step", "shapes": []}
     write(Path(out_path), res)
+    only = [m for m in os.environ.get("WARM_START_MODELS", "").split(",") if m]
     for shape in SHAPES:
         name = shape["model"]
+        if only and name not in only:
+            continue
         entry = {**shape, "runs": {}, "skipped": []}
         res["shapes"].append(entry)
         cold_need, warm_need = NEEDS[name]
