@@ -31,10 +31,14 @@ def _live_bf16_bytes(exclude: set[int]) -> int:
     seen, total = set(), 0
     with warnings.catch_warnings():  # isinstance on every gc object touches deprecated module attributes
         warnings.simplefilter("ignore")
-        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        # type(), not isinstance(): a weak proxy whose object is gone raises on isinstance
+        objs = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
     for obj in objs:
         if not obj.is_meta and obj.dtype == torch.bfloat16:
-            ptr = obj.untyped_storage().data_ptr()
+            try:
+                ptr = obj.untyped_storage().data_ptr()
+            except RuntimeError:  # a fake or functional tensor an earlier compile left behind: no memory of its own
+                continue
             if ptr not in seen and ptr not in exclude:
                 seen.add(ptr)
                 total += obj.untyped_storage().nbytes()
