@@ -41,16 +41,17 @@ def test_warm_cache_makes_a_second_compile_an_aot_autograd_cache_hit_with_the_sa
     model, tok = tiny
     batch = _batch(tok)
     with fresh_cache(dir=str(tmp_path)):
-        _, _, off, choice = _compile_once(model, batch, warm_cache=False)
-        assert choice is False
-        assert off.get("autograd_cache_bypass", 0) >= 1 and not off.get("autograd_cache_hit"), off
-    with fresh_cache(dir=str(tmp_path)):
         cold_loss, cold_grads, cold, choice = _compile_once(model, batch)  # "auto"
         assert choice is True
         assert cold.get("autograd_cache_saved", 0) >= 1 and not cold.get("autograd_cache_bypass"), cold
         warm_loss, warm_grads, warm, _ = _compile_once(model, batch)
         assert warm.get("autograd_cache_hit", 0) >= 1, warm
         assert not warm.get("autograd_cache_miss") and not warm.get("autograd_cache_bypass"), warm
+        # the same warm cache without the setting: the cache refuses the graph (torch's default; if a
+        # torch takes autograd Functions by itself, this fails and the setting is no longer needed)
+        _, _, off, choice = _compile_once(model, batch, warm_cache=False)
+        assert choice is False
+        assert off.get("autograd_cache_bypass", 0) >= 1 and not off.get("autograd_cache_hit"), off
     assert torch.equal(cold_loss, warm_loss)
     assert cold_grads.keys() == warm_grads.keys() and len(cold_grads) > 0
     for name, grad in cold_grads.items():
