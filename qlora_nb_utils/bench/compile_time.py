@@ -137,9 +137,9 @@ def _import_timed() -> dict[str, float]:
     for name in (*IMPORTS, "qlora_nb_utils"):
         t0 = time.perf_counter()
         if name == "qlora_nb_utils":  # what the run below uses: the fast path, the loop, the models
-            importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.compile.fast_path")
-            importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.models.load")
-            importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.training.loop")
+            from ..compile import fast_path  # noqa: F401
+            from ..models import load  # noqa: F401
+            from ..training import loop  # noqa: F401
         else:
             importlib.import_module(name)
         took[name] = round(time.perf_counter() - t0, 3)
@@ -156,9 +156,10 @@ def _cache_counters() -> dict[str, dict[str, int]]:
 
 def _warm_cache_arg(text: str) -> bool | str:
     """``--warm-cache auto|True|False`` back to what ``optimize(warm_cache=...)`` takes."""
-    if text not in ("auto", "True", "False"):
-        raise argparse.ArgumentTypeError(f"--warm-cache must be auto, True or False, got {text!r}")
-    return {"auto": "auto", "True": True, "False": False}[text]
+    try:
+        return {"auto": "auto", "True": True, "False": False}[text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"--warm-cache must be auto, True or False, got {text!r}") from None
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:

@@ -46,10 +46,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _lora_checksum(model) -> float:
-    return float(sum(p.detach().double().sum() for n, p in model.named_parameters() if p.requires_grad))
-
-
 def split(model_name: str = "smollm2-135m", *, device: str = "cpu", dtype: str = "bfloat16", batch_size: int = 4,
           seq_len: int = 256, steps: int = 4, variants: Sequence[str] | None = None, lr: float = 2e-4,
           log=print) -> dict[str, Any]:
@@ -77,7 +73,7 @@ def split(model_name: str = "smollm2-135m", *, device: str = "cpu", dtype: str =
     from .. import data as qdata
     from .. import models
     from ..compile.fast_path import optimize
-    from ..training.loop import TrainConfig, train
+    from ..training.loop import TrainConfig, train, trainable_state
     from ..training.parity import judge, loss_diffs, permute_rows
 
     names = list(VARIANTS) if variants is None else list(variants)
@@ -94,16 +90,18 @@ def split(model_name: str = "smollm2-135m", *, device: str = "cpu", dtype: str =
 
     model, tok = fresh()
     batches = qdata.build_batches(tok, batch_size=batch_size, steps=steps, max_len=seq_len, padding="fixed")
-    start = _lora_checksum(model)
+    start = trainable_state(model)
     hf = [float(x) for x in train(model, batches, cfg)["loss"]]
     log(f"[parity_split] hf-eager {hf}")
     model, _ = fresh()
     floor = [float(x) for x in train(model, permute_rows(batches), cfg)["loss"]]
     log(f"[parity_split] floor (rows permuted) {floor}")
-    out: dict[str, Any] = {"hf-eager": hf, "floor": floor, "lora_start_checksum": start, "runs": {}}
+    checksum = float(sum(t.double().sum() for t in start.values()))
+    out: dict[str, Any] = {"hf-eager": hf, "floor": floor, "lora_start_checksum": checksum, "runs": {}}
     for name in names:
         model, _ = fresh()
-        if _lora_checksum(model) != start:
+        state = trainable_state(model)
+        if state.keys() != start.keys() or not all(state[k].equal(v) for k, v in start.items()):
             raise RuntimeError(f"{name}: the LoRA start differs from HF eager's")
         opt = optimize(model, batches=batches, backend="eager", **VARIANTS[name])
         try:
