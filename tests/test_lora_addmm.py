@@ -2,6 +2,8 @@
 loss and LoRA gradients as PEFT's forward, no graph break, PEFT's own path for everything else,
 and an undo that restores every layer; optimize(lora_addmm=...) applies it."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -130,7 +132,7 @@ def test_out_of_place_update_gives_the_same_values_and_optimize_takes_it_when_me
     model, _ = tiny
     ref_loss, ref_grads = _step(model, batch)
     with lora_addmm.patched(model, in_place=False) as handle:
-        assert handle.details == {"layers": 14, "in_place": False, "nf4_layers": 0}
+        assert handle.details == {"layers": 14, "in_place": False, "nf4_layers": 0, "groups": 0}
         loss, grads = _step(model, batch)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for name in grads:
@@ -244,5 +246,104 @@ def test_optimize_fuses_nf4_layers_when_its_nf4_patch_is_on(tiny, batch):
     try:
         assert opt.choices["nf4_dequant"] is False and opt.choices["nf4_lora_linear"] == 0
         assert "nf4_dequant" in opt.reasons["nf4_lora_linear"]
+    finally:
+        opt.undo()
+
+
+def _aot_graphs():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    return graphs, aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+@pytest.mark.parametrize("compiled, ckpt", [(False, False), (False, True), (True, False)],
+                         ids=["eager", "eager-ckpt", "compiled"])
+def test_siblings_reading_one_input_run_as_one_group(tiny, batch, compiled, ckpt, monkeypatch):
+    """q, k, v and gate, up of each decoder layer: one nf4_lora_linears call per group, the loss and
+    LoRA gradients of every layer on its own; eager with checkpointing (the recompute calls each group
+    again), compiled whole with fullgraph (the group's state is plain Python the trace replays);
+    fewer matmuls in the graph; undo puts every layer back."""
+    from qlora_nb_utils.compile.patches import input_require_grads
+
+    model, _ = tiny
+    was_training, had_hook = model.training, bool(input_require_grads.find_hooks(model))
+    if ckpt:  # HF checkpoints in train mode only
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    calls = []
+    real = lora_addmm.nf4_lora_linears
+    monkeypatch.setattr(lora_addmm, "nf4_lora_linears", lambda x, m: calls.append(len(m)) or real(x, m))
+    rows = {"cpu": 0, "cuda": 0}
+    results, mms = {}, {}
+    try:
+        for group in (False, True):
+            with lora_addmm.patched(model, nf4_rows=rows, group=group) as handle:
+                assert handle.details["groups"] == (4 if group else 0)
+                if compiled:
+                    torch.compiler.reset()
+                    graphs, backend = _aot_graphs()
+                    with input_require_grads.patched(model) if ckpt else contextlib.nullcontext():
+                        loss = torch.compile(model, backend=backend, fullgraph=True)(**batch).loss
+                    loss.backward()
+                    mms[group] = sum(n.target is torch.ops.aten.mm.default for g in graphs for n in g.graph.nodes)
+                else:
+                    loss = model(**batch).loss
+                    loss.backward()
+                results[group] = (loss.detach(), _grads(model))
+                model.zero_grad(set_to_none=True)
+            if group and not compiled:
+                assert calls == [3, 2, 3, 2] * (2 if ckpt else 1)  # the recompute calls each group again
+    finally:
+        if ckpt:  # the fixture as it was: no checkpointing, no input-require-grads hook it did not have
+            model.gradient_checkpointing_disable()
+            if not had_hook:
+                model.disable_input_require_grads()
+            model.train(was_training)
+    (ref_loss, ref_grads), (loss, grads) = results[False], results[True]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    if compiled:  # per layer, 3 matmuls fewer each time the group reads x: x@A in the forward (3 -> 1 and
+        # 2 -> 1), gA^T@x for the A gradients, gA@A for the input gradient (none for layer 0's q, k, v:
+        # nothing before them needs one); with checkpointing, the recomputed forward's too
+        saved = 3 * 2 + 3 * 2 + (3 * 2 - 2)
+        assert mms[False] - mms[True] == saved + (3 * 2 if ckpt else 0), mms
+    assert not any("forward" in vars(layer) for layer in lora_addmm.find_layers(model))
+
+
+def test_optimize_groups_siblings_in_regional_scope_with_checkpointing_and_not_in_whole(tiny, batch):
+    """Regional scope checkpoints around the compiled layer: the groups run there (one compilation, the
+    loss and grads of lora_addmm='ungrouped'). Whole scope traces a checkpointed layer as one region
+    that may not mutate outside state, so optimize() leaves the layers ungrouped there and says why."""
+    model, _ = tiny
+    runs = {}
+    for asked in ("auto", "ungrouped"):
+        torch.compiler.reset()
+        opt = optimize(model, batches=[batch], backend="aot_eager", nf4_dequant=True, scope="regional",
+                       grad_ckpt=True, cast=False, autocast=False, lora_addmm=asked)
+        try:
+            loss = opt.forward(**batch).loss
+            loss.backward()
+            runs[asked] = (loss.detach(), _grads(model), opt.choices["lora_groups"], opt.counter.to_dict())
+        finally:
+            opt.undo()
+            model.zero_grad(set_to_none=True)
+    (loss, grads, groups, stats), (ref_loss, ref_grads, ref_groups, _) = runs["auto"], runs["ungrouped"]
+    assert (groups, ref_groups) == (4, 0) and stats["compilations"] == 1
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    opt = optimize(model, batches=[batch], backend="eager", nf4_dequant=True, scope="whole", grad_ckpt=True)
+    try:
+        assert opt.choices["lora_groups"] == 0 and opt.choices["nf4_lora_linear"] == 14
+        assert "whole scope with checkpointing" in opt.reasons["lora_groups"]
     finally:
         opt.undo()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from qlora_nb_utils.ops.lora_update import add_lora_, lora_addmm_, nf4_lora_linear
+from qlora_nb_utils.ops.lora_update import add_lora_, lora_addmm_, nf4_lora_linear, nf4_lora_linears
 
 
 def _inputs(dtype=torch.float64):
@@ -179,3 +179,76 @@ def test_nf4_lora_linear_refuses_bad_input(change, message):
     x, a, b, _, args = _nf4_inputs()
     with pytest.raises(ValueError, match=message):
         nf4_lora_linear(*change(x.detach(), a.detach(), b.detach()), 1.0, args)
+
+
+def _nf4_group(rows=(3, 5), seed=0):
+    """Three NF4 LoRA members reading one x (q, k, v-like: outputs 48, 16, 16; ranks 4, 4, 2)."""
+    members, refs = [], []
+    x = None
+    for i, (out_f, r, s) in enumerate(((48, 4, 0.75), (16, 4, 2.0), (16, 2, 0.5))):
+        xi, a, b, weight, args = _nf4_inputs(out_f=out_f, r=r, rows=rows, seed=seed + i)
+        x = xi if x is None else x
+        members.append((a, b, s, args))
+        refs.append((a, b, s, weight))
+    return x, members, refs
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nf4_lora_linears_give_each_member_and_the_summed_gradients(compiled):
+    x, members, refs = _nf4_group()
+    leaves = [x] + [t for a, b, _, _ in members for t in (a, b)]
+
+    def ours(x, *ab):
+        return nf4_lora_linears(x, [(ab[2 * i], ab[2 * i + 1], s, args) for i, (_, _, s, args) in enumerate(members)])
+
+    def reference(x, *ab):
+        return tuple(x @ w.t() + s * (x @ ab[2 * i].t()) @ ab[2 * i + 1].t() for i, (_, _, s, w) in enumerate(refs))
+
+    def run(fn):
+        for t in leaves:
+            t.grad = None
+        outs = fn(*leaves)
+        sum((o.square() * (k + 1)).sum() for k, o in enumerate(outs)).backward()
+        return [o.detach() for o in outs], [t.grad.clone() for t in leaves]
+
+    fn = torch.compile(ours, backend="aot_eager", fullgraph=True) if compiled else ours
+    (outs, grads), (ref_outs, ref_grads) = run(fn), run(reference)
+    assert [o.shape for o in outs] == [(3, 5, 48), (3, 5, 16), (3, 5, 16)]
+    for got, want in zip(outs + grads, ref_outs + ref_grads):  # fp32, sums in another order: 1e-4
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_nf4_lora_linears_read_x_once_for_the_group():
+    """Against three nf4_lora_linear calls: one x @ A^T matmul in the forward instead of three, one
+    g_A^T @ x and one LoRA input-gradient matmul in the backward instead of three each."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    x, members, _ = _nf4_group()
+
+    def count(fn):
+        torch.compiler.reset()
+        graphs = []
+
+        def keep(gm, _inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm)
+
+        compiled = torch.compile(fn, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+        sum(o.sum() for o in compiled(x)).backward()
+        assert len(graphs) == 2
+        return [sum(n.target is torch.ops.aten.mm.default for n in g.graph.nodes) for g in graphs]
+
+    grouped = count(lambda x: nf4_lora_linears(x, members))
+    separate = count(lambda x: tuple(nf4_lora_linear(x, *m) for m in members))
+    assert separate == [6, 12]  # forward: x@A, xa@B per member; backward: g@B, gA@A, gA^T@x, g^T@xa
+    assert grouped == [1 + 3, 3 + 1 + 1 + 3]
+
+
+def test_nf4_lora_linears_refuse_an_empty_group_and_a_mismatched_member():
+    x, members, _ = _nf4_group()
+    with pytest.raises(ValueError, match="at least one"):
+        nf4_lora_linears(x, [])
+    a, b, s, args = members[1]
+    with pytest.raises(ValueError, match="do not make"):
+        nf4_lora_linears(x, [members[0], (a[:, :32], b, s, args)])

@@ -163,10 +163,14 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             it), True (refused where torch lacks it) or False.
         lora_addmm: add each LoRA update into its base output in place, one matmul
             (:mod:`~qlora_nb_utils.compile.patches.lora_addmm`): ``"auto"`` (on where PEFT's
-            version is supported), True, False, or ``"unfused"``. With the ``nf4_dequant`` patch on,
+            version is supported), True, False, ``"unfused"`` or ``"ungrouped"``. With the ``nf4_dequant`` patch on,
             a layer over an NF4 weight runs as one LoRA linear whose base matmul adds into the
             update, forward and backward (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`);
-            ``"unfused"`` keeps the update after bitsandbytes' base matmul. When ``max_memory_gib``
+            ``"unfused"`` keeps the update after bitsandbytes' base matmul. Fused layers that read
+            one input (a decoder layer's q, k, v; gate, up) run as one group that reads it once
+            (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linears`; the choice ``lora_groups``),
+            except in whole scope with checkpointing (the group's state is a side effect a
+            checkpointed region may not have while traced) and with ``"ungrouped"``. When ``max_memory_gib``
             is not met even with every layer checkpointed (and offloaded), the update is the
             out-of-place ``addmm``, one tensor fewer at the peak.
         nf4_dequant: the NF4 weights dequantized in one Triton kernel, not bitsandbytes' two
@@ -195,7 +199,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("doc_attention", doc_attention, DOC_ATTENTION)
     _check("loss_rows", loss_rows, ("auto", True, False))
     _check("recompute", recompute, ("auto", True, False))
-    _check("lora_addmm", lora_addmm, ("auto", True, False, "unfused"))
+    _check("lora_addmm", lora_addmm, ("auto", True, False, "unfused", "ungrouped"))
     _check("nf4_dequant", nf4_dequant, ("auto", True, False))
     _check("warm_cache", warm_cache, ("auto", True, False))
     if loss_rows is True and not ce_chunks:
@@ -367,7 +371,10 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         nf4 = use_nf4_dequant(model, nf4_dequant, device, choices, reasons)
         extra += nf4
         extra += use_lora_addmm(model, lora_addmm, choices, reasons, not over_target,
-                                "the memory target is not met with every layer checkpointed: one tensor fewer", nf4)
+                                "the memory target is not met with every layer checkpointed: one tensor fewer", nf4,
+                                group=not (scope == "whole" and ckpt > 0),
+                                no_group_why="whole scope with checkpointing: a checkpointed region is traced "
+                                             "without side effects, and the group's state is one")
     except BaseException:  # refused when asked for: leave the model as it was given, but for the cast
         for handle in [*extra, fast]:
             handle.undo()

@@ -62,7 +62,8 @@ def lora_addmm_expected(model: torch.nn.Module, asked: bool | str) -> bool:
 
 def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str, Any],
                     reasons: dict[str, str], in_place: bool = True, why: str = "",
-                    nf4: list[PatchHandle] | None = None) -> list[PatchHandle]:
+                    nf4: list[PatchHandle] | None = None, group: bool = True,
+                    no_group_why: str = "") -> list[PatchHandle]:
     """``optimize(lora_addmm=...)``: the patch's handle (a list: empty when not applied);
     ``in_place=False`` (with ``why``) for the out-of-place update. ``nf4``: the handles
     :func:`use_nf4_dequant` returned; when it was applied, the layers over NF4 weights run as one
@@ -80,8 +81,9 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
         reasons["lora_addmm"] = "asked for" if asked is False else "no PEFT LoRA linear layer"
         return []
     rows = nf4[0].details.get("forward_min_rows") if nf4 and asked != "unfused" else None
-    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place, rows),
-                              True if asked == "unfused" else asked, choices, reasons)
+    grouped = group and asked != "ungrouped"
+    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place, rows, grouped),
+                              True if asked in ("unfused", "ungrouped") else asked, choices, reasons)
     if handle is None:
         return []
     choices["lora_addmm"] = True
@@ -92,6 +94,12 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
         choices["nf4_lora_linear"] = fused
         reasons["nf4_lora_linear"] = (f"{fused} LoRA layers over NF4 weights: the base matmul adds into the update, "
                                       "forward and backward (one input gradient)")
+        n_groups = handle.details["groups"]
+        choices["lora_groups"] = n_groups
+        reasons["lora_groups"] = (
+            f"{n_groups} groups of LoRA layers reading one input (q, k, v; gate, up): x read once, one input gradient"
+            if n_groups else "asked for (lora_addmm='ungrouped')" if asked == "ungrouped"
+            else no_group_why if not group else "no sibling LoRA layers reading one input")
     return [handle]
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["lora_addmm_", "add_lora_", "nf4_lora_linear"]
+__all__ = ["lora_addmm_", "add_lora_", "nf4_lora_linear", "nf4_lora_linears"]
 
 
 @torch.library.custom_op("qlora_nb::lora_addmm_", mutates_args=("base",))
@@ -93,42 +93,85 @@ def add_lora_(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: fl
     return _AddLora.apply(base, xa, b, float(scaling))
 
 
-class _NF4LoraLinear(torch.autograd.Function):
-    """``x @ W^T + s * (x @ A^T) @ B^T`` with ``W`` the NF4 weight (module docstring)."""
+class _NF4LoraGroup(torch.autograd.Function):
+    """``x @ W_i^T + s_i * (x @ A_i^T) @ B_i^T`` for the members ``i`` of a group sharing ``x``, each
+    ``W_i`` an NF4 weight (module docstring). One member is the plain fused linear."""
 
     @staticmethod
-    def forward(ctx, x, a, b, scaling, packed, absmax, code, nested_code, nested_absmax, offset, blocksize,
-                nested_blocksize, shape, dtype):
+    def forward(ctx, x, consts, *flat):
         from . import nf4_triton
 
         x2 = x.reshape(-1, x.shape[-1])
-        xa = (x2 @ a.t()) * scaling  # (N, r): the scaling on the small tensor
-        out = xa @ b.t()  # the update first: a rank-r matmul writes the output buffer ...
-        weight = nf4_triton.dequantize(packed, absmax, code, nested_code, nested_absmax, offset, blocksize,
-                                       nested_blocksize, shape, dtype)
-        lora_addmm_(out, x2, weight.t(), 1.0)  # ... and the base matmul adds into it
-        ctx.save_for_backward(x2, xa, a, b, packed, absmax, code, nested_code, nested_absmax, offset)
-        ctx.constants = (float(scaling), blocksize, nested_blocksize, shape, dtype)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        n = len(consts)
+        members = [flat[_PER * i:_PER * (i + 1)] for i in range(n)]
+        if n == 1:
+            xas = [(x2 @ members[0][0].t()) * consts[0][0]]  # (N, r): the scaling on the small tensor
+        else:  # one x @ [A_1; A_2; ...]^T: x is read once for the whole group
+            xa = x2 @ torch.cat([m[0] for m in members]).t()
+            xas = [p * c[0] for p, c in zip(xa.split([m[0].shape[0] for m in members], dim=1), consts)]
+        outs = []
+        for xa_i, m, c in zip(xas, members, consts):
+            out = xa_i @ m[1].t()  # the update first: a rank-r matmul writes the output buffer ...
+            weight = nf4_triton.dequantize(*m[2:], *c[1:])
+            lora_addmm_(out, x2, weight.t(), 1.0)  # ... and the base matmul adds into it
+            outs.append(out.view(*x.shape[:-1], out.shape[-1]))
+        ctx.save_for_backward(x2, *xas, *flat)
+        ctx.consts = consts
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         from . import nf4_triton
 
-        x2, xa, a, b, packed, absmax, code, nested_code, nested_absmax, offset = ctx.saved_tensors
-        scaling, blocksize, nested_blocksize, shape, dtype = ctx.constants
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gxa = (g2 @ b) * scaling  # (N, r)
-        grad_a = gxa.t() @ x2 if ctx.needs_input_grad[1] else None
-        grad_b = g2.t() @ xa if ctx.needs_input_grad[2] else None
+        consts = ctx.consts
+        n = len(consts)
+        x2, *rest = ctx.saved_tensors
+        xas, flat = rest[:n], rest[n:]
+        members = [flat[_PER * i:_PER * (i + 1)] for i in range(n)]
+        need = ctx.needs_input_grad
+        g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
+        gxas = [(g2 @ m[1]) * c[0] for g2, m, c in zip(g2s, members, consts)]  # (N, r) each
+        gxa = gxas[0] if n == 1 else torch.cat(gxas, dim=1)  # (N, sum of r)
         grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = gxa @ a  # the LoRA part first, then the base's g @ W added into it
-            weight = nf4_triton.dequantize(packed, absmax, code, nested_code, nested_absmax, offset, blocksize,
-                                           nested_blocksize, shape, dtype)
-            lora_addmm_(grad_x, g2, weight, 1.0)
-            grad_x = grad_x.view(*grad.shape[:-1], x2.shape[-1])
-        return (grad_x, grad_a, grad_b) + (None,) * 11
+        if need[0]:
+            a_all = members[0][0] if n == 1 else torch.cat([m[0] for m in members])
+            grad_x = gxa @ a_all  # the LoRA parts first, then each base's g_i @ W_i added into the one buffer
+            for g2, m, c in zip(g2s, members, consts):
+                weight = nf4_triton.dequantize(*m[2:], *c[1:])
+                lora_addmm_(grad_x, g2, weight, 1.0)
+            grad_x = grad_x.view(*grads[0].shape[:-1], x2.shape[-1])
+        want_a = [need[2 + _PER * i] for i in range(n)]
+        grad_as = [None] * n
+        if any(want_a):  # one gxa^T @ x for the group: x read once
+            grad_as = list((gxa.t() @ x2).split([m[0].shape[0] for m in members], dim=0))
+        out = [grad_x, None]
+        for i, (g2, xa_i) in enumerate(zip(g2s, xas)):
+            grad_b = g2.t() @ xa_i if need[3 + _PER * i] else None
+            out += [grad_as[i] if want_a[i] else None, grad_b] + [None] * (_PER - 2)
+        return tuple(out)
+
+
+#: Tensors per member in :class:`_NF4LoraGroup`'s arguments: A, B and the NF4 weight's six.
+_PER = 8
+
+
+def _group_args(x: torch.Tensor, members: list) -> tuple[tuple, list]:
+    """Check the members ``(a, b, scaling, weight_args)`` against ``x``; the Function's constants and tensors."""
+    consts, flat = [], []
+    for a, b, scaling, weight_args in members:
+        shape, dtype = list(weight_args[8]), weight_args[9]
+        if a.dim() != 2 or b.dim() != 2 or len(shape) != 2:
+            raise ValueError(f"nf4_lora_linear takes 2-D a, b and weight, got {a.dim()}, {b.dim()} and "
+                             f"{len(shape)} dims")
+        if x.shape[-1] != shape[1] or a.shape != (b.shape[1], shape[1]) or b.shape[0] != shape[0]:
+            raise ValueError(f"nf4_lora_linear: shapes x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} "
+                             f"and weight {tuple(shape)} do not make x @ W^T + (x @ a^T) @ b^T")
+        if not x.dtype == a.dtype == b.dtype == dtype:
+            raise ValueError(f"nf4_lora_linear: one dtype expected, got x {x.dtype}, a {a.dtype}, b {b.dtype}, "
+                             f"weight {dtype}")
+        consts.append((float(scaling), weight_args[6], weight_args[7], tuple(shape), dtype))
+        flat += [a, b, *weight_args[:6]]
+    return tuple(consts), flat
 
 
 def nf4_lora_linear(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
@@ -148,13 +191,31 @@ def nf4_lora_linear(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
     Raises:
         ValueError: mismatched shapes or dtypes.
     """
-    shape, dtype = list(weight_args[8]), weight_args[9]
-    if a.dim() != 2 or b.dim() != 2 or len(shape) != 2:
-        raise ValueError(f"nf4_lora_linear takes 2-D a, b and weight, got {a.dim()}, {b.dim()} and {len(shape)} dims")
-    if x.shape[-1] != shape[1] or a.shape != (b.shape[1], shape[1]) or b.shape[0] != shape[0]:
-        raise ValueError(f"nf4_lora_linear: shapes x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} and "
-                         f"weight {tuple(shape)} do not make x @ W^T + (x @ a^T) @ b^T")
-    if not x.dtype == a.dtype == b.dtype == dtype:
-        raise ValueError(f"nf4_lora_linear: one dtype expected, got x {x.dtype}, a {a.dtype}, b {b.dtype}, "
-                         f"weight {dtype}")
-    return _NF4LoraLinear.apply(x, a, b, float(scaling), *weight_args)
+    consts, flat = _group_args(x, [(a, b, scaling, weight_args)])
+    return _NF4LoraGroup.apply(x, consts, *flat)[0]
+
+
+def nf4_lora_linears(x: torch.Tensor, members: list) -> tuple[torch.Tensor, ...]:
+    """Several LoRA linear layers over NF4 weights that read the same ``x`` (a layer's q, k and v
+    projections; gate and up), as one autograd Function.
+
+    Each output is :func:`nf4_lora_linear`'s, but ``x`` is read once for the group where the
+    layers would read it once each: one ``x @ [A_1; ...; A_n]^T`` in the forward, one
+    ``g_A^T @ x`` for the ``A`` gradients, and one input gradient, into which every member's
+    LoRA part (one matmul) and base part (its base matmul's epilogue) are added, where autograd
+    would sum ``n`` separate tensors.
+
+    Args:
+        x: ``(..., in)``.
+        members: ``(a, b, scaling, weight_args)`` per layer, as :func:`nf4_lora_linear` takes them.
+
+    Returns:
+        One ``(..., out_i)`` tensor per member, in order.
+
+    Raises:
+        ValueError: no member, or mismatched shapes or dtypes.
+    """
+    if not members:
+        raise ValueError("nf4_lora_linears needs at least one member")
+    consts, flat = _group_args(x, list(members))
+    return _NF4LoraGroup.apply(x, consts, *flat)

@@ -27,6 +27,14 @@ adding into it, forward and backward (one input gradient, not two summed). PEFT'
 identity dropout and the LoRA weights cast to the input's dtype under autocast are kept; any
 other layer, or a call outside the route, takes the path above.
 
+Siblings that read the same input (:data:`GROUPS`: a decoder layer's ``q_proj``, ``k_proj`` and
+``v_proj``; ``gate_proj`` and ``up_proj``) run as one
+:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linears` when every one of them takes that route
+(``group=True``, the default): the first member called computes the whole group and leaves the
+others' outputs on the group's state, which the next members take if they are called with the
+very same input tensor (anything else: their own call, as above). The input is then read once
+for the group's ``x @ A^T`` and ``A`` gradients, and the group has one input gradient.
+
 Smallest check (``tests/test_lora_addmm.py``)::
 
     with lora_addmm.patched(model):
@@ -41,15 +49,18 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ...ops.lora_update import add_lora_, nf4_lora_linear
+from ...ops.lora_update import add_lora_, nf4_lora_linear, nf4_lora_linears
 from ...reversible import PatchHandle, check_versions, set_attribute
 
-__all__ = ["VERIFIED_ON", "SUPPORTED", "apply", "patched", "find_layers"]
+__all__ = ["VERIFIED_ON", "SUPPORTED", "GROUPS", "apply", "patched", "find_layers", "find_groups"]
 
 NAME = "lora_addmm"
 
 #: Versions this patch was verified on (CPU: tests here; CUDA: scripts/gpu/gpu_peers_compute.sh).
 VERIFIED_ON = {"torch": "2.13.0 (cpu), 2.11.0+cu130 (cuda)", "peft": "0.21.2"}
+
+#: Sibling LoRA layers (attribute names under one parent) that a decoder layer calls on the same input.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 #: Versions the patch accepts; outside them it refuses (PEFT's forward is what it stands in for).
 SUPPORTED = {"peft": ">=0.17,<0.22", "torch": ">=2.6"}
@@ -89,18 +100,67 @@ def _plain(layer: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None
     return name
 
 
+def _fused_args(layer: Any, x: torch.Tensor, route: Callable[[Any, torch.Tensor], tuple | None]) -> tuple | None:
+    """``(a, b, scaling, weight_args)`` when ``layer``'s call on ``x`` takes the fused NF4 route, else None."""
+    name = _plain(layer, x, (), {})
+    if name is None:
+        return None
+    lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
+    weight_args = route(layer.base_layer, x)
+    if weight_args is None or not isinstance(layer.lora_dropout[name], torch.nn.Identity) or not (
+            torch.is_autocast_enabled(x.device.type) or lora_A.weight.dtype == lora_B.weight.dtype == x.dtype):
+        return None
+    # autocast's casts, done here (differentiable) as lora_A/B would
+    return lora_A.weight.to(x.dtype), lora_B.weight.to(x.dtype), layer.scaling[name], weight_args
+
+
+class _Group:
+    """Sibling layers that read the same input, and what the first one called left for the others."""
+
+    def __init__(self, layers: list) -> None:
+        self.layers = layers
+        self.x: torch.Tensor | None = None
+        self.outs: tuple | None = None
+        self.pending = (False,) * len(layers)
+
+    def clear(self) -> None:
+        self.x, self.outs, self.pending = None, None, (False,) * len(self.layers)
+
+
+def _grouped(group: _Group, index: int, x: torch.Tensor, route: Callable) -> torch.Tensor | None:
+    """Member ``index``'s output from the group's call on ``x`` (made now if needed), or None: its own call."""
+    if group.x is x and group.pending[index]:
+        out = group.outs[index]
+        pending = group.pending[:index] + (False,) + group.pending[index + 1:]
+        if any(pending):
+            group.pending = pending
+        else:
+            group.clear()
+        return out
+    members = [_fused_args(layer, x, route) for layer in group.layers]
+    if any(m is None for m in members):
+        return None
+    outs = nf4_lora_linears(x, members)
+    group.x, group.outs = x, outs
+    group.pending = tuple(i != index for i in range(len(members)))
+    return outs[index]
+
+
 def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True,
-             route: Callable[[Any, torch.Tensor], tuple | None] | None = None, **kwargs: Any) -> torch.Tensor:
+             route: Callable[[Any, torch.Tensor], tuple | None] | None = None,
+             group: _Group | None = None, index: int = 0, **kwargs: Any) -> torch.Tensor:
     name = _plain(self, x, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
+    if group is not None and route is not None:
+        out = _grouped(group, index, x, route)
+        if out is not None:
+            return out
     lora_A, lora_B = self.lora_A[name], self.lora_B[name]
     autocast = torch.is_autocast_enabled(x.device.type)
-    weight_args = route(self.base_layer, x) if route is not None else None
-    if weight_args is not None and isinstance(self.lora_dropout[name], torch.nn.Identity) and (
-            autocast or lora_A.weight.dtype == lora_B.weight.dtype == x.dtype):
-        a, b = lora_A.weight, lora_B.weight  # autocast's casts, done here (differentiable) as lora_A/B would
-        return nf4_lora_linear(x, a.to(x.dtype), b.to(x.dtype), self.scaling[name], weight_args)
+    fused = _fused_args(self, x, route) if route is not None else None
+    if fused is not None:
+        return nf4_lora_linear(x, *fused)
     result = self.base_layer(x)
     if not autocast and not (lora_A.weight.dtype == lora_B.weight.dtype == result.dtype == x.dtype):
         return type(self).forward(self, x, *args, **kwargs)  # PEFT casts in and out: its own path
@@ -113,14 +173,29 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True,
     return out.view(result.shape)
 
 
-def _make_forward(in_place: bool, route: Callable | None) -> Callable:
+def _make_forward(in_place: bool, route: Callable | None, group: _Group | None = None, index: int = 0) -> Callable:
     def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return _forward(self, x, *args, in_place=in_place, route=route, **kwargs)
+        return _forward(self, x, *args, in_place=in_place, route=route, group=group, index=index, **kwargs)
 
     return forward
 
 
-def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int] | None = None) -> PatchHandle:
+def find_groups(model: torch.nn.Module, layers: list | None = None) -> list[list]:
+    """The :data:`GROUPS` of ``model``: lists of at least two sibling LoRA layers (of ``layers``,
+    default :func:`find_layers`) with the same input size, in call order."""
+    chosen = {id(m) for m in (find_layers(model) if layers is None else layers)}
+    out = []
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            members = [m for m in members if m is not None and id(m) in chosen]
+            if len(members) >= 2 and len({m.in_features for m in members}) == 1:
+                out.append(members)
+    return out
+
+
+def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int] | None = None,
+          group: bool = True) -> PatchHandle:
     """Give every PEFT LoRA linear layer of ``model`` the one-matmul update (module docstring).
 
     ``in_place=False``: the out-of-place ``torch.addmm`` (a copy of each base output, but one
@@ -132,10 +207,14 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
     rows per device type (module docstring; the ``forward_min_rows`` of the ``nf4_dequant``
     patch's details). None: never.
 
+    ``group``: with ``nf4_rows``, the :data:`GROUPS` run as one ``nf4_lora_linears`` each
+    (module docstring). False: every layer on its own.
+
     Returns:
         A :class:`PatchHandle`; ``details["layers"]`` is how many layers were patched,
         ``details["in_place"]`` which update they use, ``details["nf4_layers"]`` how many have an
-        NF4 base that may take the fused route (0 without ``nf4_rows``).
+        NF4 base that may take the fused route (0 without ``nf4_rows``), ``details["groups"]``
+        how many groups of siblings share one call (0 without ``nf4_rows`` or with ``group=False``).
 
     Raises:
         RuntimeError: Unsupported versions.
@@ -151,18 +230,23 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
 
         route = make_lora_route(dict(nf4_rows))
         nf4 = sum(holds_nf4(layer.base_layer) for layer in layers)
-    handle = PatchHandle(NAME, {"layers": len(layers), "in_place": bool(in_place), "nf4_layers": nf4})
-    forward = _make_forward(bool(in_place), route)
+    groups = [_Group(members) for members in find_groups(model, layers)] if route is not None and group else []
+    handle = PatchHandle(NAME, {"layers": len(layers), "in_place": bool(in_place), "nf4_layers": nf4,
+                                "groups": len(groups)})
+    place = {id(layer): (g, i) for g in groups for i, layer in enumerate(g.layers)}
     for layer in layers:
+        forward = _make_forward(bool(in_place), route, *place.get(id(layer), (None, 0)))
         set_attribute(handle, layer, "forward", types.MethodType(forward, layer))
+    for g in groups:
+        handle.add_undo(g.clear)  # nothing left on a group's state after undo
     return handle
 
 
 @contextlib.contextmanager
 def patched(model: torch.nn.Module, in_place: bool = True,
-            nf4_rows: dict[str, int] | None = None) -> Iterator[PatchHandle]:
+            nf4_rows: dict[str, int] | None = None, group: bool = True) -> Iterator[PatchHandle]:
     """:func:`apply` for the duration of the block."""
-    handle = apply(model, in_place, nf4_rows)
+    handle = apply(model, in_place, nf4_rows, group)
     try:
         yield handle
     finally:
