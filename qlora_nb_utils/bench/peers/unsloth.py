@@ -11,7 +11,9 @@ Nothing here imports transformers: the package's ``__init__`` imports nothing he
 ``python -m qlora_nb_utils.bench.peers.unsloth`` reaches `import unsloth` with transformers unloaded.
 
 The training loop is deliberately plain (no Trainer): AdamW over the trainable parameters at a
-constant learning rate, weight decay 0, no clipping, one synchronised `perf_counter` pair around
+constant learning rate, weight decay 0, the gradient norm clipped to 1.0 as
+:func:`qlora_nb_utils.training.train` clips ours and the HF peer's (and TRL's Trainer every
+TRL peer's; ``--max-grad-norm 0`` for none), one synchronised `perf_counter` pair around
 each step (host-to-device copy of the batch excluded). Tokens per second count the real (non-pad)
 tokens of each step's batch as written to the batches file,
 :func:`qlora_nb_utils.data.packing.real_tokens` (the one count every peer uses). With
@@ -63,7 +65,9 @@ NOTES = (
     "tokens_per_s = real_tokens_per_s = median over the steps after warm-up of real (non-pad) tokens / step time, "
     "real tokens counted by qlora_nb_utils.data.packing.real_tokens on each step's batch as written (the same "
     "count as every peer; before this change this peer counted batch_size * seq_len, padding included); "
-    "plain loop: torch.optim.AdamW(trainable params, constant lr, weight_decay=0, no clipping); "
+    "plain loop: torch.optim.AdamW(trainable params, constant lr, weight_decay=0), gradient norm clipped with "
+    "torch.nn.utils.clip_grad_norm_ (--max-grad-norm, 1.0 as training.train clips ours; no sync before the "
+    "step's end); "
     "each step timed with torch.cuda.synchronize + perf_counter, batch copy to GPU excluded; "
     "median over steps after the warm-up steps; peak_mem_gib = torch.cuda.max_memory_allocated "
     "reset after loading; FastLanguageModel.from_pretrained(load_in_4bit=True, dtype=bfloat16), "
@@ -114,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-alpha", type=_positive_float, default=32.0)
     p.add_argument("--out", required=True, type=Path, help="RUN.json to write")
     p.add_argument("--grad-ckpt", action="store_true", help='use_gradient_checkpointing="unsloth"')
+    p.add_argument("--max-grad-norm", type=lambda t: 0.0 if t in ("0", "0.0") else _positive_float(t), default=1.0,
+                   help="clip the gradient norm to this, as training.train does for ours (0: no clipping)")
     p.add_argument("--packed", action="store_true",
                    help="packed batches (document_ids): trained through Unsloth's padding-free path")
     p.add_argument("--name", default=NAME, help="the run's name in RUN.json")
@@ -322,6 +328,8 @@ def train_unsloth(args: argparse.Namespace, FastLanguageModel, batches, batch_si
         t0 = time.perf_counter()
         loss = model(**batch).loss
         loss.backward()
+        if args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
@@ -347,6 +355,7 @@ def train_unsloth(args: argparse.Namespace, FastLanguageModel, batches, batch_si
         "step_ms": step_ms,
         "trainable_params": sum(p.numel() for p in params),
         "grad_ckpt": bool(args.grad_ckpt),
+        "max_grad_norm": args.max_grad_norm or None,
         "lora_r": args.lora_r,
         "lora_alpha": args.lora_alpha,
         "lr": args.lr,
