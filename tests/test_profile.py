@@ -172,3 +172,18 @@ def test_profile_training_cpu_end_to_end():
     assert k["lm_head_ms"] > 0
     assert len(out["top_kernels"]) <= 15
     json.dumps(out)  # the whole result is JSON as it is
+
+
+def test_idle_gaps_counts_what_no_kernel_covers_inside_each_step():
+    windows = [(0.0, 1000.0), (2000.0, 3000.0)]
+    kernels = [  # step 1: lead 100, kernels 100-400 and 300-500 overlap (busy 400), gap 500-800, tail 100
+        (100.0, 400.0, "k1", "aten::mm"), (300.0, 500.0, "k2", "aten::add"), (800.0, 900.0, "k3", "aten::mul"),
+        # step 2: one kernel 2000-2990 (tail 10); a kernel outside every window is ignored
+        (2000.0, 2990.0, "k4", "aten::mm"), (1500.0, 1600.0, "k5", "aten::mm")]
+    out = P.idle_gaps(kernels, windows, min_us=20.0)
+    assert out["steps"] == 2 and out["window_ms"] == 1.0  # per step
+    assert out["busy_ms"] == round((500 + 990) / 2 / 1e3, 3) and out["idle_ms"] == round((500 + 10) / 2 / 1e3, 3)
+    assert out["lead_ms"] == 0.05 and out["tail_ms"] == round((100 + 10) / 2 / 1e3, 3)
+    assert out["gaps"] == 0  # one gap in two steps: 0 per step (integer division)
+    assert out["top"] == [{"us": 300.0, "after": "k2", "before": "k3", "launched_by": "aten::mul"}]
+    assert P.idle_gaps([], [(0.0, 50.0)])["idle_ms"] == 0.05  # a step with no kernel is all idle

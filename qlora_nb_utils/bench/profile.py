@@ -63,7 +63,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 __all__ = ["GROUPS", "PHASES", "classify_kernel", "kernel_records", "group_kernels", "top_kernels",
-           "phase_marker", "memory_breakdown", "profile_training"]
+           "phase_marker", "memory_breakdown", "profile_training", "idle_gaps", "STEP_RANGE"]
+
+#: The profiler range :func:`profile_training` puts around each step (its call and the closing sync).
+STEP_RANGE = "qlora_nb_step"
 GROUPS = ("nf4_dequantize", "base_matmul", "lora_matmul", "matmul_unattributed", "attention",
           "norm_rope_act", "loss", "optimizer", "other")
 #: Phases a step marks (:func:`phase_marker`), in order; each has its own marker size.
@@ -240,6 +243,72 @@ def top_kernels(records: Sequence[dict[str, Any]], n: int = 15, *, steps: int = 
             for k, v in sorted(agg.items(), key=lambda kv: -kv[1]["us"])[:n]]
 
 
+def idle_gaps(kernels: Sequence[tuple[float, float, str, str]], windows: Sequence[tuple[float, float]], *,
+              top: int = 12, min_us: float = 20.0) -> dict[str, Any]:
+    """Where the device waits inside each step: the time of a step's window no kernel covers.
+
+    Args:
+        kernels: ``(start_us, end_us, kernel name, launching op)`` of every device kernel.
+        windows: ``(start_us, end_us)`` of each step (:data:`STEP_RANGE`), on the same clock.
+        top: how many of the longest gaps to list.
+        min_us: gaps shorter than this are counted (``idle_ms``) but not listed or counted as gaps.
+
+    Returns:
+        Per step (averaged over the windows): ``window_ms``, ``busy_ms`` (kernels' union: overlap
+        counted once), ``idle_ms``, ``lead_ms`` (step start to its first kernel), ``tail_ms`` (last
+        kernel to the step's end), ``gaps`` (count of gaps of at least ``min_us``), and ``top``: the
+        longest gaps of all steps with the kernels either side and the op that launched the next one.
+    """
+    steps = max(len(windows), 1)
+    total = busy = lead = tail = 0.0
+    n_gaps, listed = 0, []
+    ordered = sorted(kernels)
+    for ws, we in windows:
+        inside = [k for k in ordered if k[0] >= ws and k[0] < we]
+        total += we - ws
+        if not inside:
+            lead += we - ws
+            continue
+        merged: list[list] = []
+        for start, end, name, op in inside:
+            end = min(end, we)
+            if merged and start <= merged[-1][1]:
+                if end > merged[-1][1]:
+                    merged[-1][1], merged[-1][3] = end, name
+                continue
+            merged.append([start, end, name, name, op])  # start, end, first name, last name, first op
+        busy += sum(e - s for s, e, *_ in merged)
+        lead += merged[0][0] - ws
+        tail += max(we - merged[-1][1], 0.0)
+        for prev, nxt in zip(merged, merged[1:]):
+            gap = nxt[0] - prev[1]
+            if gap >= min_us:
+                n_gaps += 1
+                listed.append({"us": round(gap, 1), "after": _short(prev[3], 80), "before": _short(nxt[2], 80),
+                               "launched_by": _short(nxt[4], 80)})
+    ms = lambda us: round(us / steps / 1e3, 3)  # noqa: E731
+    listed.sort(key=lambda g: -g["us"])
+    return {"steps": len(windows), "window_ms": ms(total), "busy_ms": ms(busy), "idle_ms": ms(total - busy),
+            "lead_ms": ms(lead), "tail_ms": ms(tail), "gaps": n_gaps // steps, "min_gap_us": min_us,
+            "top": listed[:top]}
+
+
+def _kernels_and_windows(events: Iterable[Any]) -> tuple[list[tuple[float, float, str, str]], list[tuple[float, float]]]:
+    """The device kernels (with the CPU op that launched each) and the :data:`STEP_RANGE` windows of a profile."""
+    events = list(events)
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    by_id = {e.id: e for e in cpu if not e.is_async}
+    windows = [(e.time_range.start, e.time_range.end) for e in cpu if e.name == STEP_RANGE]
+    kernels = []
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            op = by_id.get(getattr(e, "linked_correlation_id", 0))
+            chain = _chain(op) if op is not None else []
+            launched = next((c for c in chain if not c.startswith(("cuda", "cu"))), chain[0] if chain else "")
+            kernels.append((e.time_range.start, e.time_range.end, e.name, launched))
+    return kernels, sorted(windows)
+
+
 # ---------------------------------------------------------------- memory at the peak
 
 _MARKING = {"on": False}
@@ -375,8 +444,8 @@ def profile_training(step: Callable[[dict], Any], batches: Sequence[dict], *, wa
 
     Returns:
         ``first_step_s``, ``step_ms``, ``median_step_ms``, ``peak_mem_gib``, ``losses``, ``kernels``
-        (:func:`group_kernels`), ``top_kernels``, ``memory`` (:func:`memory_breakdown`) and
-        ``stage_times`` (``time.time()`` per stage).
+        (:func:`group_kernels`), ``top_kernels``, ``idle`` (CUDA: :func:`idle_gaps` of the profiled
+        steps), ``memory`` (:func:`memory_breakdown`) and ``stage_times`` (``time.time()`` per stage).
     """
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -392,8 +461,9 @@ def profile_training(step: Callable[[dict], Any], batches: Sequence[dict], *, wa
         batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
         _sync(device)
         t0 = time.perf_counter()
-        loss = step(batch)
-        _sync(device)
+        with torch.profiler.record_function(STEP_RANGE):  # the window idle_gaps reads (a no-op unprofiled)
+            loss = step(batch)
+            _sync(device)
         losses.append(float(loss))
         return time.perf_counter() - t0
 
@@ -411,9 +481,15 @@ def profile_training(step: Callable[[dict], Any], batches: Sequence[dict], *, wa
     if profiled:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         kept: list[list[dict]] = []  # the events of a cycle are gone once it ends: read them as it ends
+        idle: list[dict] = []
+
+        def ready(p) -> None:
+            kept.append(kernel_records(p.events(), "cuda" if cuda else "cpu"))
+            if cuda:
+                idle.append(idle_gaps(*_kernels_and_windows(p.events())))
+
         with profile(activities=acts, record_shapes=True, schedule=schedule(wait=0, warmup=1, active=profiled),
-                     on_trace_ready=lambda p: kept.append(kernel_records(p.events(), "cuda" if cuda else "cpu"))
-                     ) as prof:
+                     on_trace_ready=ready) as prof:
             under = []
             for _ in range(profiled + 1):  # the first is the profiler's warm-up step
                 under.append(run() * 1e3)
@@ -422,6 +498,8 @@ def profile_training(step: Callable[[dict], Any], batches: Sequence[dict], *, wa
         result["kernels"] = group_kernels(records, steps=profiled, lora_r=lora_r, vocab=vocab)
         result["top_kernels"] = top_kernels(records, top, steps=profiled, lora_r=lora_r, vocab=vocab)
         result["kernels"]["step_ms_under_profiler"] = statistics.median(under[1:])
+        if idle:
+            result["idle"] = idle[-1]
         result["stage_times"]["profiled"] = time.time()
         done("profiled", result)
     if memory and cuda:
