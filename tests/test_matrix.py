@@ -11,14 +11,16 @@ from qlora_nb_utils.bench import matrix
 @pytest.fixture(scope="module")
 def small_matrix(tmp_path_factory):
     out = tmp_path_factory.mktemp("matrix") / "m.json"
-    res = matrix.run_matrix("tiny", configs=["lora", "qlora"], steps=3, batch_size=2, max_len=192, device="cpu",
+    # LoRA only: notebooks/03_qlora_graph_breaks.ipynb runs the qlora cells with these very options
+    # (its "ci" profile) and asserts the same of each, so CI runs them once
+    res = matrix.run_matrix("tiny", configs=["lora"], steps=3, batch_size=2, max_len=192, device="cpu",
                             backend="eager", warmup=1, out=out, log=lambda *_: None)
     return res, out
 
 
 def test_every_cell_has_zero_breaks_and_few_compilations(small_matrix):
     res, _ = small_matrix
-    assert len(res["cells"]) == 2 * 2 * 2 * 2
+    assert len(res["cells"]) == 2 * 2 * 2
     for cell in res["cells"]:
         where = {k: cell[k] for k in ("config", "grad_ckpt", "lengths", "scope")}
         assert cell["graph_breaks"] == 0 and cell["fullgraph_ok"] and cell["compiled_error"] is None, where
@@ -141,9 +143,9 @@ def test_cli_passes_the_learning_rates(monkeypatch, tmp_path):
 
 
 def test_merging_checks_base_lr_only_where_there_are_base_cells(small_matrix):
-    res, _ = small_matrix  # lora and qlora cells only
-    lora, qlora = _split(res, "config")
-    base = {**qlora, "cells": [dict(c, config="base") for c in qlora["cells"]]}
+    res, _ = small_matrix  # lora cells only: one scope's become the base cells
+    lora, other = _split(res, "scope")
+    base = {**other, "cells": [dict(c, config="base") for c in other["cells"]]}
     merged = matrix.merge_results([lora, {**base, "options": {**base["options"], "base_lr": 2e-5}}])
     assert merged["options"]["base_lr"] == 2e-5  # the lora part's base_lr (None) does not count
     with pytest.raises(ValueError, match="base_lr"):
