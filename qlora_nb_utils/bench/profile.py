@@ -33,9 +33,8 @@ launch...), and, with ``record_shapes``, the input shapes of the nearest matmul 
    residual adds and LoRA scaling; eager elementwise kernels; copies and memsets).
 
 An Inductor kernel name (``triton_{poi,red,per,tem}_fused_<ops>_<n>``) lists the aten ops it
-fused (Inductor's default ``descriptive_names``), so rules 5 and 6 read those ops; a mixed
-kernel goes to the first rule it meets. What no rule attributes stays in ``other`` or
-``matmul_unattributed``, and the total kernel time is reported beside the groups.
+fused, so rules 5 and 6 read those ops; a mixed kernel goes to the first rule it meets. Where the
+device waits between kernels is :mod:`.idle`'s.
 
 **What is alive at the peak** (:func:`memory_breakdown`) reads an allocator recording
 (:func:`qlora_nb_utils.diagnostics.memprof.recording`) of one step, whose phases the step marks
@@ -62,11 +61,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .idle import STEP_RANGE, idle_gaps, kernels_and_windows
+from .idle import op_chain as _chain
+from .idle import short_name as _short
+
 __all__ = ["GROUPS", "PHASES", "classify_kernel", "kernel_records", "group_kernels", "top_kernels",
            "phase_marker", "memory_breakdown", "profile_training", "idle_gaps", "STEP_RANGE"]
-
-#: The profiler range :func:`profile_training` puts around each step (its call and the closing sync).
-STEP_RANGE = "qlora_nb_step"
 GROUPS = ("nf4_dequantize", "base_matmul", "lora_matmul", "matmul_unattributed", "attention",
           "norm_rope_act", "loss", "optimizer", "other")
 #: Phases a step marks (:func:`phase_marker`), in order; each has its own marker size.
@@ -142,14 +142,6 @@ def classify_kernel(name: str, context: Sequence[str] = (), shapes: Sequence[Seq
     return "other", "unmatched"
 
 
-def _chain(event: Any) -> list[str]:
-    out = []
-    while event is not None:
-        out.append(event.name)
-        event = event.cpu_parent
-    return out
-
-
 def _matmul_shapes(event: Any) -> list[list[int]] | None:
     while event is not None:
         if event.name in _MATMUL_OPS and event.input_shapes:
@@ -223,10 +215,6 @@ def group_kernels(records: Sequence[dict[str, Any]], *, steps: int = 1, lora_r: 
             "lm_head_ms": ms(lm_head)}
 
 
-def _short(name: str, limit: int = 140) -> str:
-    return name if len(name) <= limit else name[: limit - 3] + "..."
-
-
 def top_kernels(records: Sequence[dict[str, Any]], n: int = 15, *, steps: int = 1, lora_r: int = 16,
                 vocab: int | None = None) -> list[dict[str, Any]]:
     """The ``n`` kernels with the most time per step: name, ms, calls, and ``groups`` (ms per group:
@@ -241,72 +229,6 @@ def top_kernels(records: Sequence[dict[str, Any]], n: int = 15, *, steps: int = 
     return [{"name": _short(k), "ms": round(v["us"] / steps / 1e3, 3), "calls": v["calls"] // steps,
              "groups": {g: round(us / steps / 1e3, 3) for g, us in sorted(v["groups"].items(), key=lambda x: -x[1])}}
             for k, v in sorted(agg.items(), key=lambda kv: -kv[1]["us"])[:n]]
-
-
-def idle_gaps(kernels: Sequence[tuple[float, float, str, str]], windows: Sequence[tuple[float, float]], *,
-              top: int = 12, min_us: float = 20.0) -> dict[str, Any]:
-    """Where the device waits inside each step: the time of a step's window no kernel covers.
-
-    Args:
-        kernels: ``(start_us, end_us, kernel name, launching op)`` of every device kernel.
-        windows: ``(start_us, end_us)`` of each step (:data:`STEP_RANGE`), on the same clock.
-        top: how many of the longest gaps to list.
-        min_us: gaps shorter than this are counted (``idle_ms``) but not listed or counted as gaps.
-
-    Returns:
-        Per step (averaged over the windows): ``window_ms``, ``busy_ms`` (kernels' union: overlap
-        counted once), ``idle_ms``, ``lead_ms`` (step start to its first kernel), ``tail_ms`` (last
-        kernel to the step's end), ``gaps`` (count of gaps of at least ``min_us``), and ``top``: the
-        longest gaps of all steps with the kernels either side and the op that launched the next one.
-    """
-    steps = max(len(windows), 1)
-    total = busy = lead = tail = 0.0
-    n_gaps, listed = 0, []
-    ordered = sorted(kernels)
-    for ws, we in windows:
-        inside = [k for k in ordered if k[0] >= ws and k[0] < we]
-        total += we - ws
-        if not inside:
-            lead += we - ws
-            continue
-        merged: list[list] = []
-        for start, end, name, op in inside:
-            end = min(end, we)
-            if merged and start <= merged[-1][1]:
-                if end > merged[-1][1]:
-                    merged[-1][1], merged[-1][3] = end, name
-                continue
-            merged.append([start, end, name, name, op])  # start, end, first name, last name, first op
-        busy += sum(e - s for s, e, *_ in merged)
-        lead += merged[0][0] - ws
-        tail += max(we - merged[-1][1], 0.0)
-        for prev, nxt in zip(merged, merged[1:]):
-            gap = nxt[0] - prev[1]
-            if gap >= min_us:
-                n_gaps += 1
-                listed.append({"us": round(gap, 1), "after": _short(prev[3], 80), "before": _short(nxt[2], 80),
-                               "launched_by": _short(nxt[4], 80)})
-    ms = lambda us: round(us / steps / 1e3, 3)  # noqa: E731
-    listed.sort(key=lambda g: -g["us"])
-    return {"steps": len(windows), "window_ms": ms(total), "busy_ms": ms(busy), "idle_ms": ms(total - busy),
-            "lead_ms": ms(lead), "tail_ms": ms(tail), "gaps": n_gaps // steps, "min_gap_us": min_us,
-            "top": listed[:top]}
-
-
-def _kernels_and_windows(events: Iterable[Any]) -> tuple[list[tuple[float, float, str, str]], list[tuple[float, float]]]:
-    """The device kernels (with the CPU op that launched each) and the :data:`STEP_RANGE` windows of a profile."""
-    events = list(events)
-    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    by_id = {e.id: e for e in cpu if not e.is_async}
-    windows = [(e.time_range.start, e.time_range.end) for e in cpu if e.name == STEP_RANGE]
-    kernels = []
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            op = by_id.get(getattr(e, "linked_correlation_id", 0))
-            chain = _chain(op) if op is not None else []
-            launched = next((c for c in chain if not c.startswith(("cuda", "cu"))), chain[0] if chain else "")
-            kernels.append((e.time_range.start, e.time_range.end, e.name, launched))
-    return kernels, sorted(windows)
 
 
 # ---------------------------------------------------------------- memory at the peak
@@ -483,10 +405,9 @@ def profile_training(step: Callable[[dict], Any], batches: Sequence[dict], *, wa
         kept: list[list[dict]] = []  # the events of a cycle are gone once it ends: read them as it ends
         idle: list[dict] = []
 
-        def ready(p) -> None:
+        def ready(p) -> None:  # the kernels, and on CUDA where the device waited
             kept.append(kernel_records(p.events(), "cuda" if cuda else "cpu"))
-            if cuda:
-                idle.append(idle_gaps(*_kernels_and_windows(p.events())))
+            idle.extend([idle_gaps(*kernels_and_windows(p.events()))] if cuda else [])
 
         with profile(activities=acts, record_shapes=True, schedule=schedule(wait=0, warmup=1, active=profiled),
                      on_trace_ready=ready) as prof:
