@@ -187,3 +187,26 @@ def test_idle_gaps_counts_what_no_kernel_covers_inside_each_step():
     assert out["gaps"] == 0  # one gap in two steps: 0 per step (integer division)
     assert out["top"] == [{"us": 300.0, "after": "k2", "before": "k3", "launched_by": "aten::mul"}]
     assert P.idle_gaps([], [(0.0, 50.0)])["idle_ms"] == 0.05  # a step with no kernel is all idle
+
+
+def test_base_matmul_time_is_split_by_shape_and_phase():
+    from qlora_nb_utils.bench.kernel_shapes import by_shape
+
+    recs = [
+        {"name": "gemm_a", "us": 3000.0, "context": ["aten::mm"], "shapes": [[8, 64], [64, 128]], "phase": "forward"},
+        {"name": "gemm_b", "us": 1000.0, "context": ["aten::mm"], "shapes": [[8, 64], [64, 128]], "phase": "forward"},
+        {"name": "gemm_a", "us": 2000.0, "context": ["aten::mm"], "shapes": [[8, 128], [128, 64]], "phase": "backward"},
+        {"name": "gemm_a", "us": 900.0, "context": ["aten::mm"], "shapes": [[8, 64], [64, 16]], "phase": "forward"},
+        {"name": "gemm_c", "us": 100.0, "context": [], "shapes": None, "phase": "unknown"},
+    ]
+
+    def group(r):
+        return P.classify_kernel(r["name"], r.get("context") or (), r.get("shapes"), lora_r=16)[0]
+
+    rows = by_shape(recs, group, steps=2)
+    assert rows == [  # the rank-16 matmul is LoRA's, the one without shapes is not a base matmul
+        {"shapes": "8x64 64x128", "phase": "forward", "ms": 2.0, "calls": 1, "kernels": ["gemm_a", "gemm_b"]},
+        {"shapes": "8x128 128x64", "phase": "backward", "ms": 1.0, "calls": 0, "kernels": ["gemm_a"]},
+    ]
+    assert by_shape(recs, group, "lora_matmul", steps=1)[0]["shapes"] == "8x64 64x16"
+    assert by_shape(recs, group, "matmul_unattributed")[0]["shapes"] == "?"

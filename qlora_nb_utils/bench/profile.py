@@ -64,6 +64,7 @@ import torch
 from .idle import STEP_RANGE, idle_gaps, kernels_and_windows
 from .idle import op_chain as _chain
 from .idle import short_name as _short
+from .kernel_shapes import by_shape
 
 __all__ = ["GROUPS", "PHASES", "classify_kernel", "kernel_records", "group_kernels", "top_kernels",
            "phase_marker", "memory_breakdown", "profile_training", "idle_gaps", "STEP_RANGE"]
@@ -366,8 +367,9 @@ def profile_training(step: Callable[[dict], Any], batches: Sequence[dict], *, wa
 
     Returns:
         ``first_step_s``, ``step_ms``, ``median_step_ms``, ``peak_mem_gib``, ``losses``, ``kernels``
-        (:func:`group_kernels`), ``top_kernels``, ``idle`` (CUDA: :func:`idle_gaps` of the profiled
-        steps), ``memory`` (:func:`memory_breakdown`) and ``stage_times`` (``time.time()`` per stage).
+        (:func:`group_kernels`; its ``base_matmul_by_shape``: :func:`.kernel_shapes.by_shape`),
+        ``top_kernels``, ``idle`` (CUDA: :func:`idle_gaps` of the profiled steps), ``memory``
+        (:func:`memory_breakdown`) and ``stage_times`` (``time.time()`` per stage).
     """
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -418,6 +420,8 @@ def profile_training(step: Callable[[dict], Any], batches: Sequence[dict], *, wa
         records = kept[-1] if kept else []
         result["kernels"] = group_kernels(records, steps=profiled, lora_r=lora_r, vocab=vocab)
         result["top_kernels"] = top_kernels(records, top, steps=profiled, lora_r=lora_r, vocab=vocab)
+        result["kernels"]["base_matmul_by_shape"] = by_shape(records, lambda r: classify_kernel(
+            r["name"], r.get("context") or (), r.get("shapes"), lora_r=lora_r, vocab=vocab)[0], steps=profiled)
         result["kernels"]["step_ms_under_profiler"] = statistics.median(under[1:])
         if idle:
             result["idle"] = idle[-1]
