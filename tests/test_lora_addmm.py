@@ -166,20 +166,12 @@ def test_nf4_layers_run_fused_with_peft_loss_and_lora_grads(tiny, batch, compile
     model, _ = tiny
     ref_loss, ref_grads = _step(model, batch, compiled)
     torch.compiler.reset()
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = []
-
-    def keep(gm, _inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm)
-
+    graphs, backend = _aot_graphs()
     ops = _Ops()
     with lora_addmm.patched(model, nf4_rows={"cpu": 0, "cuda": 0}) as handle:
         assert handle.details["nf4_layers"] == 14
         if compiled:  # fullgraph: no break either
-            fn = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+            fn = torch.compile(model, backend=backend, fullgraph=True)
             loss = fn(**batch).loss
             loss.backward()
             loss, grads = loss.detach(), _grads(model)
