@@ -229,6 +229,7 @@ def test_optimize_fuses_nf4_layers_when_its_nf4_patch_is_on(tiny, batch):
     opt = optimize(model, batches=[batch], backend="eager", nf4_dequant=True, lora_addmm="unfused")
     try:
         assert opt.choices["lora_addmm"] is True and opt.choices["nf4_lora_linear"] == 0
+        assert opt.choices["lora_groups"] == 0 and "needs the fused NF4 LoRA linear" in opt.description
         assert "asked for (lora_addmm='unfused')" in opt.reasons["nf4_lora_linear"]
         (handle,) = [h for h in opt._extra if h.name == "lora_addmm"]
         assert handle.details["nf4_layers"] == 0 and handle.details["layers"] == 14

@@ -70,10 +70,13 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
     LoRA linear whose base matmul adds into the update
     (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`; in place or not is then moot: no
     base output is written apart), unless ``asked == "unfused"``: the choice ``nf4_lora_linear``
-    says how many do."""
+    says how many do. Those that read one input (a layer's q, k, v; gate, up) run as one group
+    (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linears`) unless ``asked == "ungrouped"`` or
+    ``group`` is False (with ``no_group_why``): the choice ``lora_groups`` says how many groups."""
     from .patches import lora_addmm as patch
 
-    choices["lora_addmm"], choices["nf4_lora_linear"] = False, 0
+    choices["lora_addmm"], choices["nf4_lora_linear"], choices["lora_groups"] = False, 0, 0
+    reasons["lora_groups"] = "needs the fused NF4 LoRA linear"
     reasons["nf4_lora_linear"] = ("asked for (lora_addmm='unfused')" if asked == "unfused" else
                                   "needs lora_addmm and the nf4_dequant patch" if not nf4 or asked is False else
                                   "no LoRA layer over an NF4 weight")
