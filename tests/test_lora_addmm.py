@@ -132,7 +132,7 @@ def test_out_of_place_update_gives_the_same_values_and_optimize_takes_it_when_me
     model, _ = tiny
     ref_loss, ref_grads = _step(model, batch)
     with lora_addmm.patched(model, in_place=False) as handle:
-        assert handle.details == {"layers": 14, "in_place": False, "nf4_layers": 0, "groups": 0}
+        assert handle.details == {"layers": 14, "in_place": False, "nf4_layers": 0, "groups": 0, "wide": False}
         loss, grads = _step(model, batch)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for name in grads:
@@ -230,6 +230,7 @@ def test_optimize_fuses_nf4_layers_when_its_nf4_patch_is_on(tiny, batch):
     try:
         assert opt.choices["lora_addmm"] is True and opt.choices["nf4_lora_linear"] == 0
         assert opt.choices["lora_groups"] == 0 and "needs the fused NF4 LoRA linear" in opt.description
+        assert opt.choices["lora_wide"] is False and "lora_wide=False" in opt.description
         assert "asked for (lora_addmm='unfused')" in opt.reasons["nf4_lora_linear"]
         (handle,) = [h for h in opt._extra if h.name == "lora_addmm"]
         assert handle.details["nf4_layers"] == 0 and handle.details["layers"] == 14
@@ -259,10 +260,11 @@ def _aot_graphs():
 @pytest.mark.parametrize("compiled, ckpt", [(False, False), (False, True), (True, False)],
                          ids=["eager", "eager-ckpt", "compiled"])
 def test_siblings_reading_one_input_run_as_one_group(tiny, batch, compiled, ckpt, monkeypatch):
-    """q, k, v and gate, up of each decoder layer: one nf4_lora_linears call per group, the loss and
-    LoRA gradients of every layer on its own; eager with checkpointing (the recompute calls each group
-    again), compiled whole with fullgraph (the group's state is plain Python the trace replays);
-    fewer matmuls in the graph; undo puts every layer back."""
+    """q, k, v and gate, up of each decoder layer: one nf4_lora_linears call per group, narrow or wide,
+    the loss and LoRA gradients of every layer on its own; eager with checkpointing (the recompute
+    calls each group again), compiled whole with fullgraph (the group's state is plain Python the
+    trace replays); fewer matmuls in the graph (wide: no x@A^T matmul, the mutable op writes it);
+    undo puts every layer back."""
     from qlora_nb_utils.compile.patches import input_require_grads
 
     model, _ = tiny
@@ -272,13 +274,15 @@ def test_siblings_reading_one_input_run_as_one_group(tiny, batch, compiled, ckpt
         model.train()
     calls = []
     real = lora_addmm.nf4_lora_linears
-    monkeypatch.setattr(lora_addmm, "nf4_lora_linears", lambda x, m: calls.append(len(m)) or real(x, m))
+    monkeypatch.setattr(lora_addmm, "nf4_lora_linears",
+                        lambda x, m, wide: calls.append((len(m), wide)) or real(x, m, wide=wide))
     rows = {"cpu": 0, "cuda": 0}
     results, mms = {}, {}
     try:
-        for group in (False, True):
-            with lora_addmm.patched(model, nf4_rows=rows, group=group) as handle:
-                assert handle.details["groups"] == (4 if group else 0)
+        for group, wide in ((False, False), (True, False), ("wide", True)):
+            calls.clear()
+            with lora_addmm.patched(model, nf4_rows=rows, group=bool(group), wide=wide) as handle:
+                assert handle.details["groups"] == (4 if group else 0) and handle.details["wide"] is wide
                 if compiled:
                     torch.compiler.reset()
                     graphs, backend = _aot_graphs()
@@ -291,34 +295,37 @@ def test_siblings_reading_one_input_run_as_one_group(tiny, batch, compiled, ckpt
                     loss.backward()
                 results[group] = (loss.detach(), _grads(model))
                 model.zero_grad(set_to_none=True)
-            if group and not compiled:
-                assert calls == [3, 2, 3, 2] * (2 if ckpt else 1)  # the recompute calls each group again
+            if group and not compiled:  # the recompute calls each group again
+                assert calls == [(3, wide), (2, wide), (3, wide), (2, wide)] * (2 if ckpt else 1)
     finally:
         if ckpt:  # the fixture as it was: no checkpointing, no input-require-grads hook it did not have
             model.gradient_checkpointing_disable()
             if not had_hook:
                 model.disable_input_require_grads()
             model.train(was_training)
-    (ref_loss, ref_grads), (loss, grads) = results[False], results[True]
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    ref_loss, ref_grads = results[False]
+    for loss, grads in (results[True], results["wide"]):
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == ref_grads.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     if compiled:  # per layer, 3 matmuls fewer each time the group reads x: x@A in the forward (3 -> 1 and
         # 2 -> 1), gA^T@x for the A gradients, gA@A for the input gradient (none for layer 0's q, k, v:
         # nothing before them needs one); with checkpointing, the recomputed forward's too
         saved = 3 * 2 + 3 * 2 + (3 * 2 - 2)
         assert mms[False] - mms[True] == saved + (3 * 2 if ckpt else 0), mms
+        assert mms[True] - mms["wide"] == 4, mms  # one x@A^T matmul per group, now lora_xa_into_
     assert not any("forward" in vars(layer) for layer in lora_addmm.find_layers(model))
 
 
 def test_optimize_groups_siblings_in_regional_scope_with_checkpointing_and_not_in_whole(tiny, batch):
     """Regional scope checkpoints around the compiled layer: the groups run there (one compilation, the
-    loss and grads of lora_addmm='ungrouped'). Whole scope traces a checkpointed layer as one region
-    that may not mutate outside state, so optimize() leaves the layers ungrouped there and says why."""
+    loss and grads of lora_addmm='ungrouped'), wide by default, narrow when asked. Whole scope traces
+    a checkpointed layer as one region that may not mutate outside state, so optimize() leaves the
+    layers ungrouped there and says why."""
     model, _ = tiny
     runs = {}
-    for asked in ("auto", "ungrouped"):
+    for asked in ("auto", "narrow", "ungrouped"):
         torch.compiler.reset()
         opt = optimize(model, batches=[batch], backend="aot_eager", nf4_dequant=True, scope="regional",
                        grad_ckpt=True, cast=False, autocast=False, lora_addmm=asked)
@@ -326,14 +333,18 @@ def test_optimize_groups_siblings_in_regional_scope_with_checkpointing_and_not_i
             loss = opt.forward(**batch).loss
             loss.backward()
             runs[asked] = (loss.detach(), _grads(model), opt.choices["lora_groups"], opt.counter.to_dict())
+            assert opt.choices["lora_wide"] is (asked == "auto"), opt.reasons["lora_wide"]
         finally:
             opt.undo()
             model.zero_grad(set_to_none=True)
-    (loss, grads, groups, stats), (ref_loss, ref_grads, ref_groups, _) = runs["auto"], runs["ungrouped"]
-    assert (groups, ref_groups) == (4, 0) and stats["compilations"] == 1
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    ref_loss, ref_grads, ref_groups, _ = runs["ungrouped"]
+    assert ref_groups == 0
+    for asked in ("auto", "narrow"):
+        loss, grads, groups, stats = runs[asked]
+        assert groups == 4 and stats["compilations"] == 1
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     opt = optimize(model, batches=[batch], backend="eager", nf4_dequant=True, scope="whole", grad_ckpt=True)
     try:
         assert opt.choices["lora_groups"] == 0 and opt.choices["nf4_lora_linear"] == 14

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from qlora_nb_utils.ops.lora_update import add_lora_, lora_addmm_, nf4_lora_linear, nf4_lora_linears
+from qlora_nb_utils.ops.lora_update import add_lora_, lora_addmm_, lora_xa_into_, nf4_lora_linear, nf4_lora_linears
 
 
 def _inputs(dtype=torch.float64):
@@ -252,3 +252,92 @@ def test_nf4_lora_linears_refuse_an_empty_group_and_a_mismatched_member():
     a, b, s, args = members[1]
     with pytest.raises(ValueError, match="do not make"):
         nf4_lora_linears(x, [members[0], (a[:, :32], b, s, args)])
+
+
+def test_lora_xa_into_passes_opcheck_and_scales_each_member():
+    x, a = torch.randn(7, 6), torch.randn(5, 6)
+    wide = torch.cat([x, torch.zeros(7, 5)], dim=1)
+    torch.library.opcheck(lora_xa_into_, (wide.clone(), a, [3, 2], [0.5, 2.0]))
+    lora_xa_into_(wide, a, [3, 2], [0.5, 2.0])
+    torch.testing.assert_close(wide[:, :6], x, rtol=0, atol=0)
+    torch.testing.assert_close(wide[:, 6:], torch.cat([(x @ a[:3].t()) * 0.5, (x @ a[3:].t()) * 2.0], 1))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_wide_group_gives_the_narrow_values_and_gradients(backend):
+    """nf4_lora_linears(wide=True): [x | s x A^T] @ [W_i | B_i]^T per member, the same outputs and
+    gradients as the narrow group (fp32 here; only the summation order differs)."""
+    x, members, _ = _nf4_group()
+    leaves = [x] + [t for a, b, _, _ in members for t in (a, b)]
+
+    def group(wide):
+        def fn(x, *ab):
+            return nf4_lora_linears(x, [(ab[2 * i], ab[2 * i + 1], s, args)
+                                        for i, (_, _, s, args) in enumerate(members)], wide=wide)
+        return fn
+
+    def run(fn):
+        for t in leaves:
+            t.grad = None
+        outs = fn(*leaves)
+        sum((o.square() * (k + 1)).sum() for k, o in enumerate(outs)).backward()
+        return [o.detach() for o in outs] + [t.grad.clone() for t in leaves]
+
+    torch.compiler.reset()
+    wide = group(True) if backend == "eager" else torch.compile(group(True), backend=backend, fullgraph=True)
+    for got, want in zip(run(wide), run(group(False))):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_wide_group_under_inductor_writes_x_beside_its_update_without_a_copy():
+    """The kernel that computes x (here an RMSNorm) writes it straight into the wide buffer (a fused
+    cat), lora_xa_into_ fills the columns beside it in place, and each member's GEMM reads that
+    buffer: no separate copy of x, no update tensor, no addmm."""
+    torch.compiler.reset()
+    x, members, _ = _nf4_group()
+    h = x.detach().clone().requires_grad_(True)
+    norm_w = torch.randn(h.shape[-1])
+
+    def fn(h):
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
+        return sum(o.sum() for o in nf4_lora_linears(x, members, wide=True))
+
+    _, codes = run_and_get_code(lambda: torch.compile(fn, fullgraph=True)(h).backward())
+    forward = codes[0]
+    kernels = [ln for ln in forward.splitlines() if ln.strip().startswith(("cpp_fused", "triton_")) and "(" in ln]
+    assert any("cat" in k and "rsqrt" in k for k in kernels), kernels  # x is computed into the wide buffer
+    calls = [ln.strip() for ln in forward.splitlines() if "lora_xa_into_" in ln and "torch.ops" in ln]
+    assert len(calls) == 1, forward
+    wide = calls[0].split("(", 1)[1].split(",")[0]
+    assert sum(f"extern_kernels.mm({wide}," in ln for ln in forward.splitlines()) == 3  # one GEMM per member
+    assert "addmm" not in forward and "lora_addmm_" not in forward
+
+
+@pytest.mark.gpu
+def test_wide_group_on_cuda_in_bf16_matches_the_narrow_group():
+    """On the GPU the wide weights come from the Triton kernel (W and B_i written into one buffer):
+    bf16 outputs and gradients as the narrow group's, compiled, within bf16 rounding."""
+    bnbF = pytest.importorskip("bitsandbytes.functional")
+    from qlora_nb_utils.ops import nf4_triton
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, 256, generator=g).cuda().bfloat16().requires_grad_()
+    members = []
+    for out_f in (512, 128, 128):
+        packed, state = bnbF.quantize_4bit(torch.randn(out_f, 256, generator=g).cuda().bfloat16(), blocksize=64,
+                                           quant_type="nf4", compress_statistics=True)
+        a = (torch.randn(16, 256, generator=g) * 0.1).cuda().bfloat16().requires_grad_()
+        b = (torch.randn(out_f, 16, generator=g) * 0.1).cuda().bfloat16().requires_grad_()
+        members.append((a, b, 2.0, nf4_triton.op_args(packed, state, torch.bfloat16)))
+    leaves = [x] + [t for a, b, _, _ in members for t in (a, b)]
+
+    def run(wide):
+        torch.compiler.reset()
+        for t in leaves:
+            t.grad = None
+        outs = torch.compile(lambda x: nf4_lora_linears(x, members, wide=wide), fullgraph=True)(x)
+        sum(o.float().square().sum() for o in outs).backward()
+        return [o.detach().float() for o in outs] + [t.grad.float() for t in leaves]
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

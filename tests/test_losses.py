@@ -107,3 +107,32 @@ def test_compiled_math_gives_the_eager_loss_and_gradients_and_compiles_once():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)  # the arithmetic is fp32 (logits.float())
     assert "fn" in losses._COMPILED_MATH
     assert counters["stats"]["unique_graphs"] <= 2  # the lengths are dynamic: no graph per chunk size
+
+
+def test_min_chunk_rows_takes_fewer_chunks_outside_a_graph_with_the_same_loss(monkeypatch):
+    """min_chunk_rows: fewer pieces while a piece would hold fewer rows (a 128-row chunk is a matmul
+    too short to fill a GPU); the loss and gradients stay those of four chunks. Inside a traced
+    graph the row count is not looked at, so nothing guards on it."""
+    from qlora_nb_utils.ops import losses
+
+    hidden, weight, labels = _inputs(b=4, s=33, v=64)  # 128 target rows
+    pieces = []
+    real = losses._ce_math
+    monkeypatch.setattr(losses, "_ce_math", lambda logits, *a: pieces.append(logits.shape[0]) or real(logits, *a))
+    results = {}
+    for min_rows in (0, 64, 1000):
+        pieces.clear()
+        hidden.grad = None
+        loss = chunked_cross_entropy(hidden, weight, labels, chunks=4, min_chunk_rows=min_rows)
+        loss.backward()
+        results[min_rows] = (list(pieces), loss.detach(), hidden.grad.clone())
+    assert results[0][0] == [32, 32, 32, 32] and results[64][0] == [64, 64] and results[1000][0] == [128]
+    for min_rows in (64, 1000):
+        torch.testing.assert_close(results[min_rows][1], results[0][1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(results[min_rows][2], results[0][2], rtol=1e-12, atol=1e-12)
+    pieces.clear()
+    torch.compiler.reset()
+    compiled = torch.compile(lambda h: chunked_cross_entropy(h, weight, labels, chunks=4, min_chunk_rows=1000),
+                             backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(hidden), results[0][1], rtol=1e-12, atol=1e-12)
+    assert pieces == [32, 32, 32, 32]

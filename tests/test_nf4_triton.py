@@ -102,6 +102,21 @@ def test_opcheck(nested, shape, blocksize):
     torch.library.opcheck(OP.default, nf4_triton.op_args(packed, state, torch.bfloat16))
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax", "double-quant"])
+def test_wide_op_is_the_weight_then_the_tail_and_passes_opcheck(nested):
+    """dequantize_nf4_wide: [W | tail] in one buffer (the LoRA group's [W_i | B_i]); bad tails refused."""
+    packed, state = quantize((48, 64), 64, nested=nested)
+    args = nf4_triton.op_args(packed, state, torch.bfloat16)
+    tail = torch.randn(48, 6).to(torch.bfloat16)
+    wide = nf4_triton.dequantize_wide(*args, tail)
+    assert wide.shape == (48, 70) and wide.is_contiguous()
+    assert torch.equal(wide[:, :64], nf4_triton.dequantize(*args)) and torch.equal(wide[:, 64:], tail)
+    torch.library.opcheck(torch.ops.qlora_nb.dequantize_nf4_wide.default, (*args, tail))
+    for bad, match in ((tail[:5], "tail must be"), (tail.float(), "tail must be")):
+        with pytest.raises(RuntimeError, match=match):
+            nf4_triton.dequantize_wide(*args, bad)
+
+
 def test_schema():
     schema = str(OP.default._schema)
     assert schema.startswith("qlora_nb::dequantize_nf4_fused(Tensor packed, Tensor absmax, Tensor code, "
@@ -148,6 +163,16 @@ def test_triton_kernel_in_the_interpreter():
                     out = torch.empty(shape, dtype=dtype)
                     m.launch(*m.op_args(p, st)[:8], out, elems=1024)
                     assert torch.equal(out, F.dequantize_4bit(p, st).reshape(shape)), (nested, shape, dtype)
+            # the wide output: each weight row in a wider buffer, followed by its row of the tail
+            for rows, k, t, elems in [(6, 128, 32, 128), (5, 256, 48, 128), (2, 4096, 32, 4096)]:
+                for dtype in (torch.float32, torch.float16):
+                    p, st = F.quantize_4bit(torch.randn(rows, k).to(dtype), blocksize=64, quant_type="nf4",
+                                            compress_statistics=nested)
+                    tail = torch.randn(rows, t).to(dtype)
+                    out = torch.full((rows, k + t), float("nan"), dtype=dtype)
+                    m.launch(*m.op_args(p, st)[:8], out, elems=elems, tail=tail)
+                    want = torch.cat([F.dequantize_4bit(p, st).reshape(rows, k), tail], 1)
+                    assert torch.equal(out, want), ("wide", nested, rows, k, t, dtype)
         print("kernel ok")
     """)
     # bfloat16 is left out: the interpreter truncates to bfloat16 where the GPU rounds to nearest
@@ -164,6 +189,17 @@ def test_cuda_kernel_equals_bitsandbytes_bitwise(nested, dtype):
         packed, state = quantize(shape, blocksize, nested=nested, dtype=dtype, device="cuda")
         ours = nf4_triton.dequantize_state(packed, state)
         torch.testing.assert_close(ours, bnbF.dequantize_4bit(packed, state).reshape(shape), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax", "double-quant"])
+def test_cuda_wide_kernel_is_bitsandbytes_then_the_tail(nested):
+    for (rows, k), t in [((1024, 4096), 32), ((96, 2048), 48), ((64, 256), 16)]:
+        packed, state = quantize((rows, k), 64, nested=nested, dtype=torch.bfloat16, device="cuda")
+        tail = torch.randn(rows, t, device="cuda").to(torch.bfloat16)
+        wide = nf4_triton.dequantize_wide(*nf4_triton.op_args(packed, state), tail)
+        want = torch.cat([bnbF.dequantize_4bit(packed, state).reshape(rows, k), tail], 1)
+        torch.testing.assert_close(wide, want, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- the patch

@@ -69,6 +69,7 @@ from typing import Any, Iterable
 import torch
 
 from ..ops.doc_attention import with_document_mask
+from ..ops.losses import CHUNK_MIN_ROWS
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_peak_gib, estimate_terms, peak_from_terms
 from .model_patches import keep_bnb_training_layout, lora_addmm_expected, use_lora_addmm, use_nf4_dequant
@@ -163,14 +164,17 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             it), True (refused where torch lacks it) or False.
         lora_addmm: add each LoRA update into its base output in place, one matmul
             (:mod:`~qlora_nb_utils.compile.patches.lora_addmm`): ``"auto"`` (on where PEFT's
-            version is supported), True, False, ``"unfused"`` or ``"ungrouped"``. With the ``nf4_dequant`` patch on,
+            version is supported), True, False, ``"unfused"``, ``"ungrouped"`` or ``"narrow"``. With the ``nf4_dequant`` patch on,
             a layer over an NF4 weight runs as one LoRA linear whose base matmul adds into the
             update, forward and backward (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`);
             ``"unfused"`` keeps the update after bitsandbytes' base matmul. Fused layers that read
             one input (a decoder layer's q, k, v; gate, up) run as one group that reads it once
             (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linears`; the choice ``lora_groups``),
             except in whole scope with checkpointing (the group's state is a side effect a
-            checkpointed region may not have while traced) and with ``"ungrouped"``. When ``max_memory_gib``
+            checkpointed region may not have while traced) and with ``"ungrouped"``. A group's
+            members are each one GEMM over ``[x | s x A^T]`` and ``[W | B]`` (the choice
+            ``lora_wide``), except with ``"narrow"`` (the update written, the base GEMM adding into
+            it). When ``max_memory_gib``
             is not met even with every layer checkpointed (and offloaded), the update is the
             out-of-place ``addmm``, one tensor fewer at the peak.
         nf4_dequant: the NF4 weights dequantized in one Triton kernel, not bitsandbytes' two
@@ -199,7 +203,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("doc_attention", doc_attention, DOC_ATTENTION)
     _check("loss_rows", loss_rows, ("auto", True, False))
     _check("recompute", recompute, ("auto", True, False))
-    _check("lora_addmm", lora_addmm, ("auto", True, False, "unfused", "ungrouped"))
+    _check("lora_addmm", lora_addmm, ("auto", True, False, "unfused", "ungrouped", "narrow"))
     _check("nf4_dequant", nf4_dequant, ("auto", True, False))
     _check("warm_cache", warm_cache, ("auto", True, False))
     if loss_rows is True and not ce_chunks:
@@ -333,8 +337,13 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     choices["autocast"] = use_autocast
     reasons["autocast"] = ("asked for" if autocast is False else "LoRA matmuls in the compute dtype" if low
                            else f"{_show(dtype)}: nothing to autocast")
+    # outside a memory target, a loss computed outside the graph (regional scope) takes fewer,
+    # longer chunks when few rows are labelled (ops.losses.CHUNK_MIN_ROWS says why)
+    chunk_rows = CHUNK_MIN_ROWS if ce_chunks and max_memory_gib is None and scope == "regional" else 0
     choices["loss"], reasons["loss"] = (f"chunked CE x{ce_chunks}" if ce_chunks else "model's own",
-                                        "no full fp32 logits" if ce_chunks else "asked for")
+                                        ("no full fp32 logits" + (f"; fewer chunks while one would hold under "
+                                                                  f"{chunk_rows} rows" if chunk_rows else ""))
+                                        if ce_chunks else "asked for")
     choices["loss_rows"], reasons["loss_rows"] = rows_choice
     if eager_numerics == "auto":
         numerics = low and backend == "inductor"
@@ -356,7 +365,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         fast = prepare_fast(model, dtype=dtype, device=device, batches=batches, cast_bf16=cast, ce_chunks=ce_chunks,
                             grad_ckpt=ckpt > 0, ckpt_layers=ckpt if ckpt > 0 else None,
                             autocast=use_autocast, causal_attn=attention == "causal", mode=mode, backend=backend,
-                            eager_numerics=numerics, scope=scope, offload=ck.offload,
+                            eager_numerics=numerics, scope=scope, offload=ck.offload, ce_min_rows=chunk_rows,
                             # regional: the layers' inputs cannot be marked dynamic from outside
                             dynamic=True if scope == "regional" and mark else None)
     except BaseException:  # leave the model as it was given, but for the cast

@@ -72,11 +72,15 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
     base output is written apart), unless ``asked == "unfused"``: the choice ``nf4_lora_linear``
     says how many do. Those that read one input (a layer's q, k, v; gate, up) run as one group
     (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linears`) unless ``asked == "ungrouped"`` or
-    ``group`` is False (with ``no_group_why``): the choice ``lora_groups`` says how many groups."""
+    ``group`` is False (with ``no_group_why``): the choice ``lora_groups`` says how many groups.
+    A group's outputs are each one GEMM over ``[x | s x A^T]`` (``wide``, the choice ``lora_wide``)
+    unless ``asked == "narrow"``."""
     from .patches import lora_addmm as patch
 
     choices["lora_addmm"], choices["nf4_lora_linear"], choices["lora_groups"] = False, 0, 0
+    choices["lora_wide"] = False
     reasons["lora_groups"] = "needs the fused NF4 LoRA linear"
+    reasons["lora_wide"] = "needs groups of LoRA layers"
     reasons["nf4_lora_linear"] = ("asked for (lora_addmm='unfused')" if asked == "unfused" else
                                   "needs lora_addmm and the nf4_dequant patch" if not nf4 or asked is False else
                                   "no LoRA layer over an NF4 weight")
@@ -85,8 +89,9 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
         return []
     rows = nf4[0].details.get("forward_min_rows") if nf4 and asked != "unfused" else None
     grouped = group and asked != "ungrouped"
-    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place, rows, grouped),
-                              True if asked in ("unfused", "ungrouped") else asked, choices, reasons)
+    wide = grouped and asked != "narrow"
+    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place, rows, grouped, wide),
+                              True if asked in ("unfused", "ungrouped", "narrow") else asked, choices, reasons)
     if handle is None:
         return []
     choices["lora_addmm"] = True
@@ -103,6 +108,11 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
             f"{n_groups} groups of LoRA layers reading one input (q, k, v; gate, up): x read once, one input gradient"
             if n_groups else "asked for (lora_addmm='ungrouped')" if asked == "ungrouped"
             else no_group_why if not group else "no sibling LoRA layers reading one input")
+        choices["lora_wide"] = bool(handle.details.get("wide"))
+        reasons["lora_wide"] = (
+            "each group member one GEMM over [x | s x A^T] and [W | B]: no update tensor written and read back"
+            if choices["lora_wide"] else "asked for (lora_addmm='narrow')" if asked == "narrow" and n_groups
+            else "needs groups of LoRA layers")
     return [handle]
 
 

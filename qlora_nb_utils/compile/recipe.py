@@ -245,7 +245,7 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
                  grad_ckpt: bool = False, ckpt_layers: int | None = None, autocast: bool = False,
                  causal_attn: bool = False, mode: str | None = None, backend: Any = "inductor",
                  eager_numerics: bool = False, scope: str = "whole", dynamic: bool | None = None,
-                 offload: bool = False) -> FastPrepared:
+                 offload: bool = False, ce_min_rows: int = 0) -> FastPrepared:
     """Apply the fast recipe to a loaded PEFT QLoRA model (see the module docstring).
 
     Args:
@@ -270,6 +270,8 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
         dynamic: ``torch.compile``'s ``dynamic`` (``prepare_for_compile``'s option).
         offload: keep the checkpointed layers' saved inputs in CPU memory (:func:`.offload.apply`);
             needs ``grad_ckpt`` and ``scope="regional"``.
+        ce_min_rows: the chunked loss's ``min_chunk_rows`` (fewer pieces while a piece would have
+            fewer rows; a loss outside the compiled graph only). 0: always ``ce_chunks`` pieces.
 
     Returns:
         A :class:`FastPrepared`; call ``undo()`` when done (in a ``finally``).
@@ -295,7 +297,7 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
     try:
         # regional scope leaves the head and the loss eager: their softmax arithmetic is compiled on CUDA
         compiled_math = scope == "regional" and device.type == "cuda" and backend == "inductor"
-        target = ChunkedLossLM(model, ce_chunks, compiled_math) if ce_chunks else model
+        target = ChunkedLossLM(model, ce_chunks, compiled_math, ce_min_rows) if ce_chunks else model
         prepared = prepare_for_compile(target, grad_ckpt=bool(grad_ckpt), mode=mode, backend=backend,
                                        eager_numerics=eager_numerics, scope=scope, dynamic=dynamic)
     except BaseException:  # leave the model as it was given, but for the cast

@@ -25,13 +25,26 @@ a compute-bound GEMM hides. The plain update above reads and writes it again aft
 matmul. The backward does the same for the input gradient: ``(s * g @ B) @ A`` first, then
 ``g @ W`` added into it, one tensor where autograd would sum two (the base's and the LoRA's)
 in the next elementwise kernel. ``W`` is dequantized again in the backward, never saved.
+
+``wide`` (:func:`nf4_lora_linears`, a group of layers reading one ``x``) removes the update
+tensor altogether: ``x @ W_i^T + (s x A^T) B_i^T = [x | s x A^T] @ [W_i | B_i]^T``, one GEMM
+whose K grows by the group's ranks (4096 to 4128 for gate and up). ``x`` is written once into a
+buffer with room for ``s x A^T`` beside it (``torch.cat`` with zeros, which Inductor computes in
+the kernel that produces ``x``; ``lora_xa_into_`` then fills the columns), and the NF4 kernel
+dequantizes each ``W_i`` into a buffer whose last columns hold ``B_i``
+(:func:`~qlora_nb_utils.ops.nf4_triton.dequantize_wide`). For gate and up at 8B, 8 x 1024 that
+spares two 8192 x 14336 update tensors (written by a rank-r matmul, read back by the base GEMM's
+epilogue) per layer: on an H100 the forward of the pair took 2.76 ms against 2.93 ms
+(``results/lora_concat_h100.json``, ``fwd_concat_nocopy``); with ``x`` copied into the wide
+buffer instead it gained nothing (``fwd_concat_copy``). The backward is the narrow one's: the
+saved buffer holds ``x`` and every ``s x A_i^T`` as columns.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["lora_addmm_", "add_lora_", "nf4_lora_linear", "nf4_lora_linears"]
+__all__ = ["lora_addmm_", "lora_xa_into_", "add_lora_", "nf4_lora_linear", "nf4_lora_linears"]
 
 
 @torch.library.custom_op("qlora_nb::lora_addmm_", mutates_args=("base",))
@@ -93,17 +106,59 @@ def add_lora_(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: fl
     return _AddLora.apply(base, xa, b, float(scaling))
 
 
+@torch.library.custom_op("qlora_nb::lora_xa_into_", mutates_args=("wide",))
+def lora_xa_into_(wide: torch.Tensor, a: torch.Tensor, ranks: list[int], scales: list[float]) -> None:
+    """``wide[:, k:] = (wide[:, :k] @ a^T)``, each member's ``ranks[i]`` columns times ``scales[i]``.
+
+    ``wide`` is ``(N, k + sum(ranks))``, its first ``k`` columns the layer input; ``a`` the
+    members' ``A`` stacked, ``(sum(ranks), k)``. A mutable op, so that Inductor writes ``x @ A^T``
+    into the columns beside ``x`` (no copy of ``x``; ``tests/test_lora_update.py``).
+    """
+    k = wide.shape[1] - a.shape[0]
+    xa = wide[:, k:]
+    torch.mm(wide[:, :k], a.t(), out=xa)
+    if len(set(scales)) == 1:
+        if scales[0] != 1.0:
+            xa.mul_(scales[0])
+        return
+    at = 0
+    for r, s in zip(ranks, scales):
+        xa[:, at:at + r].mul_(s)
+        at += r
+
+
+@lora_xa_into_.register_fake
+def _(wide: torch.Tensor, a: torch.Tensor, ranks: list[int], scales: list[float]) -> None:
+    return None
+
+
 class _NF4LoraGroup(torch.autograd.Function):
     """``x @ W_i^T + s_i * (x @ A_i^T) @ B_i^T`` for the members ``i`` of a group sharing ``x``, each
-    ``W_i`` an NF4 weight (module docstring). One member is the plain fused linear."""
+    ``W_i`` an NF4 weight (module docstring). One member is the plain fused linear. ``wide``: each
+    output is one GEMM, ``[x | s * x @ A^T] @ [W_i | B_i]^T`` (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, consts, *flat):
+    def forward(ctx, x, consts, wide, *flat):
         from . import nf4_triton
 
         x2 = x.reshape(-1, x.shape[-1])
         n = len(consts)
         members = [flat[_PER * i:_PER * (i + 1)] for i in range(n)]
+        ranks = [m[0].shape[0] for m in members]
+        ctx.consts, ctx.wide, ctx.ranks = consts, wide, ranks
+        if wide:
+            rt = sum(ranks)
+            xc = torch.cat([x2, x2.new_zeros(x2.shape[0], rt)], dim=1)  # x's producer writes it here
+            lora_xa_into_(xc, members[0][0] if n == 1 else torch.cat([m[0] for m in members]), ranks,
+                          [c[0] for c in consts])
+            outs, at = [], 0
+            for m, c, r in zip(members, consts, ranks):
+                tail = torch.nn.functional.pad(m[1], (at, rt - at - r))  # B_i in its own columns, zeros elsewhere
+                weight = nf4_triton.dequantize_wide(*m[2:], *c[1:], tail)
+                outs.append((xc @ weight.t()).view(*x.shape[:-1], weight.shape[0]))
+                at += r
+            ctx.save_for_backward(xc, *flat)
+            return tuple(outs)
         if n == 1:
             xas = [(x2 @ members[0][0].t()) * consts[0][0]]  # (N, r): the scaling on the small tensor
         else:  # one x @ [A_1; A_2; ...]^T: x is read once for the whole group
@@ -116,7 +171,6 @@ class _NF4LoraGroup(torch.autograd.Function):
             lora_addmm_(out, x2, weight.t(), 1.0)  # ... and the base matmul adds into it
             outs.append(out.view(*x.shape[:-1], out.shape[-1]))
         ctx.save_for_backward(x2, *xas, *flat)
-        ctx.consts = consts
         return tuple(outs)
 
     @staticmethod
@@ -125,8 +179,14 @@ class _NF4LoraGroup(torch.autograd.Function):
 
         consts = ctx.consts
         n = len(consts)
-        x2, *rest = ctx.saved_tensors
-        xas, flat = rest[:n], rest[n:]
+        if ctx.wide:  # x and each scaled x @ A_i^T are columns of the one saved buffer
+            xc, *flat = ctx.saved_tensors
+            k = xc.shape[1] - sum(ctx.ranks)
+            x2 = xc[:, :k]
+            xas = list(xc[:, k:].split(ctx.ranks, dim=1))
+        else:
+            x2, *rest = ctx.saved_tensors
+            xas, flat = rest[:n], rest[n:]
         members = [flat[_PER * i:_PER * (i + 1)] for i in range(n)]
         need = ctx.needs_input_grad
         g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
@@ -140,13 +200,13 @@ class _NF4LoraGroup(torch.autograd.Function):
                 weight = nf4_triton.dequantize(*m[2:], *c[1:])
                 lora_addmm_(grad_x, g2, weight, 1.0)
             grad_x = grad_x.view(*grads[0].shape[:-1], x2.shape[-1])
-        want_a = [need[2 + _PER * i] for i in range(n)]
+        want_a = [need[3 + _PER * i] for i in range(n)]
         grad_as = [None] * n
         if any(want_a):  # one gxa^T @ x for the group: x read once
             grad_as = list((gxa.t() @ x2).split([m[0].shape[0] for m in members], dim=0))
-        out = [grad_x, None]
+        out = [grad_x, None, None]
         for i, (g2, xa_i) in enumerate(zip(g2s, xas)):
-            grad_b = g2.t() @ xa_i if need[3 + _PER * i] else None
+            grad_b = g2.t() @ xa_i if need[4 + _PER * i] else None
             out += [grad_as[i] if want_a[i] else None, grad_b] + [None] * (_PER - 2)
         return tuple(out)
 
@@ -192,10 +252,10 @@ def nf4_lora_linear(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
         ValueError: mismatched shapes or dtypes.
     """
     consts, flat = _group_args(x, [(a, b, scaling, weight_args)])
-    return _NF4LoraGroup.apply(x, consts, *flat)[0]
+    return _NF4LoraGroup.apply(x, consts, False, *flat)[0]
 
 
-def nf4_lora_linears(x: torch.Tensor, members: list) -> tuple[torch.Tensor, ...]:
+def nf4_lora_linears(x: torch.Tensor, members: list, wide: bool = False) -> tuple[torch.Tensor, ...]:
     """Several LoRA linear layers over NF4 weights that read the same ``x`` (a layer's q, k and v
     projections; gate and up), as one autograd Function.
 
@@ -208,6 +268,9 @@ def nf4_lora_linears(x: torch.Tensor, members: list) -> tuple[torch.Tensor, ...]
     Args:
         x: ``(..., in)``.
         members: ``(a, b, scaling, weight_args)`` per layer, as :func:`nf4_lora_linear` takes them.
+        wide: each output as one GEMM over ``[x | s * x @ A^T]`` and ``[W_i | B_i]`` (module
+            docstring): no output-sized update written and read back. Values differ by rounding
+            only (the update is summed in the GEMM's fp32 accumulator, not rounded first).
 
     Returns:
         One ``(..., out_i)`` tensor per member, in order.
@@ -218,4 +281,4 @@ def nf4_lora_linears(x: torch.Tensor, members: list) -> tuple[torch.Tensor, ...]
     if not members:
         raise ValueError("nf4_lora_linears needs at least one member")
     consts, flat = _group_args(x, list(members))
-    return _NF4LoraGroup.apply(x, consts, *flat)
+    return _NF4LoraGroup.apply(x, consts, bool(wide), *flat)

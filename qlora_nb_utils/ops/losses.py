@@ -46,13 +46,19 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "ROW_BUCKETS", "labelled_rows", "chunked_cross_entropy", "chunked_token_log_probs", "TokenStats", "causal_lm_targets",
+__all__ = ["IGNORE_INDEX", "ROW_BUCKETS", "CHUNK_MIN_ROWS", "labelled_rows", "chunked_cross_entropy", "chunked_token_log_probs", "TokenStats", "causal_lm_targets",
            "ChunkedLossLM"]
 
 IGNORE_INDEX = -100
 #: :func:`labelled_rows` rounds the row count up to a multiple of ``total / ROW_BUCKETS`` (at
 #: least 64 rows): at most this many distinct counts per batch shape.
 ROW_BUCKETS = 16
+#: ``chunked_cross_entropy(min_chunk_rows=...)``'s value in :class:`ChunkedLossLM` (optimize()'s
+#: loss outside a memory target): fewer chunks while each would hold fewer rows. On an H100 the
+#: head and loss over 512 rows (8B, vocabulary 128256) took 2.46 ms in one chunk, 2.76 in two and
+#: 4.30 in four, at 555, 319 and 164 MiB of extra peak (``results/lora_concat_h100.json``, ``loss``):
+#: a 128-row chunk is too short a matmul to fill the GPU.
+CHUNK_MIN_ROWS = 512
 
 
 def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple: int = 1,
@@ -158,7 +164,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunks: int, ignore_index: int,
-                want_hidden: bool, want_weight: bool, compiled_math: bool = False):
+                want_hidden: bool, want_weight: bool, compiled_math: bool = False, min_chunk_rows: int = 0):
+        if min_chunk_rows and not torch.compiler.is_compiling():  # concrete row count: no guard on it
+            chunks = max(1, min(chunks, -(-hidden.shape[0] // min_chunk_rows)))
         count = (targets != ignore_index).sum()
         denom = count.clamp(min=1).to(torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
@@ -191,12 +199,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                           chunks: int = 4, ignore_index: int = IGNORE_INDEX,
-                          rows: torch.Tensor | None = None, compiled_math: bool = False) -> torch.Tensor:
+                          rows: torch.Tensor | None = None, compiled_math: bool = False,
+                          min_chunk_rows: int = 0) -> torch.Tensor:
     """Causal-LM loss of an LM head without materialising all logits.
 
     Equal to ``F.cross_entropy((hidden[:, :-1] @ weight.T).float(), labels[:, 1:],
@@ -216,6 +225,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
             compiles the decoder layers only), compile each chunk's softmax arithmetic once
             (``torch.compile``, dynamic lengths): one fused kernel pass instead of about ten eager
             kernels over the fp32 logits. Inside a graph being traced it changes nothing.
+        min_chunk_rows: outside a graph being traced, use fewer than ``chunks`` pieces while
+            each would have fewer rows than this (0: always ``chunks``; :data:`CHUNK_MIN_ROWS`
+            says why). A piece then never holds more rows than ``max(min_chunk_rows, rows / chunks)``.
 
     Returns:
         The scalar fp32 loss.
@@ -232,7 +244,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         t = torch.where(inside, t.index_select(0, safe), torch.full_like(safe, ignore_index))
     grad_on = torch.is_grad_enabled()
     return _ChunkedLinearCrossEntropy.apply(h, weight, t, chunks, ignore_index, grad_on and h.requires_grad,
-                                            grad_on and weight.requires_grad, bool(compiled_math))
+                                            grad_on and weight.requires_grad, bool(compiled_math),
+                                            int(min_chunk_rows))
 
 
 class TokenStats(NamedTuple):
@@ -324,13 +337,16 @@ class ChunkedLossLM(torch.nn.Module):
     :func:`chunked_token_log_probs` instead (for trainers that reduce per-token losses themselves).
     ``loss_rows`` (from :func:`labelled_rows`) limits the head and the loss to those rows.
     ``compiled_math``: :func:`chunked_cross_entropy`'s, for a loss run outside a compiled graph.
+    ``min_chunk_rows``: :func:`chunked_cross_entropy`'s (0: always ``chunks`` pieces).
     """
 
-    def __init__(self, model: torch.nn.Module, chunks: int = 4, compiled_math: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, chunks: int = 4, compiled_math: bool = False,
+                 min_chunk_rows: int = 0) -> None:
         super().__init__()
         self.model = model
         self.chunks = chunks
         self.compiled_math = compiled_math
+        self.min_chunk_rows = min_chunk_rows
 
     def forward(self, input_ids, attention_mask=None, labels=None, token_stats: bool = False,
                 loss_rows=None, **kwargs):
@@ -342,7 +358,8 @@ class ChunkedLossLM(torch.nn.Module):
         if token_stats:
             return chunked_token_log_probs(hidden, weight, labels, chunks=self.chunks)
         return CausalLMOutputWithPast(loss=chunked_cross_entropy(hidden, weight, labels, chunks=self.chunks,
-                                                                 rows=loss_rows, compiled_math=self.compiled_math))
+                                                                 rows=loss_rows, compiled_math=self.compiled_math,
+                                                                 min_chunk_rows=self.min_chunk_rows))
 
 
 def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -53,8 +53,8 @@ try:  # Triton is optional: a CPU-only torch does not ship it
 except ImportError:  # pragma: no cover - depends on the install
     triton = tl = libdevice = None
 
-__all__ = ["OP", "HAS_TRITON", "ELEMS_PER_PROGRAM", "dequantize_nf4_fused", "dequantize_reference",
-           "dequantize", "op_args", "dequantize_state", "launch"]
+__all__ = ["OP", "WIDE_OP", "HAS_TRITON", "ELEMS_PER_PROGRAM", "dequantize_nf4_fused", "dequantize_nf4_wide",
+           "dequantize_reference", "dequantize", "dequantize_wide", "op_args", "dequantize_state", "launch"]
 
 #: The op's qualified name (``torch.ops.qlora_nb.dequantize_nf4_fused``).
 OP = "qlora_nb::dequantize_nf4_fused"
@@ -115,9 +115,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, offset_ptr, out_ptr,
-                            n_bytes, n_blocks,
+                            n_bytes, n_blocks, row_words, stride_words, tail_ptr, tail_cols,
                             HALF: tl.constexpr, ROWS: tl.constexpr, NESTED: tl.constexpr,
-                            NESTED_BLOCK: tl.constexpr, EXACT: tl.constexpr, WIDE: tl.constexpr):
+                            NESTED_BLOCK: tl.constexpr, EXACT: tl.constexpr, WIDE: tl.constexpr,
+                            STRIDED: tl.constexpr, TAIL: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # the blocks of this program
         live = rows < n_blocks
         if NESTED:
@@ -134,18 +135,30 @@ if HAS_TRITON:
         then = (tl.load(code_ptr + (bits & 15)) * scale[:, None]).to(kind)
         # Both values of a byte leave as one little-endian word (first value in the low half), so
         # each thread stores whole 16-byte vectors of consecutive words.
+        # STRIDED: the weight's rows (row_words words each) go into a wider buffer whose rows are
+        # stride_words words apart, each followed by its row of the tail (dequantize_wide).
+        dest = (byte // row_words) * stride_words + byte % row_words if STRIDED else byte
         if WIDE:
             word = (then.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | first.to(tl.uint32, bitcast=True)
-            tl.store(out_ptr.to(tl.pointer_type(tl.uint64)) + byte, word, mask=keep)
+            tl.store(out_ptr.to(tl.pointer_type(tl.uint64)) + dest, word, mask=keep)
         else:
             word = (then.to(tl.uint16, bitcast=True).to(tl.uint32) << 16) | first.to(tl.uint16, bitcast=True)
-            tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + byte, word, mask=keep)
+            tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + dest, word, mask=keep)
+        if STRIDED:  # the program whose words end a weight row also writes that row's tail
+            end = (tl.program_id(0).to(tl.int64) + 1) * ROWS * HALF
+            if end % row_words == 0:
+                if end <= n_bytes:
+                    row = end // row_words - 1
+                    cols = tl.arange(0, TAIL)
+                    live_cols = cols < tail_cols
+                    values = tl.load(tail_ptr + row * tail_cols + cols, mask=live_cols, other=0.0)
+                    tl.store(out_ptr + row * stride_words * 2 + row_words * 2 + cols, values, mask=live_cols)
 
 
 def launch(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, nested_code: Optional[torch.Tensor],
            nested_absmax: Optional[torch.Tensor], offset: Optional[torch.Tensor], blocksize: int,
            nested_blocksize: int, out: torch.Tensor, *, elems: int = ELEMS_PER_PROGRAM, num_warps: int | None = None,
-           wrapped: bool = False) -> torch.Tensor:
+           wrapped: bool = False, tail: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel into ``out`` (CUDA tensors, Triton required); returns ``out``.
 
     Args:
@@ -158,26 +171,41 @@ def launch(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, neste
         wrapped: True inside the op (the launch goes through ``torch.library.wrap_triton``, so the
             compiler sees the kernel; the AOTAutograd cache finds it in this source), False
             for a plain launch.
+        tail: None, or ``(rows, t)`` values of ``out``'s dtype: ``out`` is then ``(rows, k + t)``
+            (contiguous), the weight ``(rows, k)`` goes into its first ``k`` columns and ``tail``
+            into the last ``t`` (:func:`dequantize_wide`; ``k`` even and a multiple of the
+            values per program).
 
     Returns:
         ``out``.
     """
     if not HAS_TRITON:
         raise RuntimeError("the fused NF4 dequantize needs Triton for CUDA tensors; it is not importable here")
-    n = out.numel()
+    rows = max(1, elems // blocksize)
+    width = k = t = 0
+    if tail is not None:
+        t = tail.shape[1]
+        width = out.shape[1]
+        k = width - t
+        if width % 2 or k % (rows * blocksize) or tail.shape[0] != out.shape[0] or not out.is_contiguous():
+            raise ValueError(f"a wide output needs an even width and a weight width that is a multiple of "
+                             f"{rows * blocksize} values, and a (rows, t) tail; got out {tuple(out.shape)}, "
+                             f"tail {tuple(tail.shape)}")
+    n = out.shape[0] * k if tail is not None else out.numel()
     if n % 2:
         raise ValueError(f"the kernel stores a byte's two values together: {n} values is odd")
     blocks = -(-n // blocksize)
-    rows = max(1, elems // blocksize)
     nested = nested_code is not None
     kernel = wrap_triton(_nf4_dequant_kernel) if wrapped else _nf4_dequant_kernel
     grid = (triton.cdiv(blocks, rows),)
     extra = {} if num_warps is None else {"num_warps": num_warps}
     kernel[grid](packed, absmax, code,
                  nested_code if nested else absmax, nested_absmax if nested else absmax,
-                 offset if nested else absmax, out, n // 2, blocks,
+                 offset if nested else absmax, out, n // 2, blocks, max(k // 2, 1), max(width // 2, 1),
+                 tail if tail is not None else out, t,
                  HALF=blocksize // 2, ROWS=rows, NESTED=nested, NESTED_BLOCK=max(nested_blocksize, 1),
-                 EXACT=os.environ.get("TRITON_INTERPRET") != "1", WIDE=out.dtype == torch.float32, **extra)
+                 EXACT=os.environ.get("TRITON_INTERPRET") != "1", WIDE=out.dtype == torch.float32,
+                 STRIDED=tail is not None, TAIL=max(triton.next_power_of_2(max(t, 1)), 16), **extra)
     return out
 
 
@@ -268,6 +296,67 @@ else:
         _check_args(packed, absmax, code, nested_code, nested_absmax, offset, blocksize, nested_blocksize,
                     shape, dtype)
         return packed.new_empty(tuple(shape), dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- the wide op
+#: The wide op's qualified name (``torch.ops.qlora_nb.dequantize_nf4_wide``).
+WIDE_OP = "qlora_nb::dequantize_nf4_wide"
+
+
+def _check_tail(shape, dtype, tail) -> None:
+    torch._check(len(shape) == 2, lambda: f"a wide dequantize needs a 2-D weight, got shape {list(shape)}")
+    torch._check(tail.dim() == 2 and tail.shape[0] == shape[0] and tail.dtype == dtype,
+                 lambda: f"tail must be ({shape[0]}, t) {dtype}, got {tuple(tail.shape)} {tail.dtype}")
+
+
+def _wide_body(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, nested_code: Optional[torch.Tensor],
+               nested_absmax: Optional[torch.Tensor], offset: Optional[torch.Tensor], blocksize: int,
+               nested_blocksize: int, shape: Sequence[int], dtype: torch.dtype, tail: torch.Tensor) -> torch.Tensor:
+    """``torch.ops.qlora_nb.dequantize_nf4_wide``: ``[W | tail]``, the weight and ``tail`` side by side.
+
+    The weight is written straight into the first columns of the wide buffer (one kernel, which
+    also copies ``tail``'s rows): no dequantized copy of ``W`` exists. A LoRA group multiplies
+    ``[x | s * x @ A^T]`` by it (:mod:`qlora_nb_utils.ops.lora_update`), base and update in one GEMM.
+
+    Args: as :func:`dequantize_nf4_fused`, ``shape`` 2-D ``(out, k)``, and ``tail`` ``(out, t)`` of ``dtype``.
+
+    Returns:
+        A new contiguous ``(out, k + t)`` tensor.
+    """
+    _check_args(packed, absmax, code, nested_code, nested_absmax, offset, blocksize, nested_blocksize, shape, dtype)
+    _check_tail(shape, dtype, tail)
+    rows, k = shape
+    elems = min(ELEMS_PER_PROGRAM, k & -k)  # a program's values: a power of two that divides a row
+    if packed.device.type == "cuda" and HAS_TRITON and elems >= max(blocksize, 2) and tail.shape[1] % 2 == 0:
+        out = torch.empty((rows, k + tail.shape[1]), dtype=dtype, device=packed.device)
+        return launch(packed, absmax, code, nested_code, nested_absmax, offset, blocksize, nested_blocksize, out,
+                      elems=elems, wrapped=True, tail=tail.contiguous())
+    weight = dequantize_reference(packed, absmax, code, nested_code, nested_absmax, offset, blocksize,
+                                  nested_blocksize, shape, dtype)
+    return torch.cat([weight, tail], dim=1)
+
+
+if HAS_TRITON:
+    dequantize_nf4_wide = torch.library.triton_op(WIDE_OP, _wide_body, mutates_args=())
+else:
+    dequantize_nf4_wide = torch.library.custom_op(WIDE_OP, _wide_body, mutates_args=())
+
+    @dequantize_nf4_wide.register_fake
+    def _(packed, absmax, code, nested_code, nested_absmax, offset, blocksize, nested_blocksize, shape, dtype, tail):
+        _check_args(packed, absmax, code, nested_code, nested_absmax, offset, blocksize, nested_blocksize,
+                    shape, dtype)
+        _check_tail(shape, dtype, tail)
+        return packed.new_empty((shape[0], shape[1] + tail.shape[1]), dtype=dtype)
+
+
+def dequantize_wide(*args: Any) -> torch.Tensor:
+    """:data:`WIDE_OP` where a compiler traces, its body straight away in eager code (as :func:`dequantize`).
+
+    Args: the ten of :data:`OP`, then ``tail``.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.qlora_nb.dequantize_nf4_wide(*args)
+    return _wide_body(*args)
 
 
 # ----------------------------------------------------------------------------- bitsandbytes' QuantState

@@ -117,8 +117,9 @@ def _fused_args(layer: Any, x: torch.Tensor, route: Callable[[Any, torch.Tensor]
 class _Group:
     """Sibling layers that read the same input, and what the first one called left for the others."""
 
-    def __init__(self, layers: list) -> None:
+    def __init__(self, layers: list, wide: bool = False) -> None:
         self.layers = layers
+        self.wide = wide
         self.x: torch.Tensor | None = None
         self.outs: tuple | None = None
         self.pending = (False,) * len(layers)
@@ -140,7 +141,7 @@ def _grouped(group: _Group, index: int, x: torch.Tensor, route: Callable) -> tor
     members = [_fused_args(layer, x, route) for layer in group.layers]
     if any(m is None for m in members):
         return None
-    outs = nf4_lora_linears(x, members)
+    outs = nf4_lora_linears(x, members, wide=group.wide)
     group.x, group.outs = x, outs
     group.pending = tuple(i != index for i in range(len(members)))
     return outs[index]
@@ -195,7 +196,7 @@ def find_groups(model: torch.nn.Module, layers: list | None = None) -> list[list
 
 
 def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int] | None = None,
-          group: bool = True) -> PatchHandle:
+          group: bool = True, wide: bool = False) -> PatchHandle:
     """Give every PEFT LoRA linear layer of ``model`` the one-matmul update (module docstring).
 
     ``in_place=False``: the out-of-place ``torch.addmm`` (a copy of each base output, but one
@@ -209,6 +210,9 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
 
     ``group``: with ``nf4_rows``, the :data:`GROUPS` run as one ``nf4_lora_linears`` each
     (module docstring). False: every layer on its own.
+
+    ``wide``: with ``group``, each group member's output is one GEMM over ``[x | s x A^T]`` and
+    ``[W_i | B_i]`` (``nf4_lora_linears(wide=True)``): no update tensor is written.
 
     Returns:
         A :class:`PatchHandle`; ``details["layers"]`` is how many layers were patched,
@@ -230,9 +234,10 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
 
         route = make_lora_route(dict(nf4_rows))
         nf4 = sum(holds_nf4(layer.base_layer) for layer in layers)
-    groups = [_Group(members) for members in find_groups(model, layers)] if route is not None and group else []
+    groups = ([_Group(members, bool(wide)) for members in find_groups(model, layers)]
+              if route is not None and group else [])
     handle = PatchHandle(NAME, {"layers": len(layers), "in_place": bool(in_place), "nf4_layers": nf4,
-                                "groups": len(groups)})
+                                "groups": len(groups), "wide": bool(wide and groups)})
     place = {id(layer): (g, i) for g in groups for i, layer in enumerate(g.layers)}
     for layer in layers:
         forward = _make_forward(bool(in_place), route, *place.get(id(layer), (None, 0)))
@@ -244,9 +249,10 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
 
 @contextlib.contextmanager
 def patched(model: torch.nn.Module, in_place: bool = True,
-            nf4_rows: dict[str, int] | None = None, group: bool = True) -> Iterator[PatchHandle]:
+            nf4_rows: dict[str, int] | None = None, group: bool = True,
+            wide: bool = False) -> Iterator[PatchHandle]:
     """:func:`apply` for the duration of the block."""
-    handle = apply(model, in_place, nf4_rows, group)
+    handle = apply(model, in_place, nf4_rows, group, wide)
     try:
         yield handle
     finally:
