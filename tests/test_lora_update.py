@@ -341,3 +341,13 @@ def test_wide_group_on_cuda_in_bf16_matches_the_narrow_group():
 
     for got, want in zip(run(True), run(False)):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_wide_group_saves_x_and_the_small_columns_not_the_wide_buffer():
+    """The wide buffer is written by a mutable op, so a saved buffer could not be recomputed in the
+    backward (4 GiB more at 8B, 8 x 1024 on an H100): x and a copy of the s x A^T columns are saved."""
+    x, members, _ = _nf4_group()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        nf4_lora_linears(x, members, wide=True)
+    assert (15, 64) in saved and (15, 10) in saved and (15, 74) not in saved, saved

@@ -36,8 +36,8 @@ dequantizes each ``W_i`` into a buffer whose last columns hold ``B_i``
 spares two 8192 x 14336 update tensors (written by a rank-r matmul, read back by the base GEMM's
 epilogue) per layer: on an H100 the forward of the pair took 2.76 ms against 2.93 ms
 (``results/lora_concat_h100.json``, ``fwd_concat_nocopy``); with ``x`` copied into the wide
-buffer instead it gained nothing (``fwd_concat_copy``). The backward is the narrow one's: the
-saved buffer holds ``x`` and every ``s x A_i^T`` as columns.
+buffer instead it gained nothing (``fwd_concat_copy``). The backward is the narrow one's; it
+keeps ``x`` (recomputable) and the small ``s x A^T`` columns, not the wide buffer.
 """
 
 from __future__ import annotations
@@ -157,7 +157,10 @@ class _NF4LoraGroup(torch.autograd.Function):
                 weight = nf4_triton.dequantize_wide(*m[2:], *c[1:], tail)
                 outs.append((xc @ weight.t()).view(*x.shape[:-1], weight.shape[0]))
                 at += r
-            ctx.save_for_backward(xc, *flat)
+            # x itself and a copy of the small s x A^T columns are saved, not the wide buffer: x can
+            # then be recomputed in the backward (optimize's recompute policy) where the buffer,
+            # written by a mutable op, could not, 129 MiB a layer at 8B, 8 x 1024 (4 GiB a step, H100)
+            ctx.save_for_backward(x2, xc[:, x2.shape[1]:].clone(), *flat)
             return tuple(outs)
         if n == 1:
             xas = [(x2 @ members[0][0].t()) * consts[0][0]]  # (N, r): the scaling on the small tensor
@@ -179,11 +182,9 @@ class _NF4LoraGroup(torch.autograd.Function):
 
         consts = ctx.consts
         n = len(consts)
-        if ctx.wide:  # x and each scaled x @ A_i^T are columns of the one saved buffer
-            xc, *flat = ctx.saved_tensors
-            k = xc.shape[1] - sum(ctx.ranks)
-            x2 = xc[:, :k]
-            xas = list(xc[:, k:].split(ctx.ranks, dim=1))
+        if ctx.wide:  # every scaled x @ A_i^T in one saved tensor
+            x2, xa_all, *flat = ctx.saved_tensors
+            xas = list(xa_all.split(ctx.ranks, dim=1))
         else:
             x2, *rest = ctx.saved_tensors
             xas, flat = rest[:n], rest[n:]
