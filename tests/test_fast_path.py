@@ -29,6 +29,8 @@ def _batches(tok, padding="fixed", max_len=64, steps=3, batch_size=2):
     ({"max_memory_gib": 4}, "max_memory_gib needs batches"),
     ({"ckpt_layers": 1, "grad_ckpt": False}, "needs grad_ckpt=True"),
     ({"mode": "reduce-overhead", "backend": "eager"}, "is an Inductor option"),
+    ({"ce_min_rows": -1}, "ce_min_rows must be 'auto' or an integer"),
+    ({"ce_min_rows": True}, "ce_min_rows must be 'auto' or an integer"),
 ])
 def test_bad_options_are_refused_before_the_model_changes(loaded, options, message):
     model, _ = loaded
@@ -155,3 +157,24 @@ def test_regional_scope_compiles_once_and_undo_removes_its_embedding_hook(loaded
         opt.undo()
         model.zero_grad(set_to_none=True)
     assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_the_loss_takes_longer_chunks_in_regional_scope_unless_memory_is_held(loaded):
+    """ce_min_rows="auto": 512 rows a chunk at least where the loss runs outside the compiled graph
+    (regional scope) and no memory target asks for the smallest pieces; 0 with a target or in whole
+    scope (the loss inside the graph, whose row count is not looked at); an integer as given."""
+    model, tok = loaded
+    batches = _batches(tok)
+    seen = {}
+    for key, kwargs in (("regional", {"scope": "regional"}), ("whole", {}),
+                        ("held", {"scope": "regional", "max_memory_gib": 100.0}),
+                        ("asked", {"scope": "regional", "ce_min_rows": 64})):
+        opt = optimize(model, batches=batches, backend="eager", **kwargs)
+        try:
+            loss_module = getattr(opt.module, "_orig_mod", opt.module)  # the ChunkedLossLM
+            seen[key] = (loss_module.min_chunk_rows, opt.reasons["loss"])
+        finally:
+            opt.undo()
+    assert [seen[k][0] for k in ("regional", "whole", "held", "asked")] == [512, 0, 0, 64], seen
+    assert "fewer chunks while one would hold under 512 rows" in seen["regional"][1]
+    assert "fewer chunks" not in seen["whole"][1]

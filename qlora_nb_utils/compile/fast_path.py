@@ -122,7 +122,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
              eager_numerics: bool | str = "auto", scope: str = "whole", doc_attention: str = "auto",
              offload: bool | str = "auto", loss_rows: bool | str = "auto",
              recompute: bool | str = "auto", lora_addmm: bool | str = "auto",
-             nf4_dequant: bool | str = "auto", warm_cache: bool | str = "auto") -> Optimized:
+             nf4_dequant: bool | str = "auto", warm_cache: bool | str = "auto",
+             ce_min_rows: int | str = "auto") -> Optimized:
     """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
 
     Args:
@@ -138,6 +139,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         dtype: the compute dtype (None: the model's).
         backend: the Dynamo backend.
         ce_chunks: the chunked cross-entropy's pieces; 0 keeps the model's own loss (and logits).
+        ce_min_rows: fewer pieces while one would hold fewer rows than this, for a loss computed
+            outside the compiled graph (regional scope): ``"auto"`` (512, :data:`~qlora_nb_utils.ops.losses.CHUNK_MIN_ROWS`,
+            without ``max_memory_gib``; 0 with it: the smallest pieces) or an integer >= 0.
         cast: cast the non-LoRA float weights to ``dtype`` (undoing kbit-prep's fp32 upcast).
         autocast: ``"auto"`` (on for bf16/fp16), True or False.
         pad_multiple: right-pad every batch's length to a multiple of this (1: never).
@@ -206,6 +210,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     _check("lora_addmm", lora_addmm, ("auto", True, False, "unfused", "ungrouped", "narrow"))
     _check("nf4_dequant", nf4_dequant, ("auto", True, False))
     _check("warm_cache", warm_cache, ("auto", True, False))
+    if ce_min_rows != "auto" and (isinstance(ce_min_rows, bool) or not isinstance(ce_min_rows, int)
+                                  or ce_min_rows < 0):
+        raise ValueError(f"ce_min_rows must be 'auto' or an integer >= 0, got {ce_min_rows!r}")
     if loss_rows is True and not ce_chunks:
         raise ValueError("loss_rows=True needs the chunked loss (ce_chunks > 0); the model's own loss takes every row")
     if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
@@ -339,7 +346,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                            else f"{_show(dtype)}: nothing to autocast")
     # outside a memory target, a loss computed outside the graph (regional scope) takes fewer,
     # longer chunks when few rows are labelled (ops.losses.CHUNK_MIN_ROWS says why)
-    chunk_rows = CHUNK_MIN_ROWS if ce_chunks and max_memory_gib is None and scope == "regional" else 0
+    chunk_rows = ((CHUNK_MIN_ROWS if max_memory_gib is None else 0) if ce_min_rows == "auto" else ce_min_rows
+                  ) if ce_chunks and scope == "regional" else 0
     choices["loss"], reasons["loss"] = (f"chunked CE x{ce_chunks}" if ce_chunks else "model's own",
                                         ("no full fp32 logits" + (f"; fewer chunks while one would hold under "
                                                                   f"{chunk_rows} rows" if chunk_rows else ""))
