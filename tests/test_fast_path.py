@@ -161,8 +161,8 @@ def test_regional_scope_compiles_once_and_undo_removes_its_embedding_hook(loaded
 
 def test_the_loss_takes_longer_chunks_in_regional_scope_unless_memory_is_held(loaded):
     """ce_min_rows="auto": 512 rows a chunk at least where the loss runs outside the compiled graph
-    (regional scope) and no memory target asks for the smallest pieces; 0 with a target or in whole
-    scope (the loss inside the graph, whose row count is not looked at); an integer as given."""
+    (regional scope, with a memory target too); 0 in whole scope (the loss inside the graph, whose
+    row count is not looked at); an integer as given."""
     model, tok = loaded
     batches = _batches(tok)
     seen = {}
@@ -175,6 +175,6 @@ def test_the_loss_takes_longer_chunks_in_regional_scope_unless_memory_is_held(lo
             seen[key] = (loss_module.min_chunk_rows, opt.reasons["loss"])
         finally:
             opt.undo()
-    assert [seen[k][0] for k in ("regional", "whole", "held", "asked")] == [512, 0, 0, 64], seen
+    assert [seen[k][0] for k in ("regional", "whole", "held", "asked")] == [512, 0, 512, 64], seen
     assert "fewer chunks while one would hold under 512 rows" in seen["regional"][1]
     assert "fewer chunks" not in seen["whole"][1]

@@ -54,7 +54,7 @@ IGNORE_INDEX = -100
 #: least 64 rows): at most this many distinct counts per batch shape.
 ROW_BUCKETS = 16
 #: ``chunked_cross_entropy(min_chunk_rows=...)``'s value in :class:`ChunkedLossLM` (optimize()'s
-#: loss outside a memory target): fewer chunks while each would hold fewer rows. On an H100 the
+#: loss in regional scope): fewer chunks while each would hold fewer rows. On an H100 the
 #: head and loss over 512 rows (8B, vocabulary 128256) took 2.46 ms in one chunk, 2.76 in two and
 #: 4.30 in four, at 555, 319 and 164 MiB of extra peak (``results/lora_concat_h100.json``, ``loss``):
 #: a 128-row chunk is too short a matmul to fill the GPU.
