@@ -351,21 +351,3 @@ def test_wide_group_saves_x_and_the_small_columns_not_the_wide_buffer():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
         nf4_lora_linears(x, members, wide=True)
     assert (15, 64) in saved and (15, 10) in saved and (15, 74) not in saved, saved
-
-
-def test_a_wide_single_layer_takes_its_elementwise_input_into_the_wide_buffer():
-    """A down_proj-like layer alone (wide=True): the kernel computing its input act(gate) * up writes it
-    into the wide buffer; the values and gradients are the narrow layer's."""
-    torch.compiler.reset()
-    x, a, b, weight, args = _nf4_inputs()
-    gate = x.detach().clone().requires_grad_(True)
-
-    def layer(wide):
-        return lambda g, a, b: nf4_lora_linear(torch.nn.functional.silu(g) * g, a, b, 0.75, args, wide=wide)
-
-    _, codes = run_and_get_code(lambda: torch.compile(layer(True), fullgraph=True)(gate, a, b))
-    kernels = [ln for ln in codes[0].splitlines() if ln.strip().startswith(("cpp_fused", "triton_")) and "(" in ln]
-    assert any("cat" in k and "silu" in k for k in kernels), kernels
-    got, want = _grads(layer(True), (gate, a, b)), _grads(layer(False), (gate, a, b))
-    for g, w in zip([got[0], *got[1]], [want[0], *want[1]]):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -110,8 +110,7 @@ def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str,
             else no_group_why if not group else "no sibling LoRA layers reading one input")
         choices["lora_wide"] = bool(handle.details.get("wide"))
         reasons["lora_wide"] = (
-            f"each group member (and {handle.details.get('wide_singles', 0)} down_proj layers) one GEMM over "
-            "[x | s x A^T] and [W | B]: no update tensor written and read back"
+            "each group member one GEMM over [x | s x A^T] and [W | B]: no update tensor written and read back"
             if choices["lora_wide"] else "asked for (lora_addmm='narrow')" if asked == "narrow" and n_groups
             else "needs groups of LoRA layers")
     return [handle]

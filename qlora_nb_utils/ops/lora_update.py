@@ -236,7 +236,7 @@ def _group_args(x: torch.Tensor, members: list) -> tuple[tuple, list]:
 
 
 def nf4_lora_linear(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
-                    weight_args: tuple, wide: bool = False) -> torch.Tensor:
+                    weight_args: tuple) -> torch.Tensor:
     """A LoRA linear layer over an NF4 base weight, ``x @ W^T + scaling * (x @ a^T) @ b^T`` (module docstring).
 
     Args:
@@ -245,8 +245,6 @@ def nf4_lora_linear(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
         scaling: the adapter's ``alpha / r``.
         weight_args: the NF4 weight as the dequantize op's ten arguments
             (:func:`qlora_nb_utils.ops.nf4_triton.op_args`), dequantized to ``x``'s dtype.
-        wide: one GEMM over ``[x | s x A^T]`` and ``[W | B]`` (:func:`nf4_lora_linears`); it pays
-            where the compiler computes ``x`` straight into the wide buffer (an elementwise input).
 
     Returns:
         ``(..., out)``; differentiable in ``x``, ``a`` and ``b`` (the base weight is frozen).
@@ -255,7 +253,7 @@ def nf4_lora_linear(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
         ValueError: mismatched shapes or dtypes.
     """
     consts, flat = _group_args(x, [(a, b, scaling, weight_args)])
-    return _NF4LoraGroup.apply(x, consts, bool(wide), *flat)[0]
+    return _NF4LoraGroup.apply(x, consts, False, *flat)[0]
 
 
 def nf4_lora_linears(x: torch.Tensor, members: list, wide: bool = False) -> tuple[torch.Tensor, ...]:

@@ -52,8 +52,7 @@ import torch
 from ...ops.lora_update import add_lora_, nf4_lora_linear, nf4_lora_linears
 from ...reversible import PatchHandle, check_versions, set_attribute
 
-__all__ = ["VERIFIED_ON", "SUPPORTED", "GROUPS", "WIDE_SINGLES", "apply", "patched", "find_layers", "find_groups",
-           "find_wide_singles"]
+__all__ = ["VERIFIED_ON", "SUPPORTED", "GROUPS", "apply", "patched", "find_layers", "find_groups"]
 
 NAME = "lora_addmm"
 
@@ -63,11 +62,6 @@ VERIFIED_ON = {"torch": "2.13.0 (cpu), 2.11.0+cu130 (cuda)", "peft": "0.21.2"}
 #: Sibling LoRA layers (attribute names under one parent) that a decoder layer calls on the same input.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-#: LoRA layers that run wide on their own too (``wide=True``): their input is an elementwise result
-#: (the MLP's ``act(gate) * up``), which the compiler writes straight into the wide buffer. An
-#: ``o_proj``'s input comes from the attention kernel: it would be copied there, as much traffic
-#: as the update tensor it spares.
-WIDE_SINGLES = ("down_proj",)
 #: Versions the patch accepts; outside them it refuses (PEFT's forward is what it stands in for).
 SUPPORTED = {"peft": ">=0.17,<0.22", "torch": ">=2.6"}
 
@@ -155,7 +149,7 @@ def _grouped(group: _Group, index: int, x: torch.Tensor, route: Callable) -> tor
 
 def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True,
              route: Callable[[Any, torch.Tensor], tuple | None] | None = None,
-             group: _Group | None = None, index: int = 0, wide: bool = False, **kwargs: Any) -> torch.Tensor:
+             group: _Group | None = None, index: int = 0, **kwargs: Any) -> torch.Tensor:
     name = _plain(self, x, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
@@ -167,7 +161,7 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True,
     autocast = torch.is_autocast_enabled(x.device.type)
     fused = _fused_args(self, x, route) if route is not None else None
     if fused is not None:
-        return nf4_lora_linear(x, *fused, wide=wide)
+        return nf4_lora_linear(x, *fused)
     result = self.base_layer(x)
     if not autocast and not (lora_A.weight.dtype == lora_B.weight.dtype == result.dtype == x.dtype):
         return type(self).forward(self, x, *args, **kwargs)  # PEFT casts in and out: its own path
@@ -180,11 +174,9 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True,
     return out.view(result.shape)
 
 
-def _make_forward(in_place: bool, route: Callable | None, group: _Group | None = None, index: int = 0,
-                  wide: bool = False) -> Callable:
+def _make_forward(in_place: bool, route: Callable | None, group: _Group | None = None, index: int = 0) -> Callable:
     def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return _forward(self, x, *args, in_place=in_place, route=route, group=group, index=index, wide=wide,
-                        **kwargs)
+        return _forward(self, x, *args, in_place=in_place, route=route, group=group, index=index, **kwargs)
 
     return forward
 
@@ -201,13 +193,6 @@ def find_groups(model: torch.nn.Module, layers: list | None = None) -> list[list
             if len(members) >= 2 and len({m.in_features for m in members}) == 1:
                 out.append(members)
     return out
-
-
-def find_wide_singles(model: torch.nn.Module, layers: list | None = None) -> list:
-    """The :data:`WIDE_SINGLES` LoRA layers of ``model`` (of ``layers``, default :func:`find_layers`)."""
-    chosen = {id(m) for m in (find_layers(model) if layers is None else layers)}
-    return [m for parent in model.modules() for name in WIDE_SINGLES
-            if id(m := getattr(parent, name, None)) in chosen]
 
 
 def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int] | None = None,
@@ -227,8 +212,7 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
     (module docstring). False: every layer on its own.
 
     ``wide``: with ``group``, each group member's output is one GEMM over ``[x | s x A^T]`` and
-    ``[W_i | B_i]`` (``nf4_lora_linears(wide=True)``): no update tensor is written; so is each
-    :data:`WIDE_SINGLES` layer's (``details["wide_singles"]`` of them).
+    ``[W_i | B_i]`` (``nf4_lora_linears(wide=True)``): no update tensor is written.
 
     Returns:
         A :class:`PatchHandle`; ``details["layers"]`` is how many layers were patched,
@@ -255,10 +239,8 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
     handle = PatchHandle(NAME, {"layers": len(layers), "in_place": bool(in_place), "nf4_layers": nf4,
                                 "groups": len(groups), "wide": bool(wide and groups)})
     place = {id(layer): (g, i) for g in groups for i, layer in enumerate(g.layers)}
-    singles = {id(m) for m in find_wide_singles(model, layers)} if route is not None and wide else set()
-    handle.details["wide_singles"] = len(singles)
     for layer in layers:
-        forward = _make_forward(bool(in_place), route, *place.get(id(layer), (None, 0)), id(layer) in singles)
+        forward = _make_forward(bool(in_place), route, *place.get(id(layer), (None, 0)))
         set_attribute(handle, layer, "forward", types.MethodType(forward, layer))
     for g in groups:
         handle.add_undo(g.clear)  # nothing left on a group's state after undo
