@@ -37,7 +37,9 @@ spares two 8192 x 14336 update tensors (written by a rank-r matmul, read back by
 epilogue) per layer: on an H100 the forward of the pair took 2.76 ms against 2.93 ms
 (``results/lora_concat_h100.json``, ``fwd_concat_nocopy``); with ``x`` copied into the wide
 buffer instead it gained nothing (``fwd_concat_copy``). The backward is the narrow one's; it
-keeps ``x`` (recomputable) and the small ``s x A^T`` columns, not the wide buffer.
+keeps ``x`` (recomputable) and the small ``s x A^T`` columns, not the wide buffer. Only groups
+run wide: a lone ``down_proj`` run wide too (its input also an elementwise result) made the
+8B, 8 x 1024 step slower on an H100, 431.5 against 427.5 ms (``results/peers_compute_h100_wide_down_ab.json``).
 """
 
 from __future__ import annotations
