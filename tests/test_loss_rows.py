@@ -212,3 +212,27 @@ def test_optimize_keeps_the_row_count_static_under_cuda_graphs_only(tiny, monkey
         opt = optimize(model, batches=[batch], backend="inductor", mode=mode, loss_rows=True)
         opt.undo()
     assert seen["dynamic_rows"] == [True, False]
+
+
+def test_in_regional_scope_each_batch_takes_its_own_row_count_with_the_same_loss(tiny):
+    """The loss outside the graph (regional scope) meets any row count without compiling again, so
+    each batch gets its own, rounded up to 64 rows only, where a loss inside the graph pads every
+    batch to the most any needs (at 8B, 8 x 1024 about 450 rows a batch instead of 1024)."""
+    model, tok = tiny
+    (base,) = qdata.build_batches(tok, batch_size=2, steps=1, max_len=128, padding="fixed")
+    base = {**base, "attention_mask": torch.ones_like(base["input_ids"])}
+    batches = [_masked(base, keep) for keep in ((128, 128), (20, 10), (128, 8))]
+    losses = {}
+    for rows in (True, False):
+        torch.compiler.reset()
+        opt = optimize(model, batches=batches, backend="aot_eager", scope="regional", loss_rows=rows)
+        try:
+            if rows:
+                lengths = [opt.prepare(**b)["loss_rows"].numel() for b in batches]
+                own = [-(-max(1, int((b["labels"][:, 1:] != -100).sum())) // 64) * 64 for b in batches]
+                assert lengths == own and len(set(lengths)) > 1, (lengths, own)
+                assert "each batch its own count" in opt.reasons["loss_rows"]
+            losses[rows] = torch.stack([opt(**b).loss.detach() for b in batches])
+        finally:
+            opt.undo()
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)

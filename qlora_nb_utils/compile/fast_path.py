@@ -354,6 +354,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                                                                   f"{chunk_rows} rows" if chunk_rows else ""))
                                         if ce_chunks else "asked for")
     choices["loss_rows"], reasons["loss_rows"] = rows_choice
+    if choices["loss_rows"] == "labelled" and scope == "regional":
+        reasons["loss_rows"] += "; each batch its own count, in multiples of 64 rows (the loss runs outside the graph)"
     if eager_numerics == "auto":
         numerics = low and backend == "inductor"
         why = ("compiled rounds where eager does (loss within the eager floor)" if numerics
@@ -398,7 +400,11 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             handle.undo()
         raise
     pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
-    min_rows = (head_rows or 0) if choices["loss_rows"] == "labelled" else 0
+    # a loss inside the graph gets one row count (the most a batch shown needs: one compilation,
+    # one CUDA graph); outside it (regional scope) each batch takes its own, in multiples of 64
+    # rows: at 8B, 8 x 1024 about 450 rows where the most was 1024
+    fine_rows = choices["loss_rows"] == "labelled" and scope == "regional"
+    min_rows = (head_rows or 0) if choices["loss_rows"] == "labelled" and not fine_rows else 0
     compiled = fast.forward
     graphs = mode in ("reduce-overhead", "max-autotune")  # CUDA graphs: static inputs at one address
     if packed:
@@ -407,8 +413,9 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                            loss_rows=ce_chunks if choices["loss_rows"] == "labelled" else 0,
                            memory_budget=memory_budget, recompute_elementwise=rec, min_loss_rows=min_rows,
                            dynamic_rows=not graphs,  # a dynamic count cost 3.8 GiB (step_inputs' docstring)
-                           cache_functions=cache_fns)
+                           cache_functions=cache_fns, fine_rows=fine_rows)
     module = fast.prepared.model
     return Optimized(forward=forward, module=module, counter=fast.counter, choices=choices, reasons=reasons,
                      fast=fast, _pad_id=pad_id, _extra=extra,
-                     _row_chunks=ce_chunks if choices["loss_rows"] == "labelled" else 0, _min_rows=min_rows)
+                     _row_chunks=ce_chunks if choices["loss_rows"] == "labelled" else 0, _min_rows=min_rows,
+                     _fine_rows=fine_rows)

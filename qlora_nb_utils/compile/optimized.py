@@ -44,6 +44,7 @@ class Optimized:
     _pad_id: int = 0
     _row_chunks: int = 0  # labelled rows for the loss, in lengths divisible by this (0: every row)
     _min_rows: int = 0  # ... padded to at least this many (the most a batch shown needed): one length
+    _fine_rows: bool = False  # ... or each batch its own count, in multiples of 64 (a loss outside the graph)
     _extra: list[PatchHandle] = dataclasses.field(default_factory=list)
 
     def __call__(self, **batch: Any) -> Any:
@@ -60,7 +61,7 @@ class Optimized:
         traces the recipe (graph-break counts) traces :meth:`eager_prepared` on this.
         """
         return prepare_batch(batch, multiple=self.choices["pad_multiple"], pad_id=self._pad_id,
-                             loss_rows=self._row_chunks, min_loss_rows=self._min_rows)
+                             loss_rows=self._row_chunks, min_loss_rows=self._min_rows, fine_rows=self._fine_rows)
 
     def eager_prepared(self, **batch: Any) -> Any:
         """The recipe uncompiled on a batch from :meth:`prepare` (traceable: no data-dependent step)."""

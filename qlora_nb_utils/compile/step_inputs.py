@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..ops.losses import labelled_rows
+from ..ops.losses import ROW_BUCKETS, labelled_rows
 from .recipe import partitioner_settings
 
 __all__ = ["pad_batch", "batch_shapes", "prepare_batch", "step_forward", "choose_loss_rows", "SEQ_KEYS",
@@ -86,13 +86,16 @@ def batch_shapes(batches: list[dict] | None, multiple: int) -> list[tuple[int, i
 
 
 def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool = False,
-                  loss_rows: int = 0, min_loss_rows: int = 0, dynamic_rows: bool = True) -> dict:
+                  loss_rows: int = 0, min_loss_rows: int = 0, dynamic_rows: bool = True,
+                  fine_rows: bool = False) -> dict:
     """One batch as the compiled recipe takes it: padded, optionally marked dynamic, with its labelled rows.
 
     ``loss_rows`` (the loss's chunk count; 0: off) adds ``loss_rows`` (its length marked
     dynamic unless ``dynamic_rows`` is False, a multiple of the chunk count, at least
     ``min_loss_rows`` long) when the batch has ``labels`` and is not a per-token call
-    (``token_stats``), which needs every row.
+    (``token_stats``), which needs every row. ``fine_rows``: the count rounded up to a multiple
+    of 64 rows only, not of a sixteenth of the rows (a loss outside the compiled graph meets any
+    count without compiling again).
     """
     if multiple > 1:
         batch = pad_batch(batch, multiple, pad_id)
@@ -103,7 +106,8 @@ def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool
                 torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
     labels = batch.get("labels")
     if loss_rows and torch.is_tensor(labels) and labels.dim() == 2 and not batch.get("token_stats"):
-        rows = labelled_rows(labels, multiple=loss_rows, at_least=min_loss_rows, overflow_to_all=not dynamic_rows)
+        rows = labelled_rows(labels, buckets=labels[:, 1:].numel() if fine_rows else ROW_BUCKETS, multiple=loss_rows,
+                             at_least=min_loss_rows, overflow_to_all=not dynamic_rows)
         if dynamic_rows:
             torch._dynamo.maybe_mark_dynamic(rows, 0)
         else:  # never made dynamic by torch's automatic dynamic shapes either
@@ -115,12 +119,13 @@ def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool
 def step_forward(compiled: Callable[..., Any], *, multiple: int, pad_id: int, mark_dynamic: bool,
                  loss_rows: int, memory_budget: float | None, recompute_elementwise: bool = False,
                  min_loss_rows: int = 0, dynamic_rows: bool = True,
-                 cache_functions: bool = False) -> Callable[..., Any]:
+                 cache_functions: bool = False, fine_rows: bool = False) -> Callable[..., Any]:
     """``forward(**batch)``: :func:`prepare_batch`, then the compiled recipe (under AOTAutograd's
     settings, if any: :func:`~qlora_nb_utils.compile.recipe.partitioner_settings`)."""
     def forward(**batch: Any) -> Any:
         batch = prepare_batch(batch, multiple=multiple, pad_id=pad_id, mark_dynamic=mark_dynamic,
-                              loss_rows=loss_rows, min_loss_rows=min_loss_rows, dynamic_rows=dynamic_rows)
+                              loss_rows=loss_rows, min_loss_rows=min_loss_rows, dynamic_rows=dynamic_rows,
+                              fine_rows=fine_rows)
         if memory_budget is None and not recompute_elementwise and not cache_functions:
             return compiled(**batch)  # nothing to set: keep the per-step path bare
         with partitioner_settings(memory_budget, recompute_elementwise, cache_functions):
