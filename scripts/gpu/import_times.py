@@ -37,10 +37,10 @@ def one(target: str) -> dict:
 
 
 def main(out: str) -> None:
-    import torch
+    from qlora_nb_utils import env  # the timed imports run in processes of their own
 
     res = {"what": "python -X importtime per target, fresh processes (scripts/gpu/import_times.py)",
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "device": env.device_info(), "versions": env.versions(),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "command": os.environ.get("QLORA_NB_IMPORT_CMD", "python3 scripts/gpu/import_times.py OUT.json"),
            "python": sys.version.split()[0], "cpus": os.cpu_count(), "runs": []}
