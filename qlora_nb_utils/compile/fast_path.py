@@ -354,7 +354,11 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                                                                   f"{chunk_rows} rows" if chunk_rows else ""))
                                         if ce_chunks else "asked for")
     choices["loss_rows"], reasons["loss_rows"] = rows_choice
-    if choices["loss_rows"] == "labelled" and scope == "regional":
+    # a loss inside the graph gets one row count (the most a batch shown needs: one compilation,
+    # one CUDA graph); outside it (regional scope) each batch takes its own, in multiples of 64
+    # rows: at 8B, 8 x 1024 about 450 rows where the most was 1024
+    fine_rows = choices["loss_rows"] == "labelled" and scope == "regional"
+    if fine_rows:
         reasons["loss_rows"] += "; each batch its own count, in multiples of 64 rows (the loss runs outside the graph)"
     if eager_numerics == "auto":
         numerics = low and backend == "inductor"
@@ -400,10 +404,6 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             handle.undo()
         raise
     pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
-    # a loss inside the graph gets one row count (the most a batch shown needs: one compilation,
-    # one CUDA graph); outside it (regional scope) each batch takes its own, in multiples of 64
-    # rows: at 8B, 8 x 1024 about 450 rows where the most was 1024
-    fine_rows = choices["loss_rows"] == "labelled" and scope == "regional"
     min_rows = (head_rows or 0) if choices["loss_rows"] == "labelled" and not fine_rows else 0
     compiled = fast.forward
     graphs = mode in ("reduce-overhead", "max-autotune")  # CUDA graphs: static inputs at one address

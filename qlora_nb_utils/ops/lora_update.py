@@ -151,8 +151,7 @@ class _NF4LoraGroup(torch.autograd.Function):
         if wide:
             rt = sum(ranks)
             xc = torch.cat([x2, x2.new_zeros(x2.shape[0], rt)], dim=1)  # x's producer writes it here
-            lora_xa_into_(xc, members[0][0] if n == 1 else torch.cat([m[0] for m in members]), ranks,
-                          [c[0] for c in consts])
+            lora_xa_into_(xc, _stacked_a(members), ranks, [c[0] for c in consts])
             outs, at = [], 0
             for m, c, r in zip(members, consts, ranks):
                 tail = torch.nn.functional.pad(m[1], (at, rt - at - r))  # B_i in its own columns, zeros elsewhere
@@ -164,11 +163,8 @@ class _NF4LoraGroup(torch.autograd.Function):
             # written by a mutable op, could not, 129 MiB a layer at 8B, 8 x 1024 (4 GiB a step, H100)
             ctx.save_for_backward(x2, xc[:, x2.shape[1]:].clone(), *flat)
             return tuple(outs)
-        if n == 1:
-            xas = [(x2 @ members[0][0].t()) * consts[0][0]]  # (N, r): the scaling on the small tensor
-        else:  # one x @ [A_1; A_2; ...]^T: x is read once for the whole group
-            xa = x2 @ torch.cat([m[0] for m in members]).t()
-            xas = [p * c[0] for p, c in zip(xa.split([m[0].shape[0] for m in members], dim=1), consts)]
+        xa = x2 @ _stacked_a(members).t()  # one x @ [A_1; A_2; ...]^T: x is read once for the whole group
+        xas = [p * c[0] for p, c in zip(xa.split(ranks, dim=1), consts)]  # (N, r_i): scaled on the small tensor
         outs = []
         for xa_i, m, c in zip(xas, members, consts):
             out = xa_i @ m[1].t()  # the update first: a rank-r matmul writes the output buffer ...
@@ -197,8 +193,7 @@ class _NF4LoraGroup(torch.autograd.Function):
         gxa = gxas[0] if n == 1 else torch.cat(gxas, dim=1)  # (N, sum of r)
         grad_x = None
         if need[0]:
-            a_all = members[0][0] if n == 1 else torch.cat([m[0] for m in members])
-            grad_x = gxa @ a_all  # the LoRA parts first, then each base's g_i @ W_i added into the one buffer
+            grad_x = gxa @ _stacked_a(members)  # the LoRA parts first, then each base's g_i @ W_i added into the one buffer
             for g2, m, c in zip(g2s, members, consts):
                 weight = nf4_triton.dequantize(*m[2:], *c[1:])
                 lora_addmm_(grad_x, g2, weight, 1.0)
@@ -206,7 +201,7 @@ class _NF4LoraGroup(torch.autograd.Function):
         want_a = [need[3 + _PER * i] for i in range(n)]
         grad_as = [None] * n
         if any(want_a):  # one gxa^T @ x for the group: x read once
-            grad_as = list((gxa.t() @ x2).split([m[0].shape[0] for m in members], dim=0))
+            grad_as = list((gxa.t() @ x2).split(ctx.ranks, dim=0))
         out = [grad_x, None, None]
         for i, (g2, xa_i) in enumerate(zip(g2s, xas)):
             grad_b = g2.t() @ xa_i if need[4 + _PER * i] else None
@@ -216,6 +211,11 @@ class _NF4LoraGroup(torch.autograd.Function):
 
 #: Tensors per member in :class:`_NF4LoraGroup`'s arguments: A, B and the NF4 weight's six.
 _PER = 8
+
+
+def _stacked_a(members: list) -> torch.Tensor:
+    """The members' ``A`` weights stacked, ``(sum of r, in)`` (a lone member's as it is)."""
+    return members[0][0] if len(members) == 1 else torch.cat([m[0] for m in members])
 
 
 def _group_args(x: torch.Tensor, members: list) -> tuple[tuple, list]:
