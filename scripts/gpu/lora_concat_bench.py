@@ -97,30 +97,32 @@ def group_bench(outs: list[int], pad: int) -> dict:
 
     xa_saved = (x @ a.t()) * S
 
+    def base_grad(weights):  # sum of g_i @ W_i, the first product written, the others added
+        dx = gs[0] @ weights[0]
+        for g, w in zip(gs[1:], weights[1:]):
+            dx.addmm_(g, w)
+        return dx
+
+    def lora_weight_grads(gxa):  # A's (one product for the group) and each B's
+        gxa.t() @ x
+        for i, g in enumerate(gs):
+            g.t() @ xa_saved[:, i * R:(i + 1) * R]
+
     def bwd_current():
         gxa = torch.cat([(g @ b) * S for g, b in zip(gs, bs)], dim=1)
         dx = gxa @ a
         for g, w in zip(gs, ws):
             dx.addmm_(g, w)
-        gxa.t() @ x
-        for i, g in enumerate(gs):
-            g.t() @ xa_saved[:, i * R:(i + 1) * R]
+        lora_weight_grads(gxa)
 
     def bwd_concat():
-        dxc = gs[0] @ wps[0]
-        for g, wp in zip(gs[1:], wps[1:]):
-            dxc.addmm_(g, wp)
+        dxc = base_grad(wps)
         gxa = dxc[:, K:K + rt] * S
-        dx = dxc[:, :K]
-        dx.addmm_(gxa, a)
-        gxa.t() @ x
-        for i, g in enumerate(gs):
-            g.t() @ xa_saved[:, i * R:(i + 1) * R]
+        dxc[:, :K].addmm_(gxa, a)
+        lora_weight_grads(gxa)
 
     def bwd_base_only():
-        dx = gs[0] @ ws[0]
-        for g, w in zip(gs[1:], ws[1:]):
-            dx.addmm_(g, w)
+        base_grad(ws)
 
     # the values agree (concat against current), in fp32 terms of the output scale
     ref = x.float() @ ws[0].float().t() + (xa_saved[:, :R].float() @ bs[0].float().t())
