@@ -105,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     d.add_argument("--strict", action="store_true", help="exit 1 on any break, fullgraph failure or too many compilations")
     _add_train_parser(sub)
+    q = sub.add_parser("quantize", help="save a model as a pre-quantized NF4 checkpoint: later loads read it as it "
+                       "is (about a third of the bytes, no quantization), the fastest start")
+    q.add_argument("model", help=_MODEL_HELP)
+    q.add_argument("out", help="the folder to write (must not exist or be empty, unless --overwrite)")
+    q.add_argument("--device", default="auto", help="where to quantize: auto (cuda if available), cpu or cuda[:N]")
+    q.add_argument("--dtype", default="bfloat16", help="the dtype the weights are read in before quantizing "
+                   "(train in the same one: bfloat16, float16 or float32)")
+    q.add_argument("--no-double-quant", action="store_true", help="do not quantize the NF4 scales too")
+    q.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     r = sub.add_parser("report", help="Markdown tables of bench, matrix, peers, packing and FSDP2 results files "
                        "(peers, packing, FSDP2: plots too)")
     r.add_argument("files", nargs="+", help="results files written by qlora-nb bench, matrix.run_matrix, peers.run_peers "
@@ -146,6 +155,19 @@ def _add_train_parser(sub) -> None:
                    help="first K steps eager, eager on rows permuted two ways and compiled, judged against that "
                         "floor (then undone)")
     t.add_argument("--no-progress", action="store_true")
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from .models.prequantized import save_nf4
+
+    try:
+        folder = save_nf4(args.model, args.out, dtype=args.dtype, device=args.device,
+                          double_quant=not args.no_double_quant, overwrite=args.overwrite)
+    except FileExistsError:
+        raise ValueError(f"{args.out} exists and is not empty: pass --overwrite to replace it") from None
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".safetensors")
+    print(f"wrote {folder} ({size / 2**30:.2f} GiB of weights); train on it with --model {folder}")
+    return 0
 
 
 def _non_negative_int(text: str) -> int:
@@ -375,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     args.command_line = "qlora-nb " + shlex.join(sys.argv[1:] if argv is None else list(argv))
-    handler = {"bench": _bench, "diagnose": _diagnose, "report": _report, "train": _train}[args.command]
+    handler = {"bench": _bench, "diagnose": _diagnose, "report": _report, "train": _train,
+               "quantize": _quantize}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as err:

@@ -215,6 +215,76 @@ def test_local_path_loads_like_the_name(cache, tiny_dir):
     assert torch.equal(by_path.lm_head.weight, by_name.lm_head.weight)
 
 
+def _packed(model):
+    """Every 4-bit weight's packed bytes and its quant state's tensors, by name."""
+    out = {}
+    for name, param in model.named_parameters():
+        if type(param).__name__ == "Params4bit":
+            qs = param.quant_state
+            out[name] = [param.data, qs.absmax, qs.code] + ([qs.state2.absmax] if qs.nested else [])
+    return out
+
+
+def test_save_nf4_loads_the_same_bits_in_the_runs_dtype(cache, tiny_dir, tmp_path):
+    folder = models.save_nf4("tiny", tmp_path / "tiny-nf4", device="cpu")  # bf16, as load_model's default
+    assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the temporary folder is gone
+    fresh, tok = models.load_model("tiny", device="cpu", lora=False)
+    saved, tok2 = models.load_model(str(folder), device="cpu", lora=False)
+    a, b = _packed(fresh), _packed(saved)
+    assert a.keys() == b.keys() and len(a) == 7 * fresh.config.num_hidden_layers
+    assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k], strict=True))
+    assert models.describe(saved)["layer0_compute_dtype"] == "torch.bfloat16"
+    assert tok2.pad_token == tok.pad_token
+    batch = tok([SENTENCE], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(fresh(**batch).logits, saved(**batch).logits)
+    lora, _ = models.load_model(str(folder), device="cpu", dtype="float32")  # LoRA on it, fp32 compute
+    assert models.describe(lora)["layer0_compute_dtype"] == "torch.float32"
+    assert {p.quant_state.dtype for p in lora.parameters() if hasattr(p, "quant_state")} == {torch.float32}
+    assert models.describe(lora)["lora_layers"] == 7 * fresh.config.num_hidden_layers
+
+
+def test_save_nf4_refuses_a_full_folder_and_quant_none(cache, tiny_dir, tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        models.save_nf4("tiny", folder, device="cpu")
+    assert (folder / "keep.txt").exists()
+    models.save_nf4("tiny", folder, device="cpu", overwrite=True)
+    assert not (folder / "keep.txt").exists()
+    with pytest.raises(ValueError, match="quantized checkpoint .*quant='nf4'"):
+        models.load_model(str(folder), quant="none", device="cpu")
+    with pytest.warns(UserWarning, match="double_quant=False is ignored"):
+        models.load_model(str(folder), device="cpu", lora=False, double_quant=False)
+
+
+def test_cli_quantize_writes_a_checkpoint_train_reads(cache, tiny_dir, tmp_path, capsys):
+    from qlora_nb_utils import cli
+
+    out = tmp_path / "q"
+    assert cli.main(["quantize", "tiny", str(out), "--device", "cpu"]) == 0
+    assert f"--model {out}" in capsys.readouterr().out
+    model, _ = models.load_model(str(out), device="cpu")
+    assert models.describe(model)["quantized_linear"] == 7 * model.config.num_hidden_layers
+    assert cli.main(["quantize", "tiny", str(out), "--device", "cpu"]) == 2  # exists: refused, named
+    assert "pass --overwrite" in capsys.readouterr().err
+
+
+def test_other_quantized_checkpoints_are_refused(cache, tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "int8"
+    shutil.copytree(models.save_nf4("tiny", tmp_path / "nf4", device="cpu"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].update(load_in_4bit=False, _load_in_4bit=False, load_in_8bit=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="only bitsandbytes NF4"):
+        models.load_model(str(folder), device="cpu")
+
+
 @pytest.mark.parametrize("name, shape, params", [
     ("llama-3.2-1b-shape", (2048, 16, 32, 8, 8192, True, 32.0), 1_235_814_400),
     ("llama-3.2-1b-shape-4l", (2048, 4, 32, 8, 8192, True, 32.0), 505_956_352),

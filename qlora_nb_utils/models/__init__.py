@@ -9,6 +9,8 @@
 - ``load``: the tokenizer (``load_tokenizer``) and the model, an NF4 base read by
   ``from_pretrained`` and wrapped with LoRA by ``peft.get_peft_model`` (``load_model``), and
   what a loaded model holds (``describe``).
+- ``prequantized``: an NF4 checkpoint saved once (``save_nf4``), which later loads read as it
+  is instead of quantizing a bf16 one: the fastest start.
 
 Importing it is cheap: torch, transformers and peft are imported by the modules that need them,
 when first used.
@@ -22,4 +24,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "check_model_source")},
     "materialize": "build",
     **{name: "load" for name in ("load_tokenizer", "load_model", "describe")},
+    "save_nf4": "prequantized",
 })

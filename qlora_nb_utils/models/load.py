@@ -95,6 +95,14 @@ def _load_base(source: str, quant: str, dtype: torch.dtype, attn: str,
                device: torch.device, double_quant: bool):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from .prequantized import dequantize_to, nf4_config
+
+    saved = nf4_config(source, dtype, quant, double_quant)
+    if saved is not None:  # a pre-quantized NF4 checkpoint: read as it is, in the run's compute dtype
+        model = AutoModelForCausalLM.from_pretrained(source, config=saved, dtype=dtype, attn_implementation=attn,
+                                                     device_map={"": device})
+        dequantize_to(model, dtype)
+        return model
     if quant == "none":
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
                                                      attn_implementation=attn)
@@ -145,7 +153,9 @@ def load_model(
 
     Args:
         name: one of :data:`MODEL_NAMES` (built into the cache on first use), a local
-            checkpoint folder, or a Hugging Face model id.
+            checkpoint folder, or a Hugging Face model id. A checkpoint saved already in NF4
+            (:func:`~qlora_nb_utils.models.prequantized.save_nf4`, or a ``*-bnb-4bit`` one) is
+            read as it is, with ``dtype`` as its compute dtype: the fastest start.
         quant: ``"nf4"`` (bitsandbytes 4-bit base) or ``"none"`` (plain ``dtype`` weights).
         lora: wrap the model with LoRA adapters (only they are trainable).
         lora_r: LoRA rank.
@@ -167,7 +177,8 @@ def load_model(
         ``(model, tokenizer)``; the model has ``config.use_cache = False``.
 
     Raises:
-        ValueError: for invalid options or names (the message lists the valid choices).
+        ValueError: for invalid options or names (the message lists the valid choices), and
+            for a quantized checkpoint with ``quant="none"`` or in another format than NF4.
         RuntimeError: for ``quant="nf4"`` where bitsandbytes cannot run NF4 on the device.
     """
     _choice("quant", quant, QUANT_CHOICES)

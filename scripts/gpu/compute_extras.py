@@ -24,6 +24,10 @@ can answer two of them, so a GPU lease is spent once:
   embeddings, norms and head kept), each judged against HF eager's floor (``hf-eager`` and two
   row permutations) on the first ``PARITY_STEPS`` batches: what the recipe's bf16 cast costs in
   loss against HF, and in step time.
+* ``fp32`` (part ``fp32``): the same with ``cast=False, autocast=False`` (HF eager's numerics:
+  the residual stream, norms, head and LoRA matmuls in fp32, bitsandbytes' base matmuls in bf16)
+  in place of ``cast=False`` alone: whether the compiled recipe is within HF eager's floor when
+  it computes what HF eager computes, and at what step time and memory.
 * ``1b_*``: ``nf4_dequant_bench.py``'s ``ab`` part (1B shape, 4 x 512, whole scope, CUDA graphs,
   25 steps). The two arms compile at the same time (each 90-150 s cold), wait at a barrier, and
   are then timed one after the other, so neither step is timed while the other process works.
@@ -34,7 +38,7 @@ each arm: the functions ``bitsandbytes.matmul_4bit`` / ``functional.dequantize_4
 and the dequantize kernels a profiler window counts (``_nf4_dequant_kernel``: ours;
 ``kDequantize*``: bitsandbytes). Median step times leave out the first ``WARMUP`` steps.
 
-    python3 scripts/gpu/compute_extras.py main OUT_DIR BUDGET_S [--parts 8b,1b,8b8,fasteager,cast] [--model8 M] [--model1 M] [--device D] [--backend B]
+    python3 scripts/gpu/compute_extras.py main OUT_DIR BUDGET_S [--parts 8b,1b,8b8,fasteager,cast,fp32] [--model8 M] [--model1 M] [--device D] [--backend B]
     python3 scripts/gpu/compute_extras.py ours|eager SPEC.json RUN.json   (one child process)
 """
 
@@ -64,6 +68,14 @@ EAGER_LABELS = ("hf-eager", "hf-eager-again", "hf-eager-permuted1", "hf-eager-pe
 PARITY_STEPS = 6
 #: Seconds a phase needs left in the budget to start (else it is recorded as skipped).
 NEEDS = {"8b_ours": 75, "8b_hf_eager": 80, "1b_pair": 150}
+#: Parts that judge ``optimize()`` variants against HF eager's floor: part -> (results key, [(label, run, options)]).
+JUDGED = {
+    "cast": ("cast_parity", [("default", "8b_ours", {}), ("cast_false", "8b_ours_no_cast", {"cast": False})]),
+    # HF eager's numerics (k-bit prep's fp32 embeddings, norms, head and LoRA weights, no autocast): on the
+    # CPU they give HF eager's step-0 loss bit for bit and stay within its floor (results/parity_split_cpu.json)
+    "fp32": ("fp32_parity", [("default", "8b_ours", {}),
+                             ("fp32", "8b_ours_fp32", {"cast": False, "autocast": False})]),
+}
 
 
 def write(path, data: dict) -> None:
@@ -344,7 +356,7 @@ def main(out_dir: str, budget_s: float, a) -> int:
     step_path, extras_path = out / "nf4_dequant_step.json", out / "compute_extras.json"
     ch = Children(work)
     shapes = {k: {**v, "model": a.model1 if k == "1b" else a.model8} for k, v in SHAPES.items()
-              if k in parts or (k == "8b" and ("fasteager" in parts or "cast" in parts))}
+              if k in parts or (k == "8b" and ("fasteager" in parts or any(p in JUDGED for p in parts)))}
     for key, sh in shapes.items():
         t = time.monotonic()
         if sh["model"] in models.MODEL_NAMES:
@@ -413,24 +425,25 @@ def main(out_dir: str, budget_s: float, a) -> int:
             pending.append((key, time.monotonic(), ch.spawn("eager", {**spec(key, "8b_fast_eager", False),
                             "steps": PARITY_STEPS, "labels": ["hf-eager", "fast-eager", "fast-eager-again",
                                                               "fast-eager-permuted1"]})))
-        elif part == "cast":  # optimize() against HF eager's floor, with and without its bf16 cast (cast=False)
-            cast_runs = {}
-            for name, extra in (("8b_ours", {}), ("8b_ours_no_cast", {"cast": False})):
+        elif part in JUDGED:  # optimize() variants against HF eager's floor (cast: the bf16 cast; fp32: HF's numerics)
+            key_name, variants = JUDGED[part]
+            judged = {}
+            for _label, name, extra in variants:
                 sp = spec("8b", name, False, profile=False)
                 sp["optimize"] = {**sp["optimize"], **extra}
-                cast_runs[name] = ch.run("ours", sp, min(240, left()), work / f"inductor_{name}")
-                print(name, {k: cast_runs[name].get(k) for k in ("median_step_ms", "peak_mem_gib", "error")}, flush=True)
+                judged[name] = ch.run("ours", sp, min(300, left()), work / f"inductor_{name}")
+                print(name, {k: judged[name].get(k) for k in ("median_step_ms", "peak_mem_gib", "error")}, flush=True)
             eager = ch.run("eager", {**spec("8b", "8b_hf_eager", False), "steps": PARITY_STEPS}, min(200, left()))
-            extras["cast_parity"] = {
+            extras[key_name] = {
                 **meta("8b"), "steps": PARITY_STEPS, "eager_process": {k: v for k, v in eager.items() if k != "runs"},
+                "variants": {label: {"run": name, "optimize": extra} for label, name, extra in variants},
                 "runs": {n: {k: r.get(k) for k in ("median_step_ms", "peak_mem_gib", "compile_s", "compilations",
-                                                    "description", "error")} for n, r in cast_runs.items()},
-                "default": _parity(eager, cast_runs["8b_ours"], {}),
-                "cast_false": _parity(eager, cast_runs["8b_ours_no_cast"], {})}
+                                                    "description", "error")} for n, r in judged.items()},
+                **{label: _parity(eager, judged[name], {}) for label, name, _ in variants}}
             save()
-            for k in ("default", "cast_false"):
-                print("cast parity", k, {x: y for x, y in extras["cast_parity"][k].get("verdict", {}).items()
-                                         if x != "diffs"}, extras["cast_parity"][k].get("error"), flush=True)
+            for label, _, _ in variants:
+                print(part, "parity", label, {x: y for x, y in extras[key_name][label].get("verdict", {}).items()
+                                              if x != "diffs"}, extras[key_name][label].get("error"), flush=True)
         elif part == "8b8":
             sequential("8b8", [("8b8_ours_cold", False, "c"), ("8b8_ours_patched", True, "d")])
         elif part == "8b":
@@ -491,7 +504,8 @@ if __name__ == "__main__":
     p.add_argument("out_dir")
     p.add_argument("budget_s", type=float)
     p.add_argument("--parts", default="8b,1b", help="of 8b (A/B, warm start, parity), 1b (A/B), 8b8 (A/B at 8 x 1024), fasteager "
-                   "(the recipe uncompiled at 8B, beside the 1B compile: put it before 1b)")
+                   "(the recipe uncompiled at 8B, beside the 1B compile: put it before 1b), cast or fp32 (optimize() "
+                   "variants judged against HF eager's floor at 8B)")
     p.add_argument("--model8", default=B8["model"])
     p.add_argument("--model1", default=B1["model"])
     p.add_argument("--device", default="auto")

@@ -3,8 +3,9 @@
 # Rerun: bash scripts/gpu/gpu_warm_start.sh OUT [BUDGET_S=420]
 #   (on the lent GPU machine, from the repository root; carry .whl .gpucache)
 # Issue 20's warm start: a cold start, then warm starts with optimize(warm_cache=...) on and off,
-# each in its own process over one Inductor cache folder, at 8B (2 x 1024, regional) and, if the
-# budget leaves room, 1B (4 x 512, whole scope); scripts/gpu/warm_start.py says how.
+# each in its own process over one Inductor cache folder, and warm starts from a pre-quantized NF4
+# checkpoint, at 8B (2 x 1024, regional) and, if the budget leaves room, 1B (4 x 512, whole scope);
+# scripts/gpu/warm_start.py says how (WARM_START_MODELS, WARM_START_RUNS: only those).
 set -uo pipefail
 out=${1:?usage: scripts/gpu/gpu_warm_start.sh OUT_DIR [BUDGET_S]}
 budget=${2:-420}
@@ -14,5 +15,5 @@ nvidia-smi -L
 # the models are built outside the carried tree (16 GB at 8B); the tokenizer comes from .gpucache
 mkdir -p /tmp/qlora_nb_cache && cp -rn .gpucache/qlora_nb/. /tmp/qlora_nb_cache/
 export QLORA_NB_CACHE=/tmp/qlora_nb_cache
-export QLORA_NB_WARM_CMD="COMMIT=${COMMIT:-unknown} bash scripts/gpu/gpu_warm_start.sh \$OUT $budget (code: ${COMMIT:-unknown commit} + working tree)"
+export QLORA_NB_WARM_CMD="COMMIT=${COMMIT:-unknown} WARM_START_MODELS=${WARM_START_MODELS:-} WARM_START_RUNS=${WARM_START_RUNS:-} bash scripts/gpu/gpu_warm_start.sh \$OUT $budget (code: ${COMMIT:-unknown commit} + working tree)"
 python3 scripts/gpu/warm_start.py "$out/warm_start.json" "$budget" 2>&1 | tee "$out/warm_start_log.txt"

@@ -19,7 +19,14 @@ Per shape, in this order, all in one Inductor cache folder:
 * ``warm``: the same again (AOTAutograd cache hits expected);
 * ``warm_off``: ``warm_cache=False`` (the behaviour before: Inductor's graph cache hits, the
   AOTAutograd cache bypassed);
-* ``warm_again``: ``warm_cache`` on once more, a repeat to set the difference against.
+* ``warm_again``: ``warm_cache`` on once more, a repeat to set the difference against;
+* ``warm_nf4`` and ``warm_nf4_again``: warm starts that load a pre-quantized NF4 checkpoint
+  (:func:`qlora_nb_utils.models.save_nf4`, written once after the cold start, in a process of
+  its own, its time ``nf4_save_s``) instead of quantizing the bf16 one while loading: about 5.6
+  instead of 16 GB read at 8B, and no quantization. Their losses must equal the bf16 loads'
+  (the same bits, ``tests/test_models.py``): ``nf4_losses_equal``.
+
+``WARM_START_RUNS=cold,warm,...`` keeps only those runs (in this order).
 
 The shapes: Llama-3.1-8B, 2 x 1024, regional scope (the compute_extras warm start's), then, if the
 budget leaves room, Llama-3.2-1B, 4 x 512, whole scope (CUDA graphs; its cold compile was
@@ -35,6 +42,7 @@ import datetime as _dt
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -44,8 +52,12 @@ SHAPES = [
     {"model": "llama-3.1-8b-shape", "scope": "regional", "batch_size": 2, "seq_len": 1024, "steps": 6},
     {"model": "llama-3.2-1b-shape", "scope": "whole", "batch_size": 4, "seq_len": 512, "steps": 8},
 ]
-#: (run, optimize's warm_cache) in the order they run.
-RUNS = [("cold", "auto"), ("warm", "auto"), ("warm_off", False), ("warm_again", "auto")]
+#: (run, optimize's warm_cache) in the order they run; the ``_nf4`` ones load the pre-quantized checkpoint.
+RUNS = [("cold", "auto"), ("warm", "auto"), ("warm_off", False), ("warm_nf4", "auto"), ("warm_again", "auto"),
+        ("warm_nf4_again", "auto")]
+#: Both warm runs of one kind, for the best time to the first step.
+KINDS = {"bf16 checkpoint, quantized while loading": ("warm", "warm_again"),
+         "pre-quantized NF4 checkpoint": ("warm_nf4", "warm_nf4_again")}
 #: Seconds a start needs left in the budget (a cold one, a warm one), by model.
 NEEDS = {"llama-3.1-8b-shape": (90, 60), "llama-3.2-1b-shape": (200, 90)}
 TARGET_S = 20.0
@@ -72,18 +84,46 @@ def summarize(runs: dict) -> dict:
         out["warm_compile_s_on_median"] = statistics.median(on)
         out["warm_compile_s_off"] = off
         out["warm_compile_saved_s"] = off - statistics.median(on)
-    ttfs = [v for v in (get("warm", "time_to_first_step_s"), get("warm_again", "time_to_first_step_s")) if v]
-    if ttfs:
-        best = min(ttfs)
-        out["warm_time_to_first_step_s_best"] = best
-        out["warm_time_to_first_step_under_target"] = best < TARGET_S
-        r = runs["warm" if get("warm", "time_to_first_step_s") == best else "warm_again"]
-        out["warm_breakdown_s"] = {"spawn": r.get("spawn_to_main_s"), "imports": r.get("import_s"),
-                                   "load": r.get("load_s"), "optimize": r.get("optimize_s"),
-                                   "first_step": r.get("first_step_s")}
+    by_kind = {}
+    for kind, names in KINDS.items():
+        timed = [(get(n, "time_to_first_step_s"), n) for n in names if get(n, "time_to_first_step_s")]
+        if not timed:
+            continue
+        best, name = min(timed)
+        r = runs[name]
+        by_kind[kind] = {"runs": [n for _, n in timed], "time_to_first_step_s_best": best,
+                         "under_target": best < TARGET_S, "load_s": [get(n, "load_s") for _, n in timed],
+                         "breakdown_s_of_best": {"spawn": r.get("spawn_to_main_s"), "imports": r.get("import_s"),
+                                                 "load": r.get("load_s"), "optimize": r.get("optimize_s"),
+                                                 "first_step": r.get("first_step_s")}}
+    if by_kind:
+        out["warm_by_checkpoint"] = by_kind
+        best_kind = min(by_kind, key=lambda k: by_kind[k]["time_to_first_step_s_best"])
+        out["warm_time_to_first_step_s_best"] = by_kind[best_kind]["time_to_first_step_s_best"]
+        out["warm_time_to_first_step_best_with"] = best_kind
+        out["warm_time_to_first_step_under_target"] = by_kind[best_kind]["under_target"]
+        out["warm_breakdown_s"] = by_kind[best_kind]["breakdown_s_of_best"]
+    losses = {n: get(n, "losses") for n in ("warm", "warm_again", "warm_nf4", "warm_nf4_again") if get(n, "losses")}
+    if any(n.startswith("warm_nf4") for n in losses) and any(not n.startswith("warm_nf4") for n in losses):
+        out["nf4_losses_equal"] = len({tuple(v) for v in losses.values()}) == 1
     out["aot_autograd_counters"] = {name: (r or {}).get("cache_counters", {}).get("aot_autograd")
                                     for name, r in runs.items()}
     return out
+
+
+def save_nf4(name: str, folder: Path, entry: dict) -> float:
+    """Write ``name``'s pre-quantized NF4 checkpoint in a process of its own; its wall seconds."""
+    t = time.monotonic()
+    code = f"from qlora_nb_utils import models; models.save_nf4({name!r}, {str(folder)!r}, overwrite=True)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        entry["nf4_error"] = (proc.stdout + proc.stderr)[-2000:]
+        print(f"[warm_start] save_nf4 failed: {entry['nf4_error'][-500:]}", flush=True)
+    else:
+        entry["nf4_bytes"] = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".safetensors")
+        print(f"[warm_start] save_nf4 {name}: {entry['nf4_bytes'] / 2**30:.2f} GiB in {time.monotonic() - t:.1f} s",
+              flush=True)
+    return round(time.monotonic() - t, 1)
 
 
 def main(out_path: str, budget_s: float) -> int:
@@ -106,6 +146,8 @@ def main(out_path: str, budget_s: float) -> int:
            "compile_s_how": "first step minus the median later step", "shapes": []}
     write(Path(out_path), res)
     only = [m for m in os.environ.get("WARM_START_MODELS", "").split(",") if m]
+    runs_kept = [r for r in os.environ.get("WARM_START_RUNS", "").split(",") if r]
+    res["runs_kept"] = runs_kept or [r for r, _ in RUNS]
     for shape in SHAPES:
         name = shape["model"]
         if only and name not in only:
@@ -127,14 +169,21 @@ def main(out_path: str, budget_s: float) -> int:
             continue
         entry["build_s"] = round(time.monotonic() - t_build, 1)
         cache = work / name.replace(".", "_")
-        for run, warm_cache in RUNS:
+        nf4_dir = work / f"{name}-nf4"
+        for run, warm_cache in [r for r in RUNS if not runs_kept or r[0] in runs_kept]:
             left = budget_s - (time.monotonic() - t0)
             if left < (cold_need if run == "cold" else warm_need):
                 entry["skipped"].append(run)
                 continue
+            if run.startswith("warm_nf4") and "nf4_save_s" not in entry:
+                entry["nf4_save_s"] = save_nf4(name, nf4_dir, entry)
+            if run.startswith("warm_nf4") and "nf4_error" in entry:
+                entry["skipped"].append(run)
+                continue
             print(f"[warm_start] {name} {run} (warm_cache={warm_cache}), {left:.0f} s left", flush=True)
             try:
-                r = compile_time.measure(model=name, scope=shape["scope"], cache_dir=cache, device=dev.type,
+                r = compile_time.measure(model=str(nf4_dir) if run.startswith("warm_nf4") else name,
+                                         scope=shape["scope"], cache_dir=cache, device=dev.type,
                                          dtype="bfloat16", batch_size=shape["batch_size"], seq_len=shape["seq_len"],
                                          steps=shape["steps"], warm_cache=warm_cache, timeout_s=max(left - 5, 30))
                 if run != "cold":  # one description per shape is enough
