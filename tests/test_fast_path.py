@@ -178,3 +178,17 @@ def test_the_loss_takes_longer_chunks_in_regional_scope_unless_memory_is_held(lo
     assert [seen[k][0] for k in ("regional", "whole", "held", "asked")] == [512, 0, 512, 64], seen
     assert "fewer chunks while one would hold under 512 rows" in seen["regional"][1]
     assert "fewer chunks" not in seen["whole"][1]
+
+
+def test_the_fused_nf4_route_says_when_hf_numerics_keep_it_from_running():
+    from qlora_nb_utils.compile.fast_path import _note_unfused_numerics
+
+    model = torch.nn.Module()
+    model.lora_A = torch.nn.Linear(4, 2)  # k-bit prep's fp32 LoRA weights
+    for autocast, fused, noted in ((False, 4, True), (True, 4, False), (False, 0, False)):
+        choices, reasons = {"nf4_lora_linear": fused}, {"nf4_lora_linear": "set"}
+        _note_unfused_numerics(model, torch.bfloat16, autocast, choices, reasons)
+        assert ("not taken at run time: LoRA weights in float32" in reasons["nf4_lora_linear"]) is noted
+    reasons = {"nf4_lora_linear": "set"}
+    _note_unfused_numerics(model.to(torch.bfloat16), torch.bfloat16, False, {"nf4_lora_linear": 4}, reasons)
+    assert reasons["nf4_lora_linear"] == "set"  # LoRA weights in the compute dtype: the route runs

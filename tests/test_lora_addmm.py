@@ -66,6 +66,13 @@ def test_unusual_calls_go_to_peft_forward(tiny, batch):
         torch.testing.assert_close(layer(x, adapter_names=names), type(layer).forward(layer, x, adapter_names=names))
         bf16 = x.to(torch.bfloat16)  # the LoRA weights (fp32) differ from the input without autocast: PEFT casts
         torch.testing.assert_close(layer(bf16), type(layer).forward(layer, bf16))
+        calls = []
+        hook = layer.base_layer.register_forward_hook(lambda *_: calls.append(1))
+        try:
+            layer(bf16)
+        finally:
+            hook.remove()
+        assert len(calls) == 1  # PEFT's path alone computes the base output: it is not computed twice
         lora_b = layer.lora_B["default"]  # PEFT's lora_bias: B with a bias, which the one-matmul update has not
         biased = torch.nn.Linear(lora_b.in_features, lora_b.out_features, bias=True)
         with torch.no_grad():

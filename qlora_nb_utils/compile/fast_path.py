@@ -114,6 +114,19 @@ def _check(name: str, value: Any, valid: Iterable[Any]) -> None:
         raise ValueError(f"{name} must be one of {list(valid)}, got {value!r}")
 
 
+def _note_unfused_numerics(model: torch.nn.Module, dtype: torch.dtype, autocast: bool, choices: dict[str, Any],
+                           reasons: dict[str, str]) -> None:
+    """Say so when the fused NF4 LoRA route was set up but will not run: without autocast, LoRA
+    weights in another dtype than the compute dtype (k-bit prep's fp32 ones, with ``autocast=False``:
+    HF eager's numerics) make every call take PEFT's own path, which casts (``lora_addmm``'s docstring)."""
+    if autocast or not choices.get("nf4_lora_linear"):
+        return
+    other = {p.dtype for n, p in model.named_parameters() if "lora_" in n and p.dtype != dtype}
+    if other:
+        reasons["nf4_lora_linear"] += (f"; set up, but not taken at run time: LoRA weights in {_show(min(other, key=str))} "
+                                       f"without autocast (HF eager's numerics) take PEFT's own path")
+
+
 def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, grad_ckpt: bool | str = "auto",
              max_memory_gib: float | None = None, mode: str | None = "auto", attention: str = "auto",
              ckpt_layers: int | None = None, dtype: torch.dtype | None = None, backend: Any = "inductor",
@@ -403,6 +416,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         for handle in [*extra, fast]:
             handle.undo()
         raise
+    _note_unfused_numerics(model, dtype, use_autocast, choices, reasons)
     pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
     min_rows = (head_rows or 0) if choices["loss_rows"] == "labelled" and not fine_rows else 0
     compiled = fast.forward

@@ -162,9 +162,11 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True,
     fused = _fused_args(self, x, route) if route is not None else None
     if fused is not None:
         return nf4_lora_linear(x, *fused)
-    result = self.base_layer(x)
-    if not autocast and not (lora_A.weight.dtype == lora_B.weight.dtype == result.dtype == x.dtype):
+    if not autocast and not lora_A.weight.dtype == lora_B.weight.dtype == x.dtype:
         return type(self).forward(self, x, *args, **kwargs)  # PEFT casts in and out: its own path
+    result = self.base_layer(x)
+    if not autocast and result.dtype != x.dtype:
+        return type(self).forward(self, x, *args, **kwargs)  # (the base output unused: rare, and dead code compiled)
     xa = lora_A(self.lora_dropout[name](x))
     if in_place and xa.dtype == result.dtype and result.is_contiguous():  # no copy of the base output
         b = lora_B.weight if lora_B.weight.dtype == result.dtype else lora_B.weight.to(result.dtype)  # autocast's cast
