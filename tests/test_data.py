@@ -174,6 +174,60 @@ def test_tokenize_drops_rows_without_learned_tokens(tokenizer):
         D.tokenize_examples(rows, tokenizer, max_len=10)
 
 
+def test_tokenized_rows_are_read_back_from_the_cache(tokenizer, train_ds, tmp_path, monkeypatch):
+    from qlora_nb_utils.data import examples
+
+    rows = train_ds.select(range(40))
+    first = D.tokenize_examples(rows, tokenizer, max_len=512, cache=tmp_path)
+    assert [p.name.startswith(".") for p in tmp_path.iterdir()] == [False]  # one entry, no temporary left
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("a cache hit tokenizes nothing")
+
+    with monkeypatch.context() as m:
+        m.setattr(examples, "format_example", no_tokenizing)
+        again = D.tokenize_examples(rows, tokenizer, max_len=512, cache=tmp_path)
+    assert again.to_dict() == first.to_dict()
+    other = D.tokenize_examples(rows, tokenizer, max_len=384, cache=tmp_path)  # other arguments: another entry
+    assert len(list(tmp_path.iterdir())) == 2 and max(other["length"]) <= 384
+    D.tokenize_examples(train_ds.select(range(41)), tokenizer, max_len=512, cache=tmp_path)  # other examples
+    assert len(list(tmp_path.iterdir())) == 3
+    D.tokenize_examples(list(rows), tokenizer, max_len=512, cache=tmp_path)  # a list has no fingerprint: not kept
+    assert len(list(tmp_path.iterdir())) == 3
+    with pytest.raises(ValueError, match="cache must be"):
+        D.tokenize_examples(rows, tokenizer, cache=3)
+
+
+def test_the_cache_misses_when_the_file_or_the_tokenizer_changes(tokenizer, tmp_path):
+    import os
+
+    from qlora_nb_utils.data import token_cache
+
+    src = tmp_path / "mine.jsonl"
+    src.write_text(GOOD + '\n{"prompt": "a b c", "response": "x"}\n')
+    hf = tmp_path / "hf"
+    ds = D.load_examples(src, cache_dir=hf)
+    a = D.tokenize_examples(ds, tokenizer, max_len=64, cache=tmp_path / "tok")
+    src.write_text(src.read_text() + '{"prompt": "more", "response": "rows"}\n')
+    os.utime(src, (1e9, 1e9))  # another modification time, whatever the clock's resolution
+    b = D.tokenize_examples(D.load_examples(src, cache_dir=hf), tokenizer, max_len=64, cache=tmp_path / "tok")
+    assert (len(a), len(b)) == (2, 3)  # the changed file was tokenized again
+    changed = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    changed.chat_template = "{{ messages[0]['content'] }}"
+    keys = {token_cache.key(ds, t, max_len=64) for t in (tokenizer, changed)}
+    assert len(keys) == 2 and None not in keys
+
+
+def test_a_cache_hit_warns_about_dropped_rows_as_the_miss_did(tokenizer, tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"prompt": "Hi", "response": "Yo"}, {"prompt": "word " * 300, "response": "x"}])
+    for _ in range(2):  # a miss, then a hit
+        with pytest.warns(UserWarning, match="dropped 1 of 2"):
+            assert len(D.tokenize_examples(ds, tokenizer, max_len=100, cache=tmp_path)) == 1
+    assert len(list(tmp_path.iterdir())) == 1
+
+
 def test_plain_format_without_chat_template(tokenizer):
     prompt, completion = D.format_example({"prompt": "P?", "response": "R."}, tokenizer,
                                           chat_template=False)

@@ -7,6 +7,8 @@
   (``load_examples``; ``load_splits`` for training plus held-out examples), rendered with the
   chat template and tokenized with the prompt masked out of the loss (``format_example``,
   ``tokenize_examples``).
+- ``token_cache``: tokenized rows kept on disk, keyed by what they depend on, so that a restart
+  does not tokenize the same data again (``tokenize_examples(cache=True)``).
 - ``collate``: the padding policy that decides batch shapes under ``torch.compile``
   (``PaddingCollator``: ``longest``, ``multiple`` or ``fixed``), a seeded ``DataLoader``
   (``make_batches``) and what the padding costs (``padding_stats``).

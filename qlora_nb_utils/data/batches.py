@@ -57,7 +57,7 @@ def build_batches(tokenizer: Any, *, batch_size: int, steps: int, max_len: int, 
     Raises:
         ValueError: ``require_all`` and too few batches; bad padding or sizes (from the collator).
     """
-    rows = tokenize_examples(load_examples(data, limit=limit), tokenizer, max_len=max_len)
+    rows = tokenize_examples(load_examples(data, limit=limit), tokenizer, max_len=max_len, cache=True)
     if pack:
         rows = pack_rows(list(rows), max_len, tokenizer.pad_token_id)
     collator = PaddingCollator(pad_token_id=tokenizer.pad_token_id, policy=padding,
@@ -90,7 +90,7 @@ def build_packed_batches(tokenizer: Any, *, batch_size: int, max_len: int, data:
     Raises:
         ValueError: an example longer than ``max_len`` without ``truncate``; bad sizes.
     """
-    rows = tokenize_examples(load_examples(data, limit=limit), tokenizer, max_len=UNCUT)
+    rows = tokenize_examples(load_examples(data, limit=limit), tokenizer, max_len=UNCUT, cache=True)
     return pack_tokenized(rows, batch_size=batch_size, max_len=max_len, pad_id=tokenizer.pad_token_id,
                           seed=seed, truncate=truncate)
 

@@ -401,7 +401,7 @@ def _tokenize_one(prompt_ids: list[int], completion_ids: list[int], eos_id: int 
 
 
 def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template: bool = True,
-                      train_on_prompt: bool = False) -> datasets.Dataset:
+                      train_on_prompt: bool = False, cache: bool | str | Path | None = None) -> datasets.Dataset:
     """Tokenize examples of any layout for causal-LM training.
 
     Each row becomes ``input_ids`` (prompt, completion, then EOS unless the completion
@@ -415,23 +415,46 @@ def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template
         max_len: maximum tokens per row (>= 2).
         chat_template: see :func:`format_example`.
         train_on_prompt: learn the prompt tokens too.
+        cache: keep the rows on disk and read them back next time (:mod:`.token_cache`: keyed by
+            the examples' fingerprint, the tokenizer, these arguments and the code): True (its
+            default folder), a folder, or None/False (tokenize every time). Examples without a
+            ``datasets`` fingerprint (a list) are not cached.
 
     Returns:
         A ``datasets.Dataset`` with columns ``input_ids``, ``labels``, ``length``.
 
     Raises:
-        ValueError: ``max_len`` < 2, or no row keeps a learned token.
+        ValueError: ``max_len`` < 2, or no row keeps a learned token; a bad ``cache``.
     """
     if not isinstance(max_len, int) or max_len < 2:
         raise ValueError(f"max_len must be an integer >= 2, got {max_len!r}")
+    from . import token_cache
+
+    folder = token_cache.resolve(cache)
+    name = (token_cache.key(ds, tokenizer, max_len=max_len, chat_template=chat_template,
+                            train_on_prompt=train_on_prompt) if folder is not None else None)
+    hit = token_cache.load(folder, name) if name is not None else None
+    if hit is not None:
+        rows, meta = hit
+        if meta.get("dropped"):
+            _warn_dropped(meta["dropped"], meta["total"], max_len, stacklevel=2)
+        return rows
     pairs = [format_example(ex, tokenizer, chat_template) for ex in ds]
     plain = not (chat_template and getattr(tokenizer, "chat_template", None))
     # The chat template writes its own BOS if it wants one; the plain layout lets the
     # tokenizer add its usual special tokens to the prompt.
     prompts = tokenizer([p for p, _ in pairs], add_special_tokens=plain)["input_ids"]
     completions = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
-    return learned_rows((_tokenize_one(p_ids, c_ids, tokenizer.eos_token_id, max_len, train_on_prompt)
+    rows = learned_rows((_tokenize_one(p_ids, c_ids, tokenizer.eos_token_id, max_len, train_on_prompt)
                          for p_ids, c_ids in zip(prompts, completions)), max_len, stacklevel=3)
+    if name is not None:
+        token_cache.save(folder, name, rows, {"dropped": len(pairs) - len(rows), "total": len(pairs)})
+    return rows
+
+
+def _warn_dropped(dropped: int, total: int, max_len: int, stacklevel: int) -> None:
+    warnings.warn(f"dropped {dropped} of {total} examples whose prompt fills max_len={max_len}",
+                  stacklevel=stacklevel + 1)
 
 
 def learned_rows(rows: Any, max_len: int, stacklevel: int = 2) -> datasets.Dataset:
@@ -444,7 +467,6 @@ def learned_rows(rows: Any, max_len: int, stacklevel: int = 2) -> datasets.Datas
     if not kept:
         raise ValueError(f"every example's prompt fills max_len={max_len}; raise max_len")
     if len(kept) < len(rows):
-        warnings.warn(f"dropped {len(rows) - len(kept)} of {len(rows)} examples whose prompt fills "
-                      f"max_len={max_len}", stacklevel=stacklevel)
+        _warn_dropped(len(rows) - len(kept), len(rows), max_len, stacklevel=stacklevel)
     return datasets.Dataset.from_dict({"input_ids": [ids for ids, _ in kept], "labels": [lab for _, lab in kept],
                                        "length": [len(ids) for ids, _ in kept]})

@@ -202,11 +202,11 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if packing is not False:  # tokenized once, whole: cut here for the padded batches, packed below
-            whole = tokenize_examples(train_ds, tokenizer, max_len=UNCUT)
+            whole = tokenize_examples(train_ds, tokenizer, max_len=UNCUT, cache=True)  # a restart reads it back
             rows = cut_tokenized(whole, seq_len)
         else:
-            rows = tokenize_examples(train_ds, tokenizer, max_len=seq_len)
-        held = tokenize_examples(held_ds, tokenizer, max_len=seq_len)
+            rows = tokenize_examples(train_ds, tokenizer, max_len=seq_len, cache=True)
+        held = tokenize_examples(held_ds, tokenizer, max_len=seq_len, cache=True)
     for w in caught:
         (log or print)(f"note: {w.message} (--seq-len {seq_len})")
     collator = PaddingCollator(pad_token_id=tokenizer.pad_token_id, policy="multiple",

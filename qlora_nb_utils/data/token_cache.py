@@ -1,0 +1,115 @@
+"""Tokenized rows kept on disk, so that a restart does not tokenize the same data again.
+
+Why: every start renders each example with the chat template and tokenizes the whole dataset
+before its first step, even when nothing changed since the last start: a resumed
+``qlora-nb train``, a notebook run again, a warm start. For the shipped 4000 examples that is
+1.1 s on a 2-core CPU; at Llama-3.1-8B shape on an H100 building the batches was the largest
+part of a warm start's load (``results/warm_start_profile_h100.json``), and a user's 100k
+examples take minutes. ``datasets.Dataset.map``'s own cache would do it, but it keys on a hash
+of the tokenizer object, which changes when a call sets truncation or padding on it; here the
+key is what the rows depend on, said explicitly:
+
+* the examples: the ``datasets`` fingerprint of what :func:`~.examples.load_examples` returned
+  (it changes with the file's path and modification time, a saved folder's state, ``limit``);
+  a list of dicts has none and is not cached;
+* the tokenizer: its class, name, size, special token ids, chat template and its serialized
+  vocabulary and rules (``backend_tokenizer.to_str()``);
+* the arguments (``max_len``, ``chat_template``, ``train_on_prompt``);
+* the code: transformers' and tokenizers' versions and the source of :mod:`.examples`, so a
+  change to the tokenization never reads rows written by the old one.
+
+Each entry is a ``save_to_disk`` folder (memory-mapped when read back), written to a temporary
+folder and renamed, with the count of dropped examples so that a hit warns as a miss did. The
+folder is ``$QLORA_NB_CACHE/tokenized`` (else ``~/.cache/qlora_nb/tokenized``); deleting it is
+always safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["default_dir", "resolve", "key", "load", "save"]
+
+META = "qlora_nb_tokenized.json"
+
+
+def default_dir() -> Path:
+    """``$QLORA_NB_CACHE/tokenized`` when that is set, else ``~/.cache/qlora_nb/tokenized``."""
+    root = os.environ.get("QLORA_NB_CACHE", "").strip()
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "qlora_nb") / "tokenized"
+
+
+def resolve(cache: bool | str | os.PathLike | None) -> Path | None:
+    """The folder for ``tokenize_examples(cache=...)``: None (off), True (:func:`default_dir`) or a path."""
+    if cache is None or cache is False:
+        return None
+    if cache is True:
+        return default_dir()
+    if isinstance(cache, (str, os.PathLike)):
+        return Path(cache).expanduser()
+    raise ValueError(f"cache must be True, False, None or a folder, got {cache!r}")
+
+
+def _tokenizer_id(tokenizer: Any) -> list:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        rules = backend.to_str()
+    else:  # a slow tokenizer: its vocabulary is what can be read
+        rules = json.dumps(sorted(tokenizer.get_vocab().items()))
+    specials = [getattr(tokenizer, f"{n}_token_id", None) for n in ("bos", "eos", "pad", "unk")]
+    return [type(tokenizer).__name__, str(getattr(tokenizer, "name_or_path", "")), len(tokenizer), specials,
+            getattr(tokenizer, "chat_template", None) or "", hashlib.sha256(rules.encode()).hexdigest()]
+
+
+def key(ds: Any, tokenizer: Any, **args: Any) -> str | None:
+    """The entry's name for these examples, tokenizer and arguments; None when ``ds`` has no fingerprint."""
+    fingerprint = getattr(ds, "_fingerprint", None)
+    if not fingerprint:
+        return None
+    import tokenizers
+    import transformers
+
+    from . import examples
+
+    parts = {"examples": fingerprint, "rows": len(ds), "tokenizer": _tokenizer_id(tokenizer),
+             "args": sorted(args.items()), "transformers": transformers.__version__,
+             "tokenizers": tokenizers.__version__,
+             "code": hashlib.sha256(Path(examples.__file__).read_bytes()).hexdigest()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def load(folder: Path, name: str) -> tuple[Any, dict] | None:
+    """``(rows, meta)`` of a complete entry, or None."""
+    entry = folder / name
+    if not (entry / META).is_file():
+        return None
+    import datasets
+
+    try:
+        meta = json.loads((entry / META).read_text())
+        return datasets.load_from_disk(str(entry)), meta
+    except (OSError, ValueError):  # unreadable (a disk full while written, a datasets change): a miss
+        return None
+
+
+def save(folder: Path, name: str, rows: Any, meta: dict) -> None:
+    """Write ``rows`` (a ``datasets.Dataset``) and ``meta`` as entry ``name``; a failure to write is no error."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=folder))
+    except OSError:
+        return
+    try:
+        rows.save_to_disk(str(tmp))
+        (tmp / META).write_text(json.dumps(meta))
+        os.replace(tmp, folder / name)
+    except OSError:  # a read-only or full disk, or another process wrote the same entry first
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
