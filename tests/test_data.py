@@ -175,7 +175,7 @@ def test_tokenize_drops_rows_without_learned_tokens(tokenizer):
 
 
 def test_tokenized_rows_are_read_back_from_the_cache(tokenizer, train_ds, tmp_path, monkeypatch):
-    from qlora_nb_utils.data import examples
+    from qlora_nb_utils.data import tokenizing
 
     rows = train_ds.select(range(40))
     first = D.tokenize_examples(rows, tokenizer, max_len=512, cache=tmp_path)
@@ -185,7 +185,7 @@ def test_tokenized_rows_are_read_back_from_the_cache(tokenizer, train_ds, tmp_pa
         raise AssertionError("a cache hit tokenizes nothing")
 
     with monkeypatch.context() as m:
-        m.setattr(examples, "format_example", no_tokenizing)
+        m.setattr(tokenizing, "format_example", no_tokenizing)
         again = D.tokenize_examples(rows, tokenizer, max_len=512, cache=tmp_path)
     assert again.to_dict() == first.to_dict()
     other = D.tokenize_examples(rows, tokenizer, max_len=384, cache=tmp_path)  # other arguments: another entry

@@ -5,8 +5,9 @@
   folder), validated line by line before any model loads (``validate_file``,
   ``validate_source``, ``DataFormatError`` naming the file and line), loaded with ``datasets``
   (``load_examples``; ``load_splits`` for training plus held-out examples), rendered with the
-  chat template and tokenized with the prompt masked out of the loss (``format_example``,
-  ``tokenize_examples``).
+  chat template (``format_example``).
+- ``tokenizing``: token rows with the prompt masked out of the loss (``tokenize_examples``,
+  ``learned_rows``).
 - ``token_cache``: tokenized rows kept on disk, keyed by what they depend on, so that a restart
   does not tokenize the same data again (``tokenize_examples(cache=True)``).
 - ``collate``: the padding policy that decides batch shapes under ``torch.compile``
@@ -29,8 +30,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     **{name: "examples" for name in (
         "SPLITS", "FILE_TEMPLATE", "PADDING_POLICIES", "IGNORE_INDEX", "REQUIRED_FIELDS",
         "OPTIONAL_STR_FIELDS", "CHAT_ROLES", "HELDOUT_SPLITS", "DataFormatError", "default_data_path",
-        "validate_file", "validate_source", "load_examples", "load_splits", "format_example",
-        "tokenize_examples")},
+        "validate_file", "validate_source", "load_examples", "load_splits", "format_example")},
+    **{name: "tokenizing" for name in ("tokenize_examples", "learned_rows")},
     **{name: "collate" for name in ("PaddingCollator", "make_batches", "padding_stats")},
     **{name: "batches" for name in ("build_batches", "build_packed_batches", "pack_tokenized", "cut_tokenized", "UNCUT",
                                     "make_length_batcher", "pack_rows")},

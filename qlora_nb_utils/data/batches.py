@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .collate import PaddingCollator, make_batches
-from .examples import IGNORE_INDEX, learned_rows, load_examples, tokenize_examples
+from .examples import IGNORE_INDEX, load_examples
 from .packing import PackingStats, pack_examples
+from .tokenizing import learned_rows, tokenize_examples
 
 __all__ = ["build_batches", "build_packed_batches", "pack_tokenized", "cut_tokenized", "make_length_batcher", "pack_rows"]
 

@@ -1,4 +1,4 @@
-"""The training data and its tokenization: JSONL files or saved datasets in, token rows out.
+"""The training data: JSONL files or saved datasets in, validated examples out (:mod:`.tokenizing` makes token rows).
 
 Each line (or row) is one of three layouts: ``prompt``/``response`` (the shipped
 ``data/kjv_continue_*.jsonl``, built by ``data/build_kjv.py``), ``prompt``/``completion``
@@ -10,9 +10,8 @@ deep inside pyarrow, and before a run spends minutes loading a model.
 
 Design: rows keep their own columns (a file mixing layouts gets the union, absent fields null)
 and :func:`format_example` recognises each row's layout, so no rewriting pass is needed, extra
-columns survive, and :func:`tokenize_examples` (which only calls :func:`format_example`) works
-on every layout. Tokenization renders each example with the model's chat template and masks the
-prompt out of the loss.
+columns survive, and ``tokenize_examples`` (which only calls :func:`format_example`) works
+on every layout. :func:`format_example` renders each example with the model's chat template.
 
 Importing this module is cheap: ``datasets`` (no torch) and ``pyarrow`` are imported by the
 functions that need them; tokenizers are passed in.
@@ -23,7 +22,6 @@ from __future__ import annotations
 import importlib.resources
 import json
 import random
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -387,86 +385,3 @@ def format_example(example: dict, tokenizer: Any, chat_template: bool = True) ->
         raise ValueError("chat template output does not extend the prompt rendering; "
                          "use chat_template=False")
     return head, full[len(head):].rstrip()
-
-
-def _tokenize_one(prompt_ids: list[int], completion_ids: list[int], eos_id: int | None,
-                  max_len: int, train_on_prompt: bool) -> tuple[list[int], list[int]]:
-    """Join prompt and completion ids, append EOS, build labels, truncate on the right."""
-    if eos_id is not None and (not completion_ids or completion_ids[-1] != eos_id):
-        completion_ids = completion_ids + [eos_id]
-    input_ids = (prompt_ids + completion_ids)[:max_len]
-    prompt_labels = prompt_ids if train_on_prompt else [IGNORE_INDEX] * len(prompt_ids)
-    labels = (prompt_labels + completion_ids)[:max_len]
-    return input_ids, labels
-
-
-def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template: bool = True,
-                      train_on_prompt: bool = False, cache: bool | str | Path | None = None) -> datasets.Dataset:
-    """Tokenize examples of any layout for causal-LM training.
-
-    Each row becomes ``input_ids`` (prompt, completion, then EOS unless the completion
-    already ends with it), ``labels`` (a copy with prompt positions set to -100 unless
-    ``train_on_prompt``) and ``length``. Rows longer than ``max_len`` are cut on the right;
-    rows left with no learned token are dropped with a warning.
-
-    Args:
-        ds: a ``datasets.Dataset`` (or list of dicts) of rows in any layout (the module docstring).
-        tokenizer: a Hugging Face tokenizer.
-        max_len: maximum tokens per row (>= 2).
-        chat_template: see :func:`format_example`.
-        train_on_prompt: learn the prompt tokens too.
-        cache: keep the rows on disk and read them back next time (:mod:`.token_cache`: keyed by
-            the examples' fingerprint, the tokenizer, these arguments and the code): True (its
-            default folder), a folder, or None/False (tokenize every time). Examples without a
-            ``datasets`` fingerprint (a list) are not cached.
-
-    Returns:
-        A ``datasets.Dataset`` with columns ``input_ids``, ``labels``, ``length``.
-
-    Raises:
-        ValueError: ``max_len`` < 2, or no row keeps a learned token; a bad ``cache``.
-    """
-    if not isinstance(max_len, int) or max_len < 2:
-        raise ValueError(f"max_len must be an integer >= 2, got {max_len!r}")
-    from . import token_cache
-
-    folder = token_cache.resolve(cache)
-    name = (token_cache.key(ds, tokenizer, max_len=max_len, chat_template=chat_template,
-                            train_on_prompt=train_on_prompt) if folder is not None else None)
-    hit = token_cache.load(folder, name) if name is not None else None
-    if hit is not None:
-        rows, meta = hit
-        if meta.get("dropped"):
-            _warn_dropped(meta["dropped"], meta["total"], max_len, stacklevel=2)
-        return rows
-    pairs = [format_example(ex, tokenizer, chat_template) for ex in ds]
-    plain = not (chat_template and getattr(tokenizer, "chat_template", None))
-    # The chat template writes its own BOS if it wants one; the plain layout lets the
-    # tokenizer add its usual special tokens to the prompt.
-    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=plain)["input_ids"]
-    completions = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
-    rows = learned_rows((_tokenize_one(p_ids, c_ids, tokenizer.eos_token_id, max_len, train_on_prompt)
-                         for p_ids, c_ids in zip(prompts, completions)), max_len, stacklevel=3)
-    if name is not None:
-        token_cache.save(folder, name, rows, {"dropped": len(pairs) - len(rows), "total": len(pairs)})
-    return rows
-
-
-def _warn_dropped(dropped: int, total: int, max_len: int, stacklevel: int) -> None:
-    warnings.warn(f"dropped {dropped} of {total} examples whose prompt fills max_len={max_len}",
-                  stacklevel=stacklevel + 1)
-
-
-def learned_rows(rows: Any, max_len: int, stacklevel: int = 2) -> datasets.Dataset:
-    """``(input_ids, labels)`` pairs cut to ``max_len`` as a Dataset, less the rows with no learned token
-    (warned; ValueError if none is left): what :func:`tokenize_examples` and ``batches.cut_tokenized`` keep."""
-    import datasets
-
-    rows = list(rows)
-    kept = [(ids, labels) for ids, labels in rows if any(x != IGNORE_INDEX for x in labels)]
-    if not kept:
-        raise ValueError(f"every example's prompt fills max_len={max_len}; raise max_len")
-    if len(kept) < len(rows):
-        _warn_dropped(len(rows) - len(kept), len(rows), max_len, stacklevel=stacklevel)
-    return datasets.Dataset.from_dict({"input_ids": [ids for ids, _ in kept], "labels": [lab for _, lab in kept],
-                                       "length": [len(ids) for ids, _ in kept]})

@@ -15,8 +15,8 @@ key is what the rows depend on, said explicitly:
 * the tokenizer: its class, name, size, special token ids, chat template and its serialized
   vocabulary and rules (``backend_tokenizer.to_str()``);
 * the arguments (``max_len``, ``chat_template``, ``train_on_prompt``);
-* the code: transformers' and tokenizers' versions and the source of :mod:`.examples`, so a
-  change to the tokenization never reads rows written by the old one.
+* the code: transformers' and tokenizers' versions and the source of :mod:`.examples` and
+  :mod:`.tokenizing`, so a change to the tokenization never reads rows written by the old one.
 
 Each entry is a ``save_to_disk`` folder (memory-mapped when read back), written to a temporary
 folder and renamed, with the count of dropped examples so that a hit warns as a miss did. The
@@ -32,9 +32,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["default_dir", "resolve", "key", "load", "save"]
+__all__ = ["default_dir", "resolve", "key", "load", "save", "cached"]
 
 META = "qlora_nb_tokenized.json"
 
@@ -75,12 +75,12 @@ def key(ds: Any, tokenizer: Any, **args: Any) -> str | None:
     import tokenizers
     import transformers
 
-    from . import examples
+    from . import examples, tokenizing
 
     parts = {"examples": fingerprint, "rows": len(ds), "tokenizer": _tokenizer_id(tokenizer),
              "args": sorted(args.items()), "transformers": transformers.__version__,
              "tokenizers": tokenizers.__version__,
-             "code": hashlib.sha256(Path(examples.__file__).read_bytes()).hexdigest()}
+             "code": hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (examples, tokenizing))).hexdigest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -113,3 +113,26 @@ def save(folder: Path, name: str, rows: Any, meta: dict) -> None:
         pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cached(ds: Any, tokenizer: Any, cache: bool | str | os.PathLike, tokenize: Callable[[], Any], **args: Any) -> Any:
+    """``tokenize()``'s rows for ``ds``, read from the entry of ``cache`` (:func:`resolve`) when there
+    is one, else made and kept there; a hit warns about dropped rows as the miss did.
+
+    Raises:
+        ValueError: a bad ``cache``; what ``tokenize`` raises.
+    """
+    from .tokenizing import _warn_dropped
+
+    folder = resolve(cache)
+    name = key(ds, tokenizer, **args) if folder is not None else None
+    hit = load(folder, name) if name is not None else None
+    if hit is not None:
+        rows, meta = hit
+        if meta.get("dropped"):
+            _warn_dropped(meta["dropped"], meta["total"], args["max_len"], stacklevel=3)
+        return rows
+    rows = tokenize()
+    if name is not None:
+        save(folder, name, rows, {"dropped": len(ds) - len(rows), "total": len(ds)})
+    return rows
