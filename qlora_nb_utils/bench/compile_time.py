@@ -24,7 +24,7 @@ gets. What is timed: ``first_step_s`` (the first training step,
 compile included), the steady ``median_step_ms``, ``compile_s`` (first step minus the steady
 step), and where the rest of a start goes: ``import_s`` (torch, transformers, peft,
 bitsandbytes and the package, each in ``imports``), ``load_s`` (``from_pretrained`` with NF4
-quantization, LoRA, the batches), ``optimize_s`` and ``time_to_first_step_s`` (from the parent
+quantization, LoRA, the batches; ``load_parts_s`` splits it), ``optimize_s`` and ``time_to_first_step_s`` (from the parent
 starting the process to the end of the first step), and the process's whole wall time.
 """
 
@@ -107,7 +107,7 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
 
 
 def load_case(*, model: str = "tiny", device: str = "cpu", dtype: str = "float32", batch_size: int = 2,
-              seq_len: int = 128, steps: int = 3) -> tuple[Any, list[dict]]:
+              seq_len: int = 128, steps: int = 3, timings: dict | None = None) -> tuple[Any, list[dict]]:
     """The model and batches every measured process trains: the notebook's in-process look uses it too.
 
     Args:
@@ -117,6 +117,7 @@ def load_case(*, model: str = "tiny", device: str = "cpu", dtype: str = "float32
         batch_size: rows per batch.
         seq_len: fixed padded length.
         steps: how many batches.
+        timings: filled with ``model_s`` (tokenizer, ``from_pretrained``, LoRA) and ``batches_s``.
 
     Returns:
         ``(model, batches)``.
@@ -124,8 +125,12 @@ def load_case(*, model: str = "tiny", device: str = "cpu", dtype: str = "float32
     from .. import models
     from . import main_job as bench
 
+    t0 = time.perf_counter()
     loaded, tok = models.load_model(model, quant="nf4", dtype=dtype, device=device)
+    t1 = time.perf_counter()
     batches, _ = bench.make_bench_batches(tok, batch_size=batch_size, seq_len=seq_len, steps=steps)
+    if timings is not None:
+        timings.update(model_s=round(t1 - t0, 3), batches_s=round(time.perf_counter() - t1, 3))
     return loaded, batches
 
 
@@ -178,8 +183,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         info = torch.compiler.load_cache_artifacts(Path(args.load_artifacts).read_bytes())
         loaded = time.perf_counter() - t0
     t_load = time.perf_counter()
+    load_parts: dict = {}
     model, batches = load_case(model=args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
-                               seq_len=args.seq_len, steps=args.steps)
+                               seq_len=args.seq_len, steps=args.steps, timings=load_parts)
     t_opt = time.perf_counter()
     opt = optimize(model, batches=batches, scope=args.scope, warm_cache=args.warm_cache)
     t_train = time.perf_counter()
@@ -195,7 +201,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
               "dynamo_compile_s": opt.counter.compile_s, "losses": [float(x) for x in hist["loss"]],
               "load_artifacts_s": loaded, "loaded_artifacts": bool(args.load_artifacts),
               "imports": imports, "import_s": round(sum(imports.values()), 3),
-              "load_s": round(t_opt - t_load, 3), "optimize_s": round(t_train - t_opt, 3),
+              "load_s": round(t_opt - t_load, 3), "load_parts_s": load_parts, "optimize_s": round(t_train - t_opt, 3),
               "cache_counters": _cache_counters(),
               "optimize": {"description": opt.description, "choices": {k: str(v) for k, v in opt.choices.items()}}}
     if args.spawned_at is not None:  # the parent's clock: Python's own start counts too

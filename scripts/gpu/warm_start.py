@@ -26,6 +26,11 @@ Per shape, in this order, all in one Inductor cache folder:
   instead of 16 GB read at 8B, and no quantization. Their losses must equal the bf16 loads'
   (the same bits, ``tests/test_models.py``): ``nf4_losses_equal``.
 
+* ``warm_nf4_retokenized`` and ``warm_nf4_cached_tokens`` (and ``_again``): the same-call A/B of
+  :mod:`qlora_nb_utils.data.token_cache`: the first deletes the token cache before its start, so
+  the data is rendered and tokenized again (and kept), the second reads it back.
+  ``load_parts_s`` splits every start's load into the model and the batches.
+
 ``WARM_START_RUNS=cold,warm,...`` keeps only those runs (in this order).
 
 The shapes: Llama-3.1-8B, 2 x 1024, regional scope (the compute_extras warm start's), then, if the
@@ -41,6 +46,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,10 +60,13 @@ SHAPES = [
 ]
 #: (run, optimize's warm_cache) in the order they run; the ``_nf4`` ones load the pre-quantized checkpoint.
 RUNS = [("cold", "auto"), ("warm", "auto"), ("warm_off", False), ("warm_nf4", "auto"), ("warm_again", "auto"),
-        ("warm_nf4_again", "auto")]
+        ("warm_nf4_again", "auto"), ("warm_nf4_retokenized", "auto"), ("warm_nf4_cached_tokens", "auto"),
+        ("warm_nf4_retokenized_again", "auto"), ("warm_nf4_cached_tokens_again", "auto")]
 #: Both warm runs of one kind, for the best time to the first step.
 KINDS = {"bf16 checkpoint, quantized while loading": ("warm", "warm_again"),
-         "pre-quantized NF4 checkpoint": ("warm_nf4", "warm_nf4_again")}
+         "pre-quantized NF4 checkpoint": ("warm_nf4", "warm_nf4_again", "warm_nf4_cached_tokens",
+                                          "warm_nf4_cached_tokens_again"),
+         "pre-quantized NF4 checkpoint, data tokenized again": ("warm_nf4_retokenized", "warm_nf4_retokenized_again")}
 #: Seconds a start needs left in the budget (a cold one, a warm one), by model.
 NEEDS = {"llama-3.1-8b-shape": (90, 60), "llama-3.2-1b-shape": (200, 90)}
 TARGET_S = 20.0
@@ -103,7 +112,12 @@ def summarize(runs: dict) -> dict:
         out["warm_time_to_first_step_best_with"] = best_kind
         out["warm_time_to_first_step_under_target"] = by_kind[best_kind]["under_target"]
         out["warm_breakdown_s"] = by_kind[best_kind]["breakdown_s_of_best"]
-    losses = {n: get(n, "losses") for n in ("warm", "warm_again", "warm_nf4", "warm_nf4_again") if get(n, "losses")}
+    losses = {n: get(n, "losses") for n in runs if n != "cold" and n != "warm_off" and get(n, "losses")}
+    batches = {n: (get(n, "load_parts_s") or {}).get("batches_s") for n in runs}
+    if any(v is not None for v in batches.values()):
+        out["batches_s"] = batches
+    if len(losses) > 1:  # every warm start trains the same batches from the same start
+        out["warm_losses_equal"] = len({tuple(v) for v in losses.values()}) == 1
     if any(n.startswith("warm_nf4") for n in losses) and any(not n.startswith("warm_nf4") for n in losses):
         out["nf4_losses_equal"] = len({tuple(v) for v in losses.values()}) == 1
     out["aot_autograd_counters"] = {name: (r or {}).get("cache_counters", {}).get("aot_autograd")
@@ -131,6 +145,7 @@ def main(out_path: str, budget_s: float) -> int:
 
     from qlora_nb_utils import env
     from qlora_nb_utils.bench import compile_time
+    from qlora_nb_utils.data import token_cache
     from qlora_nb_utils.models.build import materialize
 
     t0 = time.monotonic()
@@ -180,6 +195,8 @@ def main(out_path: str, budget_s: float) -> int:
             if run.startswith("warm_nf4") and "nf4_error" in entry:
                 entry["skipped"].append(run)
                 continue
+            if "retokenized" in run:  # the A/B's other arm: the data tokenized again, as before data.token_cache
+                shutil.rmtree(token_cache.default_dir(), ignore_errors=True)
             print(f"[warm_start] {name} {run} (warm_cache={warm_cache}), {left:.0f} s left", flush=True)
             try:
                 r = compile_time.measure(model=str(nf4_dir) if run.startswith("warm_nf4") else name,
