@@ -18,9 +18,7 @@ parts=${3:-8b,1b}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
-# the models are built outside the carried tree (16 GB at 8B; shared with gpu_warm_start.sh in one call)
-mkdir -p /tmp/qlora_nb_cache && cp -rn .gpucache/qlora_nb/. /tmp/qlora_nb_cache/
-export QLORA_NB_CACHE=/tmp/qlora_nb_cache
+models_outside_tree
 echo "TORCHINDUCTOR_CACHE_DIR from gpu_env.sh: ${TORCHINDUCTOR_CACHE_DIR:-unset} (each child gets its own; see compute_extras.py)"
 export QLORA_NB_EXTRAS_CMD="COMMIT=${COMMIT:-unknown} bash scripts/gpu/gpu_compute_extras.sh \$OUT $budget $parts (code: ${COMMIT:-unknown commit} + working tree)"
 python3 scripts/gpu/compute_extras.py main "$out" "$budget" --parts "$parts" --work /tmp/compute_extras_work 2>&1 \

@@ -17,3 +17,10 @@ unsloth_site() {
     mkdir -p /tmp/usite && tar -xzf .unsloth/usite.tar.gz -C /tmp/usite && export QLORA_NB_UNSLOTH_SITE=/tmp/usite
   fi
 }
+
+# models_outside_tree: build the named models under /tmp (16 GB at 8B), not in the carried tree; the
+# tokenizer comes from .gpucache. Scripts of one call that use it share the built models.
+models_outside_tree() {
+  mkdir -p /tmp/qlora_nb_cache && cp -rn .gpucache/qlora_nb/. /tmp/qlora_nb_cache/ 2>/dev/null
+  export QLORA_NB_CACHE=/tmp/qlora_nb_cache
+}

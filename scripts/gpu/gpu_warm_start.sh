@@ -12,8 +12,6 @@ budget=${2:-420}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
-# the models are built outside the carried tree (16 GB at 8B); the tokenizer comes from .gpucache
-mkdir -p /tmp/qlora_nb_cache && cp -rn .gpucache/qlora_nb/. /tmp/qlora_nb_cache/
-export QLORA_NB_CACHE=/tmp/qlora_nb_cache
+models_outside_tree
 export QLORA_NB_WARM_CMD="COMMIT=${COMMIT:-unknown} WARM_START_MODELS=${WARM_START_MODELS:-} WARM_START_RUNS=${WARM_START_RUNS:-} bash scripts/gpu/gpu_warm_start.sh \$OUT $budget (code: ${COMMIT:-unknown commit} + working tree)"
 python3 scripts/gpu/warm_start.py "$out/warm_start.json" "$budget" 2>&1 | tee "$out/warm_start_log.txt"

@@ -9,8 +9,6 @@ out=${1:?usage: scripts/gpu/gpu_warm_start_profile.sh OUT_DIR}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
-# the models are built outside the carried tree (16 GB at 8B)
-mkdir -p /tmp/qlora_nb_cache && cp -rn .gpucache/qlora_nb/. /tmp/qlora_nb_cache/
-export QLORA_NB_CACHE=/tmp/qlora_nb_cache
+models_outside_tree
 export QLORA_NB_PROFILE_CMD="COMMIT=${COMMIT:-unknown} bash scripts/gpu/gpu_warm_start_profile.sh \$OUT (code: ${COMMIT:-unknown commit} + working tree)"
 python3 scripts/gpu/warm_start_profile.py "$out" 2>&1 | tee "$out/warm_start_profile_log.txt"
