@@ -52,7 +52,8 @@ IMPORTS = ("torch", "transformers", "peft", "bitsandbytes")
 def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path, device: str = "cpu",
             dtype: str = "float32", batch_size: int = 2, seq_len: int = 128, steps: int = 3,
             save_artifacts: str | Path | None = None, load_artifacts: str | Path | None = None,
-            warm_cache: bool | str = "auto", timeout_s: float = 900) -> dict[str, Any]:
+            warm_cache: bool | str = "auto", timeout_s: float = 900,
+            profile_to: str | Path | None = None) -> dict[str, Any]:
     """Train ``steps`` compiled QLoRA steps in a new process and report the compile cost.
 
     Args:
@@ -68,6 +69,8 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
         load_artifacts: ``torch.compiler.load_cache_artifacts`` this file before compiling.
         warm_cache: :func:`qlora_nb_utils.optimize`'s ``warm_cache`` (``"auto"``, True or False).
         timeout_s: limit for the process.
+        profile_to: run the process under ``cProfile``, its stats written here (Python-heavy
+            parts run slower then: read its times as shares).
 
     Returns:
         The child's JSON plus ``process_s`` (the whole process, imports included). The child's
@@ -86,7 +89,8 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
         raise ValueError(f"warm_cache must be one of {list(WARM_CACHE)}, got {warm_cache!r}")
     out = Path(cache_dir) / "result.json"
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "qlora_nb_utils.bench.compile_time", "--model", model, "--scope", scope,
+    profiler = ["-m", "cProfile", "-o", str(profile_to)] if profile_to else []
+    cmd = [sys.executable, *profiler, "-m", "qlora_nb_utils.bench.compile_time", "--model", model, "--scope", scope,
            "--device", device, "--dtype", dtype, "--batch-size", str(batch_size), "--seq-len", str(seq_len),
            "--steps", str(steps), "--out", str(out), "--warm-cache", str(warm_cache)]
     if save_artifacts:

@@ -48,7 +48,6 @@ def main(out_dir: str) -> int:
     import torch
 
     from qlora_nb_utils import env, models
-    from qlora_nb_utils._paths import pythonpath_with_package
     from qlora_nb_utils.bench import compile_time
 
     out = Path(out_dir)
@@ -74,21 +73,15 @@ def main(out_dir: str) -> int:
     cold = compile_time.measure(model=str(nf4), timeout_s=400, **common)
     res["cold"] = {k: cold.get(k) for k in ("time_to_first_step_s", "import_s", "load_s", "compile_s")}
     res["phases_s"]["cold"] = round(time.monotonic() - t, 1)
-    prof, result = work / "warm.prof", work / "warm.json"
-    cmd = [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "qlora_nb_utils.bench.compile_time",
-           "--model", str(nf4), "--scope", SHAPE["scope"], "--device", dev.type, "--dtype", "bfloat16",
-           "--batch-size", str(SHAPE["batch_size"]), "--seq-len", str(SHAPE["seq_len"]), "--steps", str(SHAPE["steps"]),
-           "--spawned-at", str(time.time()), "--out", str(result)]
+    prof = work / "warm.prof"
     t = time.monotonic()
-    child_env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),  # measure()'s folders
-                 "TRITON_CACHE_DIR": str(cache / "triton")}
-    child_env["PYTHONPATH"] = pythonpath_with_package(child_env.get("PYTHONPATH"))
-    proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=400)
+    try:
+        warm = compile_time.measure(model=str(nf4), timeout_s=400, profile_to=prof, **common)
+    except RuntimeError as exc:
+        warm = None
+        res["error"] = str(exc)[-3000:]
     res["phases_s"]["warm_profiled"] = round(time.monotonic() - t, 1)
-    if proc.returncode != 0:
-        res["error"] = (proc.stdout + proc.stderr)[-3000:]
-    else:
-        warm = json.loads(result.read_text())
+    if warm is not None:
         res["warm_profiled"] = {k: warm.get(k) for k in ("time_to_first_step_s", "import_s", "imports", "load_s",
                                                          "compile_s", "cache_counters")}
         stats = pstats.Stats(str(prof))
