@@ -44,7 +44,8 @@ import torch
 
 from ...reversible import PatchHandle, check_signature, check_versions, set_attribute
 
-__all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routable", "holds_nf4", "make_lora_route"]
+__all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routable", "holds_nf4", "make_lora_route",
+           "as_bytes"]
 
 NAME = "nf4_dequant"
 
@@ -81,8 +82,12 @@ def routable(packed: torch.Tensor, quant_state: Any, cuda: bool | None = None) -
     qs = quant_state
     if qs is None or getattr(qs, "quant_type", None) != "nf4" or getattr(qs, "dtype", None) not in _DTYPES:
         return False
-    if packed.dtype != torch.uint8 or getattr(qs, "packing_format_for_cpu", False):
+    if getattr(qs, "packing_format_for_cpu", False):
         return False
+    if packed.dtype != torch.uint8:  # a floating quant storage (FSDP2's float32 words): its bytes
+        if packed.dtype not in _DTYPES or not packed.is_contiguous():
+            return False
+        packed = as_bytes(packed)
     if packed.device.type == "cuda":
         if not (_op().HAS_TRITON if cuda is None else cuda):
             return False
@@ -146,12 +151,21 @@ def _make_matmul(original, op: Any, cuda_rows: int, cpu_rows: int):
         if (out is None and routable(B, qs, op.HAS_TRITON) and len(qs.shape) == 2 and A.dim() >= 1
                 and A.numel() > 0 and A.shape[-1] == qs.shape[1] and A.dtype in _DTYPES and A.device == B.device
                 and A.numel() // A.shape[-1] > (cuda_rows if A.device.type == "cuda" else cpu_rows)):
-            args = op.op_args(B, qs)
+            args = op.op_args(as_bytes(B), qs)
             return NF4Linear.apply(A, args[0], bias, *args[1:9], qs.dtype)
         return original(A, B, quant_state, out, bias)
 
     matmul_4bit.__doc__ = f"bitsandbytes' matmul_4bit, NF4 through the one-pass op (patch {NAME!r})."
     return matmul_4bit
+
+
+def as_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """The packed words as the uint8 bytes the op reads: a view, no copy.
+
+    ``bnb_4bit_quant_storage`` may be a float dtype (FSDP2 shards float32 words, see
+    ``qlora_nb_utils.distributed.packed_words``); the bytes are the same codes in every storage.
+    """
+    return packed if packed.dtype == torch.uint8 else packed.view(torch.uint8)
 
 
 def holds_nf4(layer: Any) -> bool:
@@ -184,7 +198,7 @@ def make_lora_route(min_rows: dict[str, int]):
             return None
         if x.dim() < 2 or x.shape[-1] != qs.shape[1] or x.numel() // x.shape[-1] <= min_rows.get(x.device.type, 0):
             return None
-        return op.op_args(weight, qs, x.dtype)
+        return op.op_args(as_bytes(weight), qs, x.dtype)
 
     return route
 
@@ -192,7 +206,7 @@ def make_lora_route(min_rows: dict[str, int]):
 def _make_dequantize(original, op: Any):
     def dequantize_4bit(A, quant_state=None, absmax=None, out=None, blocksize=None, quant_type="fp4"):
         if out is None and quant_state is not None and routable(A, quant_state, op.HAS_TRITON):
-            return op.dequantize_state(A, quant_state)
+            return op.dequantize_state(as_bytes(A), quant_state)
         return original(A, quant_state, absmax, out, blocksize, quant_type)
 
     dequantize_4bit.__doc__ = f"bitsandbytes' dequantize_4bit, NF4 through the one-pass op (patch {NAME!r})."
