@@ -11,6 +11,8 @@ that loads in a plain ``PeftModel``, checkpoints that resume bit for bit).
   quant state attached to FSDP2's all-gathered parameter and their bytes checked with
   ``packed_checksums``, or replicated), ``nf4_params``, ``sharding_report``,
   ``clip_grad_norm`` over all ranks.
+- ``fast``: ``compile.optimize()``'s recipe on every rank, then FSDP2
+  (``optimize_sharded(model, batches=..., world_size=...) -> FastSharded``; ``--fast-path``).
 - ``checkpoint``: the adapter gathered to rank 0 (``gather_trainable_state``,
   ``save_adapter``) and DCP checkpoints (``save_checkpoint``, ``load_checkpoint``,
   ``latest_checkpoint``).
@@ -42,6 +44,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "load_checkpoint")},
     **{name: "fsdp_train" for name in (
         "DTYPE_CHOICES", "TRAINERS", "build_parser", "validate", "resolve_nf4_mode", "run", "main")},
+    **{name: "fast" for name in ("FastSharded", "optimize_sharded", "optimize_options")},
     "make_global_batches": "global_batches",
     "run_trainer": "trainer",
     **{name: "runs" for name in ("launch", "read_log", "compare_runs")},

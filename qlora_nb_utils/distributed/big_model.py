@@ -30,7 +30,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["SHAPES", "LINEARS", "llama_config", "build_nf4_model", "extrapolate", "main"]
+__all__ = ["SHAPES", "LINEARS", "llama_config", "build_nf4_model", "build_named_qlora", "extrapolate",
+           "cpu_ram_gib", "main"]
 
 #: Llama-3.1-70B's published config (hidden 8192, 80 layers, GQA 64/8, vocab 128256).
 SHAPES = {
@@ -117,6 +118,46 @@ def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype
     return model.train()
 
 
+def build_named_qlora(name: str, *, device, dtype: torch.dtype = torch.bfloat16,
+                      quant_storage: torch.dtype = torch.float32, lora_r: int = 16, lora_alpha: float = 32,
+                      seed: int = 0):
+    """A named random-init model (``models.MODEL_NAMES``, e.g. ``llama-3.1-8b-shape``) built like
+    :func:`build_nf4_model` (no bf16 copy of the model, no checkpoint on disk), with LoRA on every
+    linear layer of the decoder (fp32, seeded) as ``setup.load_qlora`` gives it.
+
+    Returns:
+        ``(model, tokenizer)``.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from .. import models
+
+    config = models.model_config(name)
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    device = torch.device(device)
+    base = build_nf4_model(config, device=device, compute_dtype=dtype, quant_storage=quant_storage, seed=seed)
+    lora = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=[n.split(".")[-1] for n in LINEARS])
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return get_peft_model(base, lora), models.load_tokenizer(name)
+
+
+def cpu_ram_gib() -> dict:
+    """This process's peak resident memory, and the machine's memory in use, in GiB (Linux)."""
+    import resource
+
+    used = None
+    try:
+        info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        kib = lambda key: int(info[key].split()[0])  # noqa: E731
+        used = (kib("MemTotal") - kib("MemAvailable")) / 2**20
+    except (OSError, KeyError, ValueError):
+        pass
+    return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "machine_used": used}
+
+
 def extrapolate(measured: dict, layers_run: int, layers_total: int) -> dict:
     """Per-GPU peak and tokens/s of all layers from a slice: the per-layer part of the peak
     (sharded NF4 + LoRA state + one checkpointed activation per layer) scales with the layer
@@ -145,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--compile", action="store_true", help="compile each decoder layer (inductor)")
+    p.add_argument("--fast-path", action="store_true",
+                   help="compile.optimize()'s recipe on every rank, then FSDP2 (distributed/fast.py)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -156,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .fsdp import apply_fsdp2, clip_grad_norm
     from .packed_words import sharded_nf4_precision
     from .setup import init_distributed
-    from .summary import _max_over_ranks
+    from .summary import _graph_break_total, _max_over_ranks
 
     info = init_distributed(args.device)
     dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
@@ -167,18 +210,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
         n.split(".")[-1] for n in LINEARS], task_type="CAUSAL_LM"))
     build_s = time.perf_counter() - t0
-    sharded = apply_fsdp2(model, mp_policy=plan, nf4="shard", grad_ckpt=True, cpu_offload=args.cpu_offload,
-                          compile_layers=args.compile, fullgraph=False, frozen="shard")
+    build_peak = _max_over_ranks(peak_mem_gib(info.device), info.device)
+    gen = torch.Generator().manual_seed(info.rank)
+    make = lambda: torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=gen)  # noqa: E731
+    fast = None
+    if args.fast_path:
+        from .fast import optimize_sharded
+
+        ids = make()
+        sample = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}]
+        fast = optimize_sharded(model, batches=sample, world_size=info.world_size, mp_policy=plan, nf4="shard",
+                                frozen="shard", cpu_offload=args.cpu_offload, grad_ckpt=True, shard_one=True)
+        sharded, model = fast.sharded, fast.root
+    else:
+        sharded = apply_fsdp2(model, mp_policy=plan, nf4="shard", grad_ckpt=True, cpu_offload=args.cpu_offload,
+                              compile_layers=args.compile, fullgraph=False, frozen="shard")
+    breaks_before = _graph_break_total()[0]
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
-    gen = torch.Generator().manual_seed(info.rank)
     reset_peak(info.device)
     times = []
     for _ in range(args.steps):
-        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=gen).to(info.device)
+        ids = make().to(info.device)
         sync(info.device)
         t = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        if fast is not None:
+            loss = fast.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         clip_grad_norm(params, 1.0)
         opt.step()
@@ -188,15 +247,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     timed = sorted(times[1:] or times)
     step_s = timed[len(timed) // 2]
     peak = _max_over_ranks(peak_mem_gib(info.device), info.device)
+    ram = cpu_ram_gib()
+    rss = torch.tensor([ram["peak_rss"]], dtype=torch.float64, device=info.device)
+    dist.all_reduce(rss)  # every rank's peak resident memory, summed: what the run asked of the host
+    machine = _max_over_ranks(ram["machine_used"] or 0.0, info.device)
     measured = {"peak_mem_gib_per_gpu": peak, "tokens_per_s": args.batch * args.seq_len * info.world_size / step_s,
                 "median_step_s": step_s, "first_step_s": times[0], "build_s": build_s,
+                "build_peak_mem_gib_per_gpu": build_peak, "cpu_ram_gib": float(rss),
+                "cpu_ram_note": "sum over ranks of each process's peak resident memory (pinned CPU shards "
+                                "included); machine_used_gib: MemTotal - MemAvailable at the end, max over ranks",
+                "machine_used_gib": machine, "step_s": times,
                 "per_layer_gib_per_gpu": _per_layer_gib(model, sharded.layers[0], args.batch * args.seq_len,
                                                         config.hidden_size)}
     total = SHAPES[args.shape]["num_hidden_layers"]
     record = {"shape": args.shape, "layers_run": config.num_hidden_layers, "layers_total": total,
               "world_size": info.world_size, "seq_len": args.seq_len, "batch_per_gpu": args.batch,
               "nf4": sharded.nf4, "quant_storage": str(storage).replace("torch.", ""), "grad_ckpt": True,
-              "cpu_offload": args.cpu_offload, "compile": args.compile, "steps": args.steps, **measured,
+              "cpu_offload": args.cpu_offload, "compile": args.compile or args.fast_path, "steps": args.steps,
+              **measured, "fast_path": fast is not None,
+              "optimize_choices": {k: str(v) for k, v in fast.opt.choices.items()} if fast is not None else None,
+              "compile_stats": fast.compile_stats() if fast is not None else None,
+              "graph_breaks": _graph_break_total()[0] - breaks_before,
               "extrapolated": config.num_hidden_layers < total,
               "extrapolation": extrapolate(measured, config.num_hidden_layers, total)
               if config.num_hidden_layers < total else None,

@@ -192,7 +192,7 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
                 cpu_offload: bool = False, reshard_after_forward: bool = True,
                 grad_ckpt: bool = False, compile_layers: bool = False,
                 backend: str = "inductor", fullgraph: bool = True, verify: bool | str = True,
-                frozen: str = "shard") -> Sharded:
+                frozen: str = "shard", units: Iterable[nn.Module] = ()) -> Sharded:
     """Shard a (Q)LoRA model with FSDP2: one ``fully_shard`` per decoder layer, one for the root.
 
     Args:
@@ -219,6 +219,10 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
             copy of the packed bytes is kept until then), and refuse a model whose bytes
             changed; the record is ``Sharded.bytes_check``. On 2 H200s (NCCL, bf16 storage,
             bf16 policy, torch 2.11) 0.07% of the words changed (:mod:`.packed_words` says why).
+        units: other modules sharded as units of their own, after the decoder layers and
+            before the root (e.g. the input embedding, gathered only around its own forward
+            instead of for the root's whole step; :mod:`.fast`). Modules whose parameters are
+            all left out of sharding are skipped.
 
     Returns:
         A :class:`Sharded`.
@@ -270,6 +274,10 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
         expected = packed_checksums(model)
     for layer in layers:
         fully_shard(layer, **kwargs)
+    ignored_ids = {id(p) for p in ignored}
+    for unit in units:
+        if any(id(p) not in ignored_ids for p in unit.parameters()):
+            fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     if nf4 == "shard" and quantized:
         bytes_check = _attach_quant_states(model, expected, snapshot)
@@ -351,6 +359,8 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> fl
         elif rank0:
             total += g.float().pow(2).sum().to(device)
     if dist.is_initialized():
+        if total.device.type == "cpu" and dist.get_backend() == "nccl":  # CPU-offloaded gradients
+            total = total.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(total)
     norm = float(total.sqrt())
     if max_norm is not None and norm > max_norm:

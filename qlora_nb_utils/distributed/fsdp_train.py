@@ -39,6 +39,7 @@ from typing import Sequence
 
 import torch
 
+from .fast import optimize_options
 from .global_batches import _local_micro_batches, _loss_sum, _target_count, make_global_batches
 from .runs import read_log
 from .summary import _graph_break_total, _max_over_ranks, _summary
@@ -108,6 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-adapter", action="store_true", help="do not save the adapter at the end")
     p.add_argument("--trainer", default="none", choices=TRAINERS,
                    help="run through transformers.Trainer (hf) or trl.SFTTrainer (trl) with FSDP2")
+    p.add_argument("--fast-path", action="store_true",
+                   help="compile.optimize()'s recipe on every rank, then FSDP2 (distributed/fast.py); on one "
+                        "process the plain single-GPU fast path, nothing sharded")
+    p.add_argument("--optimize", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --fast-path, an optimize() option (e.g. nf4_dequant=true, lora_addmm=unfused); repeatable")
+    p.add_argument("--one-gpu-scope", default="whole", choices=("whole", "regional"),
+                   help="with --fast-path on one process: optimize()'s scope (distributed/fast.py)")
+    p.add_argument("--build", default="load", choices=("load", "layerwise"),
+                   help="load: from_pretrained of the built checkpoint; layerwise: the named shape with random "
+                        "NF4 weights made one linear layer at a time on the device (distributed/big_model.py)")
     return p
 
 
@@ -146,6 +157,13 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     if args.trainer != "none" and (args.resume or args.stop_at or args.save_every):
         raise ValueError("--trainer runs do not take --resume/--stop-at/--save-every "
                          "(the Trainer has its own save_steps / resume_from_checkpoint)")
+    if getattr(args, "fast_path", False) and (args.resume or args.stop_at or args.save_every or args.probe
+                                              or args.trainer != "none" or not args.compile):
+        raise ValueError("--fast-path does not take --resume/--stop-at/--save-every/--probe/--trainer/--no-compile "
+                         "(its checkpoints and logits probe are not written yet)")
+    optimize_options(getattr(args, "optimize", []))  # a malformed pair stops here, before any model
+    if getattr(args, "build", "load") == "layerwise" and args.quant != "nf4":
+        raise ValueError("--build layerwise makes NF4 weights; it needs --quant nf4")
     args.micro_batch_size = micro
     args.grad_accum = local // micro
     return args
@@ -159,7 +177,12 @@ def _truncate_log(path: Path, start: int) -> None:
 
 # ----------------------------------------------------------------------------- the run
 def _setup(args, info):
-    """Load, shard and (optionally) compile the model; returns (sharded, tok, dtype, mp, storage)."""
+    """Load, shard and (optionally) compile the model.
+
+    Returns:
+        ``(sharded, tok, dtype, mp, storage, batches)``; ``batches`` (the global batches) only
+        with ``--fast-path``, whose choices are made from them (None otherwise).
+    """
     from .fsdp import apply_fsdp2
     from .packed_words import sharded_nf4_precision
     from .setup import load_qlora, mixed_precision, resolve_quant_storage
@@ -167,20 +190,39 @@ def _setup(args, info):
     dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
         else getattr(torch, args.dtype)
     nf4 = resolve_nf4_mode(args.nf4, info.backend)
-    if nf4 == "shard" and args.quant == "nf4":
+    fast = getattr(args, "fast_path", False)
+    if (nf4 == "shard" or fast) and args.quant == "nf4":
         mp, storage = sharded_nf4_precision(dtype, args.quant_storage)  # no 16-bit all-gather of packed words
     else:
         mp = mixed_precision(dtype)
         storage = resolve_quant_storage(args.quant_storage, mp.param_dtype, dtype)
-    model, tok = load_qlora(args.model, quant=args.quant, dtype=dtype, device=info.device,
-                            quant_storage=storage, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                            seed=args.seed)
+    if getattr(args, "build", "load") == "layerwise":
+        from .big_model import build_named_qlora
+
+        model, tok = build_named_qlora(args.model, device=info.device, dtype=dtype, quant_storage=storage,
+                                       lora_r=args.lora_r, lora_alpha=args.lora_alpha, seed=args.seed)
+    else:
+        model, tok = load_qlora(args.model, quant=args.quant, dtype=dtype, device=info.device,
+                                quant_storage=storage, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                                seed=args.seed)
     frozen = frozen_mode(args, info)
+    if fast:
+        from .fast import optimize_sharded
+
+        batches = make_global_batches(tok, args)
+        sample = [m for b in batches[:4] for m in _local_micro_batches(b, info, args)]
+        sharded = optimize_sharded(model, batches=sample, world_size=info.world_size, mp_policy=mp, nf4=nf4,
+                                   frozen=frozen, cpu_offload=args.cpu_offload,
+                                   reshard_after_forward=args.reshard_after_forward, grad_ckpt=args.grad_ckpt,
+                                   backend=args.backend, verify="exact" if args.check_bytes else True,
+                                   one_scope=args.one_gpu_scope,
+                                   **optimize_options(args.optimize))
+        return sharded, tok, dtype, mp, storage, batches
     sharded = apply_fsdp2(model, mp_policy=mp, nf4=nf4, verify="exact" if args.check_bytes else True,
                           frozen=frozen, cpu_offload=args.cpu_offload,
                           reshard_after_forward=args.reshard_after_forward, grad_ckpt=args.grad_ckpt,
                           compile_layers=args.compile, backend=args.backend, fullgraph=args.fullgraph)
-    return sharded, tok, dtype, mp, storage
+    return sharded, tok, dtype, mp, storage, None
 
 
 def resolve_nf4_mode(mode: str, backend: str) -> str:
@@ -197,7 +239,7 @@ def resolve_nf4_mode(mode: str, backend: str) -> str:
     return mode
 
 
-def _train_step(model, params, opt, sched, batch, info, args) -> dict:
+def _train_step(model, params, opt, sched, batch, info, args, fast=None) -> dict:
     import torch.distributed as dist
 
     from ..training.device import sync
@@ -210,8 +252,8 @@ def _train_step(model, params, opt, sched, batch, info, args) -> dict:
     micro_batches = _local_micro_batches(batch, info, args)
     for i, micro in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        model.set_requires_gradient_sync(last)  # one reduce-scatter per step, after the last micro
-        loss = _loss_sum(model, micro) / n_targets
+        (fast or model).set_requires_gradient_sync(last)  # one reduce-scatter per step, after the last micro
+        loss = (fast.loss(micro) * _target_count(micro) if fast is not None else _loss_sum(model, micro)) / n_targets
         (loss * info.world_size).backward()  # FSDP2 averages over ranks; the loss is a global mean
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum)
@@ -249,8 +291,9 @@ def run(args: argparse.Namespace) -> dict | None:
         out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     breaks_before, _ = _graph_break_total()
-    sharded, tok, dtype, mp, storage = _setup(args, info)
+    sharded, tok, dtype, mp, storage, batches = _setup(args, info)
     model = sharded.model
+    fast = sharded if getattr(args, "fast_path", False) else None
     if info.is_main:
         from .fsdp import sharding_report
 
@@ -275,12 +318,13 @@ def run(args: argparse.Namespace) -> dict | None:
         elif log_path.exists():
             log_path.unlink()
     dist.barrier()
-    batches = make_global_batches(tok, args)
+    if batches is None:
+        batches = make_global_batches(tok, args)
     reset_peak(info.device)
     model.train()
     peak = 0.0
     for step in range(start, args.steps):
-        rec = _train_step(model, params, opt, sched, batches[step % len(batches)], info, args)
+        rec = _train_step(model, params, opt, sched, batches[step % len(batches)], info, args, fast)
         peak = max(peak, _max_over_ranks(peak_mem_gib(info.device), info.device))
         rec.update(step=step, peak_mem_gib=peak, world_size=info.world_size, run_start=start)
         if info.is_main:
@@ -298,15 +342,21 @@ def run(args: argparse.Namespace) -> dict | None:
             return None
     if args.probe:
         _save_probe(model, batches[0], info, out)
-    eval_loss = _eval_loss(model, batches[0], info, args) if args.eval else None
+    eval_loss = _eval_loss(model, batches[0], info, args, fast) if args.eval else None
     if not args.no_adapter:
-        save_adapter(model, out / "adapter", is_main=info.is_main)
+        save_adapter(fast.peft if fast is not None else model, out / "adapter", is_main=info.is_main)
     summary = None
+    ranks = None
+    if fast is not None:  # what optimize() chose on every rank, gathered to rank 0
+        ranks = [None] * info.world_size
+        dist.all_gather_object(ranks, _fast_record(fast, info))
     if info.is_main:
         records = read_log(log_path)
         for r in records:
             r.setdefault("run_start", 0)
         summary = _summary(args, info, records, sharded, storage, dtype, start, breaks_before, peak)
+        if fast is not None:
+            summary["fast_path"] = {**ranks[0], "ranks": ranks}
         summary.update(eval_loss=eval_loss, bytes_check=sharded.bytes_check, frozen=frozen_mode(args, info),
                        mp_param_dtype=str(mp.param_dtype).replace("torch.", "") if mp.param_dtype else None)
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -323,16 +373,28 @@ def frozen_mode(args, info) -> str:
     return args.frozen if args.frozen != "auto" else ("replicate" if info.backend == "nccl" else "shard")
 
 
-def _eval_loss(model, batch: dict, info, args) -> float:
+def _fast_record(fast, info) -> dict:
+    """What ``optimize()`` chose on this rank, and its compilations (the summary holds every rank's)."""
+    opt = fast.opt
+    return {"ran": True, "rank": info.rank, "sharded": fast.sharded is not None, "world_size": info.world_size,
+            "compile": fast.compile_stats(),
+            "choices": {k: str(v) for k, v in opt.choices.items()},
+            "reasons": dict(opt.reasons)}
+
+
+def _eval_loss(model, batch: dict, info, args, fast=None) -> float:
     """Mean next-token loss over ``batch`` (every rank its rows, summed over ranks), under no
     grad in train mode (LoRA dropout is 0; see :func:`_save_probe` for why not eval mode)."""
     import torch.distributed as dist
 
     n_targets = max(1, _target_count(batch))
     total = torch.zeros((), device=info.device)
-    with torch.no_grad():
+    # the fast path's step runs in grad mode (its in-place LoRA Function is traced for training
+    # only); the graph it builds is dropped unused
+    with torch.no_grad() if fast is None else torch.enable_grad():
         for micro in _local_micro_batches(batch, info, args):
-            total += _loss_sum(model, micro).float()
+            loss = fast.loss(micro) * _target_count(micro) if fast is not None else _loss_sum(model, micro)
+            total += loss.detach().float()
     dist.all_reduce(total)
     return float(total) / n_targets
 
