@@ -30,6 +30,9 @@ The choices, each overridable by passing it explicitly:
 * **Checkpointing**: off without a memory target; with ``max_memory_gib``, on the fewest first
   decoder layers whose estimated peak (:func:`estimate_peak_gib`) fits the target; if even every
   layer does not fit, their saved inputs offloaded to CPU memory (:mod:`.offload`, regional scope).
+* **The model's own head in the chunked loss** (``head``): a bias, logit scale or soft cap is read
+  from the model, checked on a probe forward and applied (:mod:`~qlora_nb_utils.ops.lm_head`); a
+  head the chunked loss would not reproduce keeps the model's own head and loss.
 * **The LM head and loss over labelled rows only** (``loss_rows``) when the batches shown
   ignore at least 10% of their target rows: on padded batches most of the head's work was on
   padding (:mod:`qlora_nb_utils.ops.losses`; the rows are counted per step, outside the graph,
@@ -68,7 +71,9 @@ from typing import Any, Iterable
 
 import torch
 
+from ..ops.attention import choose_attention
 from ..ops.doc_attention import with_document_mask
+from ..ops.lm_head import choose_head
 from ..ops.losses import CHUNK_MIN_ROWS
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_peak_gib, estimate_terms, peak_from_terms
@@ -101,11 +106,13 @@ def _compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
             return dtype
     config = getattr(model, "config", None)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):  # a config built in memory may name it
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
     if isinstance(dtype, torch.dtype):
         return dtype
-    from ..env import default_dtype
+    from ..env import default_dtype, resolve_dtype
 
-    return default_dtype(device)
+    return resolve_dtype(default_dtype(device), device)
 
 
 def _check(name: str, value: Any, valid: Iterable[Any]) -> None:
@@ -151,7 +158,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
         ckpt_layers: with checkpointing, how many first decoder layers checkpoint (None: decided).
         dtype: the compute dtype (None: the model's).
         backend: the Dynamo backend.
-        ce_chunks: the chunked cross-entropy's pieces; 0 keeps the model's own loss (and logits).
+        ce_chunks: the chunked cross-entropy's pieces; 0 keeps the model's own loss (and logits),
+            as does a model whose head the chunked loss would not reproduce (the choice ``head``).
         ce_min_rows: fewer pieces while one would hold fewer rows than this, for a loss computed
             outside the compiled graph (regional scope): ``"auto"`` (512,
             :data:`~qlora_nb_utils.ops.losses.CHUNK_MIN_ROWS`) or an integer >= 0 (0: always
@@ -209,7 +217,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     Raises:
         ValueError: an unknown choice (the message lists the valid ones), ``max_memory_gib``
             without ``batches``, ``attention="causal"`` on batches that are not right-padded,
-            packed and padded batches mixed, a packed batch with an ``attention_mask``.
+            packed and padded batches mixed, a packed batch with an ``attention_mask``,
+            ``loss_rows=True`` for a model whose head the chunked loss does not reproduce.
     """
     _check("mode", mode, MODES + (None,))
     _check("grad_ckpt", grad_ckpt, ("auto", True, False))
@@ -274,6 +283,11 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                              "tracing and partitioning)" if cache_fns else
                              f"backend {backend!r}" if backend != "inductor" else "this torch has no such setting")
 
+    # the LM head: the chunked loss computes the model's own (bias, scale, soft cap) or is not used
+    head, ce_chunks = choose_head(model, ce_chunks, loss_rows, batches)
+    if head is not None:
+        choices["head"], reasons["head"] = head.describe() if head.reproduced else "model's own", head.why
+
     # checkpointing and offload (offload.plan): decided first, offloading makes the scope regional
     n_layers = len(decoder_layers(model))
     *rows_choice, head_rows = choose_loss_rows(loss_rows, ce_chunks, batches, pad_multiple)
@@ -304,20 +318,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
             raise ValueError("attention='causal' would let packed documents attend to each other; use 'auto'")
         kernel, why = choose_doc_kernel(device, doc_attention)
         choices["doc_attention"], reasons["doc_attention"] = kernel, why
-        attention, why = "document", "packed rows: each token attends to its own document only"
-    elif attention == "auto":
-        if batches is None:
-            attention, why = "mask", "no batches shown to check right padding"
-        else:
-            try:
-                from ..ops.attention import check_right_padded
-
-                check_right_padded(batches)
-                attention, why = "causal", "every batch is right-padded: causal-only SDPA (flash, GQA)"
-            except ValueError:
-                attention, why = "mask", "some batch is not right-padded"
-    else:
-        why = "asked for"
+    attention, why = choose_attention(model, attention, batches, packed)
     choices["attention"], reasons["attention"] = attention, why
 
     # CUDA graphs
@@ -365,7 +366,8 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
     choices["loss"], reasons["loss"] = (f"chunked CE x{ce_chunks}" if ce_chunks else "model's own",
                                         ("no full fp32 logits" + (f"; fewer chunks while one would hold under "
                                                                   f"{chunk_rows} rows" if chunk_rows else ""))
-                                        if ce_chunks else "asked for")
+                                        if ce_chunks else "asked for" if head is None
+                                        else "the chunked loss would not compute this model's loss (see head)")
     choices["loss_rows"], reasons["loss_rows"] = rows_choice
     # a loss inside the graph gets one row count (the most a batch shown needs: one compilation,
     # one CUDA graph); outside it (regional scope) each batch takes its own, in multiples of 64
@@ -394,6 +396,7 @@ def optimize(model: torch.nn.Module, *, batches: Iterable[dict] | None = None, g
                             grad_ckpt=ckpt > 0, ckpt_layers=ckpt if ckpt > 0 else None,
                             autocast=use_autocast, causal_attn=attention == "causal", mode=mode, backend=backend,
                             eager_numerics=numerics, scope=scope, offload=ck.offload, ce_min_rows=chunk_rows,
+                            head=head,
                             # regional: the layers' inputs cannot be marked dynamic from outside
                             dynamic=True if scope == "regional" and mark else None)
     except BaseException:  # leave the model as it was given, but for the cast

@@ -10,7 +10,8 @@ thing the default setup gets wrong under ``torch.compile``, and each can be undo
   the norms to fp32, which turns the whole residual stream fp32. :func:`cast_non_lora` casts
   every non-LoRA float weight back to the compute dtype (the LoRA weights stay fp32).
 * **Chunked loss.** The model is wrapped in :class:`~qlora_nb_utils.ops.losses.ChunkedLossLM`,
-  whose loss never holds the full fp32 logits of a 128k vocabulary. In regional scope, where
+  whose loss never holds the full fp32 logits of a 128k vocabulary; it computes what the
+  model's own head does after ``hidden @ W^T`` (bias, scale, soft cap: :mod:`~qlora_nb_utils.ops.lm_head`). In regional scope, where
   the head and the loss stay eager, each chunk's softmax arithmetic is compiled on CUDA
   (``compiled_math``).
 * **Causal-only attention.** While Dynamo traces, transformers always builds a 4-D mask, so
@@ -59,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 
 from ..ops.attention import check_right_padded, use_causal_sdpa
+from ..ops.lm_head import LMHead
 from ..ops.losses import ChunkedLossLM
 from ..reversible import PatchHandle, set_attribute
 from . import offload as _offload
@@ -245,7 +247,7 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
                  grad_ckpt: bool = False, ckpt_layers: int | None = None, autocast: bool = False,
                  causal_attn: bool = False, mode: str | None = None, backend: Any = "inductor",
                  eager_numerics: bool = False, scope: str = "whole", dynamic: bool | None = None,
-                 offload: bool = False, ce_min_rows: int = 0) -> FastPrepared:
+                 offload: bool = False, ce_min_rows: int = 0, head: LMHead | None = None) -> FastPrepared:
     """Apply the fast recipe to a loaded PEFT QLoRA model (see the module docstring).
 
     Args:
@@ -272,6 +274,8 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
             needs ``grad_ckpt`` and ``scope="regional"``.
         ce_min_rows: the chunked loss's ``min_chunk_rows`` (fewer pieces while a piece would have
             fewer rows; a loss outside the compiled graph only). 0: always ``ce_chunks`` pieces.
+        head: what the model's head does after ``hidden @ W^T``, for the chunked loss
+            (:func:`~qlora_nb_utils.ops.lm_head.read_head`); None: read and checked here.
 
     Returns:
         A :class:`FastPrepared`; call ``undo()`` when done (in a ``finally``).
@@ -297,7 +301,7 @@ def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = No
     try:
         # regional scope leaves the head and the loss eager: their softmax arithmetic is compiled on CUDA
         compiled_math = scope == "regional" and device.type == "cuda" and backend == "inductor"
-        target = ChunkedLossLM(model, ce_chunks, compiled_math, ce_min_rows) if ce_chunks else model
+        target = ChunkedLossLM(model, ce_chunks, compiled_math, ce_min_rows, head) if ce_chunks else model
         prepared = prepare_for_compile(target, grad_ckpt=bool(grad_ckpt), mode=mode, backend=backend,
                                        eager_numerics=eager_numerics, scope=scope, dynamic=dynamic)
     except BaseException:  # leave the model as it was given, but for the cast

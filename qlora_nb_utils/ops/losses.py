@@ -17,7 +17,9 @@ around each chunk's matmul. The numbers are those of ``F.cross_entropy`` over
 ``logits.float()`` with ``reduction="mean"`` over non-ignored targets (what transformers'
 ``ForCausalLMLoss`` computes), checked in ``tests/test_peers.py`` for loss and gradients.
 Liger-Kernel's fused linear cross-entropy and torchtune's chunked output loss are the same
-idea. :class:`ChunkedLossLM` puts it in place of a PEFT causal LM's own loss.
+idea. :class:`ChunkedLossLM` puts it in place of a PEFT causal LM's own loss, with what that
+model's head does after ``hidden @ W^T`` (a bias, a logit scale, a soft cap; :mod:`.lm_head`
+reads it from the model and checks it), so that the loss is the model's own.
 
 **Labelled rows only.** On padded batches most target rows are ignored (83% of them in the
 8B, 8 x 1024 profile on the shipped data, ``results/profile_8b_h100.json``), yet the head's
@@ -45,6 +47,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from .lm_head import LMHead, causal_lm_of, decoder_of, read_head
 
 __all__ = ["IGNORE_INDEX", "ROW_BUCKETS", "CHUNK_MIN_ROWS", "labelled_rows", "chunked_cross_entropy", "chunked_token_log_probs", "TokenStats", "causal_lm_targets",
            "ChunkedLossLM"]
@@ -124,26 +128,49 @@ def causal_lm_targets(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: 
     return hidden[:, :-1, :].reshape(-1, d), labels[:, 1:].reshape(-1)
 
 
+def _mapped(raw: torch.Tensor, scale: float, softcap: float | None) -> tuple:
+    """``raw`` (a chunk of ``h @ W^T + b``) in fp32 through the model's logit map (:class:`LogitMap`),
+    and ``d logits / d raw`` elementwise (None where it is 1: a plain head, nothing extra to compute)."""
+    z = raw.float()
+    if scale != 1.0:
+        z = z * scale
+    if softcap is None:
+        return z, (None if scale == 1.0 else scale)
+    t = torch.tanh(z / softcap)
+    return t * softcap, (1.0 - t * t) * scale
+
+
 def _chunk_scores(logits, t, ignore_index: int):
-    """One chunk's fp32 ``logits``: their logsumexp, the valid mask, safe targets and the target logits."""
-    lse = torch.logsumexp(logits, dim=-1)
+    """One chunk's fp32 ``logits``: their log-softmax, the valid mask, safe targets and the target log-probs.
+
+    ``log_softmax`` is the kernel ``F.cross_entropy`` runs, so that the recipe uncompiled computes
+    the very numbers of the model's own loss. ``torch.logsumexp`` rounds otherwise on a CPU (its
+    ``exp`` is the exact one; ``log_softmax``'s and Inductor's generated code use a faster one):
+    over a 49k vocabulary in fp32 that alone moved the loss by 1e-5, where a rerun with the rows
+    in another order moves it by 1e-6.
+    """
+    logp = torch.log_softmax(logits, dim=-1)
     valid = t != ignore_index
     safe_t = torch.where(valid, t, torch.zeros_like(t))
-    return lse, valid, safe_t, logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+    return logp, valid, safe_t, logp.gather(1, safe_t.unsqueeze(1)).squeeze(1)
 
 
-def _ce_math(logits: torch.Tensor, t: torch.Tensor, denom: torch.Tensor, ignore_index: int, want_grad: bool):
-    """One chunk's summed CE over ``logits.float()`` and, with ``want_grad``, its gradient with respect
-    to the logits divided by ``denom``, in the logits' dtype (zero on ignored rows)."""
-    lf = logits.float()
-    lse, valid, safe_t, picked = _chunk_scores(lf, t, ignore_index)
-    total = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+def _ce_math(raw: torch.Tensor, t: torch.Tensor, denom: torch.Tensor, ignore_index: int, want_grad: bool,
+             scale: float = 1.0, softcap: float | None = None):
+    """One chunk's summed CE over the model's logits from ``raw`` (``h @ W^T + b``) and, with
+    ``want_grad``, its gradient to ``raw`` over ``denom``, in ``raw``'s dtype (zero on ignored rows)."""
+    logits, dmap = _mapped(raw, scale, softcap)
+    logp, valid, safe_t, picked = _chunk_scores(logits, t, ignore_index)
+    total = torch.where(valid, -picked, torch.zeros_like(picked)).sum()
     if not want_grad:
         return total, None
     # d(sum CE)/d logits = softmax - onehot, zero on ignored rows; the mean divides by count.
-    g = torch.exp(lf - lse.unsqueeze(1))
-    g = g.scatter_add(1, safe_t.unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
-    return total, (g * (valid.unsqueeze(1) / denom)).to(logits.dtype)
+    g = torch.exp(logp)
+    g = g.scatter_add(1, safe_t.unsqueeze(1), -torch.ones_like(picked).unsqueeze(1))
+    g = g * (valid.unsqueeze(1) / denom)
+    if dmap is not None:  # through the map: softcap's 1 - tanh^2, the scale
+        g = g * dmap
+    return total, g.to(raw.dtype)
 
 
 #: ``_ce_math`` compiled once per process, for losses computed outside a compiled graph (:func:`_math`).
@@ -160,16 +187,19 @@ def _math(compiled: bool):
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """mean CE of ``(hidden @ weight.T).float()``; gradients computed chunk by chunk in forward."""
+    """mean CE of the model's logits from ``hidden @ weight.T + bias``; gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunks: int, ignore_index: int,
-                want_hidden: bool, want_weight: bool, compiled_math: bool = False, min_chunk_rows: int = 0):
+    def forward(ctx, hidden, weight, bias, targets, chunks: int, ignore_index: int, want_hidden: bool,
+                want_weight: bool, compiled_math: bool = False, min_chunk_rows: int = 0, scale: float = 1.0,
+                softcap: float | None = None):
         if min_chunk_rows and not torch.compiler.is_compiling():  # concrete row count: no guard on it
             chunks = max(1, min(chunks, -(-hidden.shape[0] // min_chunk_rows)))
         count = (targets != ignore_index).sum()
         denom = count.clamp(min=1).to(torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        want_bias = want_weight and bias is not None and bias.requires_grad
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
         total = hidden.new_zeros((), dtype=torch.float32)
         math_fn = _math(compiled_math)
         # tensor_split gives exactly `chunks` pieces whatever the length (the last ones may be
@@ -180,7 +210,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
             if compiled_math and h.shape[0] == 0:
                 continue  # an empty piece adds nothing (and would specialise the compiled arithmetic)
-            chunk_total, g = math_fn(h @ weight.t(), t, denom, ignore_index, want)
+            chunk_total, g = math_fn(F.linear(h, weight, bias), t, denom, ignore_index, want, scale, softcap)
             total = total + chunk_total
             if not want:
                 continue
@@ -188,29 +218,34 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 pieces.append(g @ weight)
             if grad_weight is not None:
                 grad_weight += (g.t() @ h).float()
+            if grad_bias is not None:
+                grad_bias += g.float().sum(0)
         grad_hidden = (torch.cat(pieces) if pieces else hidden.new_zeros(hidden.shape)) if want_hidden else None
-        ctx.save_for_backward(grad_hidden if grad_hidden is not None else hidden.new_empty(0),
-                              grad_weight if grad_weight is not None else weight.new_empty(0))
+        empty = hidden.new_empty(0)
+        ctx.save_for_backward(*(g if g is not None else empty for g in (grad_hidden, grad_weight, grad_bias)))
         ctx.weight_dtype = weight.dtype
         return total / denom
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None, None, None
+        gb = (grad_bias * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[2] and grad_bias.numel() else None
+        return gh, gw, gb, None, None, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                           chunks: int = 4, ignore_index: int = IGNORE_INDEX,
                           rows: torch.Tensor | None = None, compiled_math: bool = False,
-                          min_chunk_rows: int = 0) -> torch.Tensor:
+                          min_chunk_rows: int = 0, bias: torch.Tensor | None = None,
+                          logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
     """Causal-LM loss of an LM head without materialising all logits.
 
-    Equal to ``F.cross_entropy((hidden[:, :-1] @ weight.T).float(), labels[:, 1:],
-    ignore_index=ignore_index)`` (mean over non-ignored targets), gradients included; see the
-    module docstring for what is kept instead of the logits.
+    Equal to ``F.cross_entropy(logits.float(), labels[:, 1:], ignore_index=ignore_index)`` (mean
+    over non-ignored targets), gradients included, where ``logits`` are what the model's head
+    makes of ``hidden[:, :-1]``: ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap)``,
+    each part only where given (see the module docstring for what is kept instead of the logits).
 
     Args:
         hidden: ``(B, S, D)`` final hidden states.
@@ -228,14 +263,20 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         min_chunk_rows: outside a graph being traced, use fewer than ``chunks`` pieces while
             each would have fewer rows than this (0: always ``chunks``; :data:`CHUNK_MIN_ROWS`
             says why). A piece then never holds more rows than ``max(min_chunk_rows, rows / chunks)``.
+        bias: ``(V,)`` the head's output bias, or None (it gets its gradient when it requires one
+            and ``weight`` does too).
+        logit_scale: the factor the model multiplies its logits by (Cohere's ``logit_scale``,
+            one over Granite's ``logits_scaling``); 1: none.
+        softcap: the model's final-logit soft cap (Gemma-2/3's ``final_logit_softcapping``), or None.
 
     Returns:
         The scalar fp32 loss.
 
     Raises:
-        ValueError: ``chunks`` < 1, or shapes that do not fit together.
+        ValueError: ``chunks`` < 1, shapes that do not fit together, a scale or cap that is not a
+            finite number > 0.
     """
-    _check_head_inputs(hidden, weight, labels, chunks)
+    _check_head_inputs(hidden, weight, labels, chunks, bias, logit_scale, softcap)
     h, t = causal_lm_targets(hidden, labels, ignore_index)
     if rows is not None:  # index total (the padding of labelled_rows) reads row total-1, ignored
         inside = rows < t.shape[0]
@@ -243,9 +284,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         h = h.index_select(0, safe)
         t = torch.where(inside, t.index_select(0, safe), torch.full_like(safe, ignore_index))
     grad_on = torch.is_grad_enabled()
-    return _ChunkedLinearCrossEntropy.apply(h, weight, t, chunks, ignore_index, grad_on and h.requires_grad,
+    return _ChunkedLinearCrossEntropy.apply(h, weight, bias, t, chunks, ignore_index, grad_on and h.requires_grad,
                                             grad_on and weight.requires_grad, bool(compiled_math),
-                                            int(min_chunk_rows))
+                                            int(min_chunk_rows), float(logit_scale),
+                                            None if softcap is None else float(softcap))
 
 
 class TokenStats(NamedTuple):
@@ -258,22 +300,26 @@ class TokenStats(NamedTuple):
 
 
 class _ChunkedTokenLogProbs(torch.autograd.Function):
-    """Per-token ``log_softmax(hidden @ weight.T)[label]``, entropy and top-1, chunk by chunk."""
+    """Per-token ``log_softmax(logits)[label]``, entropy and top-1 of the model's logits, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunks: int, ignore_index: int, want_hidden: bool):
+    def forward(ctx, hidden, weight, bias, targets, chunks: int, ignore_index: int, want_hidden: bool,
+                scale: float = 1.0, softcap: float | None = None):
         log_probs, entropies, tops, grads = [], [], [], []
         for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
-            logits = (h @ weight.t()).float()
-            lse, valid, safe_t, picked = _chunk_scores(logits, t, ignore_index)
-            probs = torch.exp(logits - lse.unsqueeze(1))
-            zero = torch.zeros_like(lse)
-            log_probs.append(torch.where(valid, picked - lse, zero))
-            entropies.append(torch.where(valid, lse - (probs * logits).sum(-1), zero))
+            logits, dmap = _mapped(F.linear(h, weight, bias), scale, softcap)
+            logp, valid, safe_t, picked = _chunk_scores(logits, t, ignore_index)
+            probs = torch.exp(logp)
+            zero = torch.zeros_like(picked)
+            log_probs.append(torch.where(valid, picked, zero))
+            entropies.append(torch.where(valid, -(probs * logp).sum(-1), zero))
             tops.append((logits.argmax(-1) == t) & valid)
             if want_hidden:  # d log p[label] / d logits = onehot - softmax, zero on ignored rows
-                g = (-probs).scatter_add(1, safe_t.unsqueeze(1), torch.ones_like(lse).unsqueeze(1))
-                grads.append((g * valid.unsqueeze(1)).to(hidden.dtype) @ weight)
+                g = (-probs).scatter_add(1, safe_t.unsqueeze(1), torch.ones_like(picked).unsqueeze(1))
+                g = g * valid.unsqueeze(1)
+                if dmap is not None:
+                    g = g * dmap
+                grads.append(g.to(hidden.dtype) @ weight)
         entropy, top1 = torch.cat(entropies), torch.cat(tops)
         ctx.save_for_backward(torch.cat(grads) if want_hidden else hidden.new_empty(0))
         ctx.mark_non_differentiable(entropy, top1)
@@ -283,17 +329,19 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
     def backward(ctx, grad_log_probs, _grad_entropy, _grad_top1):
         (d_hidden,) = ctx.saved_tensors
         gh = d_hidden * grad_log_probs.unsqueeze(1).to(d_hidden.dtype) if ctx.needs_input_grad[0] else None
-        return gh, None, None, None, None, None
+        return gh, None, None, None, None, None, None, None, None
 
 
 def chunked_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                            chunks: int = 4, ignore_index: int = IGNORE_INDEX) -> TokenStats:
+                            chunks: int = 4, ignore_index: int = IGNORE_INDEX, bias: torch.Tensor | None = None,
+                            logit_scale: float = 1.0, softcap: float | None = None) -> TokenStats:
     """Each next-token label's log-probability under an LM head, without all the logits at once.
 
-    ``log_probs`` equals ``log_softmax((hidden[:, :-1] @ weight.T).float())`` at ``labels[:, 1:]``
-    (0 where the label is ignored), with its gradient to ``hidden``; ``-log_probs.sum() / n``
-    is the mean cross-entropy. The LM head must be frozen (as in (Q)LoRA): a per-token gradient
-    to the head's weight would need every chunk's logits kept.
+    ``log_probs`` equals ``log_softmax(logits.float())`` at ``labels[:, 1:]`` (0 where the label
+    is ignored), with its gradient to ``hidden``, where ``logits`` are the head's as in
+    :func:`chunked_cross_entropy` (bias, scale, soft cap); ``-log_probs.sum() / n`` is the mean
+    cross-entropy. The LM head must be frozen (as in (Q)LoRA): a per-token gradient to the
+    head's weight would need every chunk's logits kept.
 
     Args:
         hidden: ``(B, S, D)`` final hidden states.
@@ -301,30 +349,44 @@ def chunked_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: 
         labels: ``(B, S)`` token ids with ``ignore_index`` where no loss is taken.
         chunks: how many pieces the ``B*(S-1)`` token rows are cut into (>= 1).
         ignore_index: label value to skip.
+        bias, logit_scale, softcap: the head's, as in :func:`chunked_cross_entropy`.
 
     Returns:
         A :class:`TokenStats` of ``(B, S-1)`` tensors.
 
     Raises:
-        ValueError: ``chunks`` < 1, shapes that do not fit, or a head weight that requires grad.
+        ValueError: ``chunks`` < 1, shapes that do not fit, a bad scale or cap, or a head weight
+            or bias that requires grad.
     """
-    _check_head_inputs(hidden, weight, labels, chunks)
-    if weight.requires_grad and torch.is_grad_enabled():
-        raise ValueError("chunked_token_log_probs needs a frozen LM head (weight.requires_grad is True); "
+    _check_head_inputs(hidden, weight, labels, chunks, bias, logit_scale, softcap)
+    if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
+        raise ValueError("chunked_token_log_probs needs a frozen LM head (its weight or bias requires grad); "
                          "use chunked_cross_entropy, which also computes the head's gradient")
     h, t = causal_lm_targets(hidden, labels, ignore_index)
     want = torch.is_grad_enabled() and h.requires_grad
-    log_probs, entropy, top1 = _ChunkedTokenLogProbs.apply(h, weight, t, chunks, ignore_index, want)
+    log_probs, entropy, top1 = _ChunkedTokenLogProbs.apply(h, weight, bias, t, chunks, ignore_index, want,
+                                                           float(logit_scale),
+                                                           None if softcap is None else float(softcap))
     shape = labels[:, 1:].shape
     return TokenStats(log_probs.view(shape), entropy.view(shape), top1.view(shape), t.view(shape) != ignore_index)
 
 
-def _check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunks: int) -> None:
+def _check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunks: int,
+                       bias: torch.Tensor | None = None, logit_scale: float = 1.0,
+                       softcap: float | None = None) -> None:
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
     if hidden.dim() != 3 or labels.shape != hidden.shape[:2] or weight.shape[-1] != hidden.shape[-1]:
         raise ValueError(f"expected hidden (B, S, D), labels (B, S), weight (V, D); got "
                          f"{tuple(hidden.shape)}, {tuple(labels.shape)}, {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != tuple(weight.shape[:1]):
+        raise ValueError(f"bias must be (V,) = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
+    if torch.compiler.is_compiling():  # checked when the module was built and on the eager calls
+        return
+    for name, value in (("logit_scale", logit_scale), ("softcap", softcap)):
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 class ChunkedLossLM(torch.nn.Module):
@@ -338,32 +400,49 @@ class ChunkedLossLM(torch.nn.Module):
     ``loss_rows`` (from :func:`labelled_rows`) limits the head and the loss to those rows.
     ``compiled_math``: :func:`chunked_cross_entropy`'s, for a loss run outside a compiled graph.
     ``min_chunk_rows``: :func:`chunked_cross_entropy`'s (0: always ``chunks`` pieces).
+    ``head``: what the model's head does after ``hidden @ W^T`` (:class:`~.lm_head.LMHead`); None
+    reads it from the model and checks it on a probe forward (:func:`~.lm_head.read_head`), and
+    refuses a head it cannot reproduce.
+
+    Raises:
+        ValueError: ``head`` is None and the model's head does something the chunked loss does
+            not reproduce (the message says what).
     """
 
     def __init__(self, model: torch.nn.Module, chunks: int = 4, compiled_math: bool = False,
-                 min_chunk_rows: int = 0) -> None:
+                 min_chunk_rows: int = 0, head: LMHead | None = None) -> None:
         super().__init__()
         self.model = model
         self.chunks = chunks
         self.compiled_math = compiled_math
         self.min_chunk_rows = min_chunk_rows
+        if head is None:
+            head = read_head(model)
+            if not head.reproduced:
+                raise ValueError(f"the chunked loss cannot compute this model's loss: {head.why}")
+        self.head = head
 
     def forward(self, input_ids, attention_mask=None, labels=None, token_stats: bool = False,
                 loss_rows=None, **kwargs):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        causal_lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-        weight = causal_lm.get_output_embeddings().weight
+        causal_lm = causal_lm_of(self.model)
+        hidden = decoder_of(causal_lm)(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        out = causal_lm.get_output_embeddings()
+        head = {"bias": out.bias, "logit_scale": self.head.scale, "softcap": self.head.softcap}
         if token_stats:
-            return chunked_token_log_probs(hidden, weight, labels, chunks=self.chunks)
-        return CausalLMOutputWithPast(loss=chunked_cross_entropy(hidden, weight, labels, chunks=self.chunks,
+            return chunked_token_log_probs(hidden, out.weight, labels, chunks=self.chunks, **head)
+        return CausalLMOutputWithPast(loss=chunked_cross_entropy(hidden, out.weight, labels, chunks=self.chunks,
                                                                  rows=loss_rows, compiled_math=self.compiled_math,
-                                                                 min_chunk_rows=self.min_chunk_rows))
+                                                                 min_chunk_rows=self.min_chunk_rows, **head))
 
 
 def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                            ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """The standard path, for comparison: full logits, ``.float()``, ``F.cross_entropy``."""
+                            ignore_index: int = IGNORE_INDEX, *, bias: torch.Tensor | None = None,
+                            logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """The standard path, for comparison: full logits, the head's map, ``.float()``, ``F.cross_entropy``."""
     h, t = causal_lm_targets(hidden, labels, ignore_index)
-    return F.cross_entropy((h @ weight.t()).float(), t, ignore_index=ignore_index)
+    logits = F.linear(h, weight, bias).float() * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits, t, ignore_index=ignore_index)
