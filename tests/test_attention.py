@@ -309,3 +309,50 @@ def test_diagnose_refuses_a_precomputed_mask_without_flex(capsys):
 def test_precomputed_flex_mask_grads_match_stock_flex_on_gpu():
     """Stock flex given the causal BlockMask built outside against stock flex with the padding mask."""
     _assert_flex_matches_stock_flex_on_gpu(200, lambda model, batch: attention.with_causal_block_mask(model)(**batch).loss)
+
+
+def _windowed(window: int, layer_types=None):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=window)
+    if layer_types is not None:
+        cfg.layer_types = layer_types
+    return MistralForCausalLM(cfg)
+
+
+def test_a_sliding_window_shorter_than_the_batches_keeps_the_models_mask():
+    """Causal-only SDPA drops a sliding window: where it would bite, optimize keeps the model's mask
+    (and the loss is the model's own); where the batches fit in the window, causal-only is exact."""
+    from qlora_nb_utils.ops.attention import choose_attention, sliding_window
+
+    ids = torch.randint(0, 64, (2, 24))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    model = _windowed(8)
+    assert sliding_window(model) == 8
+    choice, why = choose_attention(model, "auto", [batch], packed=False)
+    assert choice == "mask" and "sliding window (8 tokens)" in why
+    assert choose_attention(_windowed(32), "auto", [batch], packed=False)[0] == "causal"
+    assert sliding_window(_windowed(8, ["full_attention", "full_attention"])) is None
+    with pytest.raises(ValueError, match="drops the model's sliding window"):
+        choose_attention(model, "causal", [batch], packed=False)
+    packed = {**batch, "document_ids": torch.tensor([[0] * 12 + [1] * 12] * 2)}
+    assert choose_attention(_windowed(12), "auto", [packed], packed=True)[0] == "document"
+    with pytest.raises(ValueError, match="packed document of 12 tokens is longer than the model's sliding window"):
+        choose_attention(model, "auto", [packed], packed=True)
+
+
+def test_optimize_on_a_windowed_model_computes_its_own_loss():
+    from qlora_nb_utils.compile import optimize
+
+    torch.manual_seed(0)
+    model = _windowed(6).train()
+    ids = torch.randint(0, 64, (2, 24))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    own = float(model(**batch).loss)
+    opt = optimize(model, batches=[batch], backend="eager", lora_addmm=False)
+    try:
+        assert opt.choices["attention"] == "mask"
+        assert abs(float(opt.eager(**batch).loss) - own) < 1e-5
+    finally:
+        opt.undo()

@@ -78,6 +78,7 @@ import torch
 from ..reversible import PatchHandle
 
 __all__ = ["CAUSAL_SDPA", "CAUSAL_FLEX", "KERNELS", "register_causal", "register_causal_sdpa", "use_causal_attention",
+           "sliding_window", "choose_attention",
            "use_causal_sdpa", "use_causal_flex", "causal_masks_for", "check_right_padded", "causal_block_mask",
            "with_causal_block_mask"]
 
@@ -333,4 +334,71 @@ def with_causal_block_mask(forward, block_size: int = 128):
         return forward(*args, **batch)
 
     return run
+
+
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The sliding window (in tokens) some layer of ``model`` attends within, or None when none does.
+
+    Read from the config (``sliding_window``; with ``layer_types``, only when some layer is
+    ``"sliding_attention"``): Mistral, Gemma-2/3, Qwen2 with ``use_sliding_window`` and their kin.
+    """
+    for cfg in _configs(model):
+        window = getattr(cfg, "sliding_window", None)
+        types = getattr(cfg, "layer_types", None)
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0 and (
+                types is None or "sliding_attention" in types):
+            return window
+    return None
+
+
+def _longest(batches: Iterable[dict]) -> int:
+    return max(int(b["input_ids"].shape[-1]) for b in batches)
+
+
+def _longest_document(batches: Iterable[dict]) -> int:
+    """The most tokens one document spans in packed rows (runs of equal ``document_ids``)."""
+    most = 0
+    for batch in batches:
+        for row in batch["document_ids"].reshape(-1, batch["document_ids"].shape[-1]):
+            ids, counts = torch.unique_consecutive(row, return_counts=True)
+            real = counts[ids >= 0]  # padding's document id is negative: it attends to nothing that matters
+            most = max(most, int(real.max()) if real.numel() else 0)
+    return most
+
+
+def choose_attention(model: torch.nn.Module, attention: str, batches: list[dict] | None,
+                     packed: bool) -> tuple[str, str]:
+    """``optimize(attention=...)``'s choice and its reason: ``"document"``, ``"causal"`` or ``"mask"``.
+
+    Causal-only SDPA (:func:`use_causal_sdpa`) drops a sliding window, and the per-document mask of
+    packed rows applies none: where a window is shorter than the longest row shown, ``"auto"``
+    keeps the model's own mask, and packing (or ``"causal"``) is refused.
+
+    Raises:
+        ValueError: packed rows, or ``attention="causal"`` on rows, longer than the model's sliding window.
+    """
+    window = sliding_window(model)
+    longer = window is not None and bool(batches) and _longest(batches) > window
+    if packed:
+        doc = _longest_document(batches) if longer else 0
+        if doc > window:
+            raise ValueError(f"a packed document of {doc} tokens is longer than the model's sliding window "
+                             f"({window}), which the per-document mask does not apply: pack to at most {window} "
+                             "tokens (--seq-len) or train on padded batches (--packing off)")
+        return "document", "packed rows: each token attends to its own document only"
+    if attention == "causal" and longer:
+        raise ValueError(f"attention='causal' drops the model's sliding window ({window} tokens), and the batches "
+                         f"hold {_longest(batches)}; use attention='auto' or 'mask'")
+    if attention != "auto":
+        return attention, "asked for"
+    if batches is None:
+        return "mask", "no batches shown to check right padding"
+    try:
+        check_right_padded(batches)
+    except ValueError:
+        return "mask", "some batch is not right-padded"
+    if longer:
+        return "mask", (f"the model's sliding window ({window} tokens) is shorter than the longest batch "
+                        f"({_longest(batches)}): its own mask (causal-only SDPA would drop the window)")
+    return "causal", "every batch is right-padded: causal-only SDPA (flash, GQA)"
 

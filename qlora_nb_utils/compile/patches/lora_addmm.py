@@ -11,7 +11,9 @@ output itself (:func:`qlora_nb_utils.ops.lora_update.add_lora_`, in place: an ou
 ``torch.addmm`` made cuBLAS copy the base output first, 14.4 ms a step at 8B 8 x 1024). The
 backward is the sum's (the base gets the output gradient as it is; ``A`` and ``B`` their usual
 gradients from the saved ``x@A^T`` and ``x``), so what is saved does not grow. When ``x@A^T``
-comes out in another dtype than the base output, it is the out-of-place ``torch.addmm``.
+comes out in another dtype than the base output, or the base layer has a bias (Qwen2's q, k and
+v: its output is a view, which an in-place Function under Dynamo cannot take), it is the
+out-of-place ``torch.addmm``.
 
 :func:`apply` sets an instance ``forward`` on each PEFT ``lora.bnb.Linear4bit`` (and plain
 ``lora.Linear``) of the model, nothing process-wide. The replacement handles the plain case
@@ -168,7 +170,10 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True,
     if not autocast and result.dtype != x.dtype:
         return type(self).forward(self, x, *args, **kwargs)  # (the base output unused: rare, and dead code compiled)
     xa = lora_A(self.lora_dropout[name](x))
-    if in_place and xa.dtype == result.dtype and result.is_contiguous():  # no copy of the base output
+    # a base with a bias returns a view (addmm, then a reshape): Dynamo cannot trace an in-place
+    # Function on a view of a graph intermediate (a shape error in its backward), so out of place
+    biased = getattr(self.base_layer, "bias", None) is not None
+    if in_place and not biased and xa.dtype == result.dtype and result.is_contiguous():  # no copy of the base output
         b = lora_B.weight if lora_B.weight.dtype == result.dtype else lora_B.weight.to(result.dtype)  # autocast's cast
         return add_lora_(result, xa, b, self.scaling[name])
     out = torch.addmm(result.reshape(-1, result.shape[-1]), xa.reshape(-1, xa.shape[-1]), lora_B.weight.t(),
