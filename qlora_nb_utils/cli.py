@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from . import _paths
+
 #: models.ATTN_CHOICES, repeated so that `--help` imports no torch (tests/test_bench.py checks they agree)
 ATTN_CHOICES = ("sdpa", "eager", "flex_attention")
 
@@ -158,8 +160,11 @@ def _add_train_parser(sub) -> None:
 
 
 def _quantize(args: argparse.Namespace) -> int:
+    from .models import check_model_source
     from .models.prequantized import save_nf4
 
+    _paths.check_out_dir(args.out, what="OUT", empty=not args.overwrite)  # before the model loads
+    check_model_source(args.model)
     try:
         folder = save_nf4(args.model, args.out, dtype=args.dtype, device=args.device,
                           double_quant=not args.no_double_quant, overwrite=args.overwrite)
@@ -213,13 +218,13 @@ def _kind(path: str, results: dict) -> str | None:
     if not isinstance(results, dict):
         raise ValueError(f"{path}: not a results file (a JSON {type(results).__name__}, expected an object)")
     if results.get("kind") in ("peers_compute", "offload"):
-        return results["kind"]  # issue 20's file (its table and trade-off plot), and the offload points it plots
+        return results["kind"]  # the compute-bound peers file (its table and trade-off plot), and the offload points it plots
     if results.get("kind") == "fast_path" or ("optimize" in results and "runs" in results):
         return "bench"  # the three-run main job (one call, or gathered calls of several shapes)
     from .report import packing as packing_report
 
     if packing_report.is_packing_file(results):
-        return "packing"  # issue 19's packing benchmark (its runs carry packed/library/data)
+        return "packing"  # the packing benchmark (its runs carry packed/library/data)
     if peers_report.is_peers_file(results):
         return "peers"
     if "cells" in results:
@@ -270,7 +275,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _report_packing(loaded: dict, kinds: dict) -> None:
-    """Issue 19's packing tables, targets and trade-off plot (written next to each file)."""
+    """The packing benchmark's tables, targets and trade-off plot (written next to each file)."""
     from .report import packing as packing_report
 
     for f in (f for f, kind in kinds.items() if kind == "packing"):
@@ -280,7 +285,7 @@ def _report_packing(loaded: dict, kinds: dict) -> None:
 
 
 def _report_compute(loaded: dict, kinds: dict) -> None:
-    """Issue 20's table and trade-off plot (with the offload files named beside it, else those next to it)."""
+    """The compute-bound peers' table and trade-off plot (with the offload files named beside it, else those next to it)."""
     from .report import peers_compute
 
     offload = [(Path(f).name, loaded[f]) for f, kind in kinds.items() if kind == "offload"]
@@ -296,6 +301,7 @@ def _report_compute(loaded: dict, kinds: dict) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from .bench import main_job as bench
 
+    _paths.check_out_dir(args.out)  # before anything loads: the results of minutes of training must have a place
     results = bench.run_bench(
         progress=not args.no_progress, command=args.command_line,
         model=args.model, quant=args.quant, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -365,6 +371,8 @@ def _diagnose(args: argparse.Namespace) -> int:
     from .diagnostics import checks
     from .ops import attention
 
+    if args.json_path:
+        _paths.check_out_file(args.json_path, what="--json")  # before the model loads
     # --causal-attn: the model is loaded inside checks.diagnose, so the stock mask function is
     # swapped for the run (make_length_batcher pads on the right, as the causal mask needs)
     causal = attention.causal_masks_for(args.attn) if args.causal_attn else contextlib.nullcontext()

@@ -13,6 +13,7 @@ questions. The answer is cached per device type.
 
 import importlib
 import importlib.metadata
+import logging
 import os
 import platform
 import re
@@ -232,9 +233,43 @@ def bnb_status(device: DeviceLike = "auto") -> Tuple[bool, str]:
         ValueError: as :func:`resolve_device`.
     """
     dev = resolve_device(device)
+    quiet_bnb_cpu_kernel_note()  # before bitsandbytes is imported
     if dev.type not in _BNB_CACHE:
         _BNB_CACHE[dev.type] = _check_bnb(dev)
     return _BNB_CACHE[dev.type]
+
+
+#: What bitsandbytes' CPU backend logs at import on a CPU with AVX512-BF16 when the optional
+#: ``kernels`` package (its fused NF4 kernel, fetched from the Hugging Face Hub) is missing.
+BNB_CPU_KERNEL_NOTE = "Failed to load CPU gemm_4bit_forward"
+_BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+class _BnbCpuKernelNote(logging.Filter):
+    """Turns bitsandbytes' warning about its optional CPU kernel into one INFO line saying what it means.
+
+    The warning reads like a broken install and came with every CPU model load, while nothing is
+    wrong: NF4 runs on bitsandbytes' built-in CPU path. Other records pass unchanged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(BNB_CPU_KERNEL_NOTE):
+            return True
+        record.msg = ("bitsandbytes: its optional fused NF4 kernel for this CPU (the `kernels` package, fetched "
+                      "from the Hugging Face Hub) is not installed; NF4 runs on bitsandbytes' own CPU path")
+        record.args, record.levelno, record.levelname = (), logging.INFO, "INFO"
+        return True
+
+
+def quiet_bnb_cpu_kernel_note() -> None:
+    """Keep bitsandbytes' import-time note about its optional CPU kernel out of the way (idempotent).
+
+    Called before bitsandbytes is first imported for a model load; the note stays available at
+    INFO level (``logging.getLogger("bitsandbytes.backends.cpu.ops")``).
+    """
+    logger = logging.getLogger(_BNB_CPU_LOGGER)
+    if not any(isinstance(f, _BnbCpuKernelNote) for f in logger.filters):
+        logger.addFilter(_BnbCpuKernelNote())
 
 
 def _check_bnb(dev: torch.device) -> Tuple[bool, str]:

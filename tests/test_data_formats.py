@@ -262,3 +262,42 @@ def test_a_layout_first_seen_after_10_mb_still_loads(tmp_path):
     assert path.stat().st_size > 10 << 20
     ds = D.load_examples(path, cache_dir=tmp_path / "cache")
     assert len(ds) == 21_001 and ds[-1]["messages"] == CHAT[1:3] and ds[0]["messages"] is None
+
+
+def test_every_bad_line_is_reported_in_one_pass_with_the_json_column(tmp_path):
+    good = json.dumps(LAYOUTS["messages"][0])
+    lines = [good, '{"prompt": "p", "response": ', good, json.dumps({"prompt": "p"}), good,
+             '{"prompt": "p" "response": "r"}', good]
+    path = tmp_path / "three.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(D.DataFormatError) as info:
+        D.validate_source(path)
+    text = str(info.value)
+    assert "3 bad lines of 7" in text
+    assert "three.jsonl:2: invalid JSON: Expecting value at column 29 (char 28)" in text
+    assert "three.jsonl:4: missing field 'response'" in text
+    assert "three.jsonl:6: invalid JSON: Expecting ',' delimiter at column 16 (char 15)" in text
+
+
+def test_the_report_lists_at_most_the_limit_and_counts_the_rest(tmp_path):
+    path = tmp_path / "many.jsonl"
+    bad = D.MAX_REPORTED_PROBLEMS + 5
+    path.write_text("\n".join([json.dumps({"prompt": "p"})] * bad) + "\n", encoding="utf-8")
+    with pytest.raises(D.DataFormatError) as info:
+        D.validate_file(path)
+    text = str(info.value)
+    assert f"{bad} bad lines of {bad}" in text and "... and 5 more" in text
+    assert text.count("missing field") == D.MAX_REPORTED_PROBLEMS
+
+
+def test_every_bad_row_of_a_saved_dataset_is_reported(tmp_path):
+    import datasets
+
+    rows = [{"prompt": "p", "response": "r"}, {"prompt": "", "response": "r"}, {"prompt": "p", "response": " "}]
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    with pytest.raises(D.DataFormatError) as info:
+        D.validate_source(folder)
+    text = str(info.value)
+    assert "2 bad rows of 3" in text and "row 1 (0-based): field 'prompt' is empty" in text
+    assert "row 2 (0-based): field 'response' is empty" in text

@@ -157,3 +157,24 @@ def test_bnb_without_backend_is_reported(monkeypatch):
     ok, reason = env.bnb_status("cpu")
     assert not ok
     assert "installed but cannot run NF4 on cpu" in reason and "no kernel registered" in reason
+
+
+def test_bitsandbytes_cpu_kernel_note_is_one_quiet_line(caplog):
+    """bitsandbytes' import-time warning about its optional CPU kernel reads like a broken install:
+    once the loader has run, it is an INFO line saying what it means, and other records pass."""
+    import logging
+
+    from qlora_nb_utils import env
+
+    env.bnb_status("cpu")  # what every model load runs first
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.INFO, logger="bitsandbytes.backends.cpu.ops"):
+        logger.warning(env.BNB_CPU_KERNEL_NOTE + " from kernels-community: %s. Please pip install kernels",
+                       "No module named 'kernels'")
+        logger.warning("something else: %s", 1)
+    (note, other) = caplog.records
+    assert note.levelno == logging.INFO and "NF4 runs on bitsandbytes' own CPU path" in note.getMessage()
+    assert "Failed" not in note.getMessage()
+    assert other.levelno == logging.WARNING and other.getMessage() == "something else: 1"
+    env.quiet_bnb_cpu_kernel_note()
+    assert len(logger.filters) == 1  # idempotent

@@ -323,3 +323,87 @@ def test_batches_tokenize_the_training_split_once(data_file, monkeypatch, packin
                                                packing=packing, log=lambda m: None)
     assert calls == ([data.UNCUT, 48] if packing else [48, 48])  # the training split, then the held-out one
     assert ("document_ids" in train[0]) is packing and heldout
+
+
+@pytest.mark.parametrize("packing", [True, False, "auto"])
+def test_every_packing_choice_prints_the_padding_share(data_file, packing):
+    """``--packing off`` says how much of its batches is padding, as ``on`` and ``auto`` do."""
+    from qlora_nb_utils import data, models
+    from qlora_nb_utils.training import build_finetune_batches
+
+    lines = []
+    train, _, _ = build_finetune_batches(models.load_tokenizer("tiny"), data=data_file, batch_size=2, seq_len=48,
+                                         eval_size=4, packing=packing, log=lines.append)
+    said = [line for line in lines if line.startswith("==> packing:")]
+    assert len(said) == 1 and "% padding" in said[0], lines
+    if packing is False:
+        share = data.padding_stats(train)["waste_fraction"]
+        assert said[0] == f"==> packing: off (asked for): padded batches are {share:.0%} padding"
+
+
+def test_a_gemma2_run_reports_the_models_own_held_out_loss(tmp_path, data_file):
+    """Gemma-2 caps its logits at 30; with the tied embedding scaled by 100 the raw logits reach the
+    hundreds, so a loss without the cap is many times the model's. The run's held-out loss must be
+    what the model's own forward gives on the same rows with the saved adapter."""
+    import torch
+    from peft import PeftModel
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from qlora_nb_utils import models
+    from qlora_nb_utils.training import build_finetune_batches, evaluate
+
+    tok = models.load_tokenizer("tiny")
+    config = Gemma2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, final_logit_softcapping=30.0,
+                          tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    gemma = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        gemma.get_input_embeddings().weight.mul_(100)
+    folder = tmp_path / "gemma2"
+    gemma.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(folder), "--data", str(data_file), "--out", str(out), "--device", "cpu",
+            "--dtype", "float32", "--steps", "8", "--batch-size", "2", "--seq-len", "48", "--eval-every", "0",
+            "--eval-size", "4", "--save-every", "0", "--backend", "aot_eager", "--no-progress"]
+    assert cli.main(argv) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert "softcap 30" in m["optimize"]["description"]
+    _, heldout, _ = build_finetune_batches(tok, data=data_file, batch_size=2, seq_len=48, seed=0, eval_size=4)
+    base, _ = models.load_model(str(folder), quant="nf4", lora=False, device="cpu", prepare_kbit=True)
+    own = evaluate(PeftModel.from_pretrained(base, out / "adapter"), heldout)
+    assert own == pytest.approx(m["final_eval_loss"], abs=1e-3)
+    with torch.no_grad():  # the cap bites: without it the same rows score far higher
+        causal_lm = base.get_base_model() if hasattr(base, "get_base_model") else base
+        batch = heldout[0]
+        hidden = causal_lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        from qlora_nb_utils.ops.losses import chunked_cross_entropy
+
+        uncapped = float(chunked_cross_entropy(hidden, causal_lm.get_output_embeddings().weight, batch["labels"]))
+    assert uncapped > 2 * own
+
+
+@pytest.mark.slow
+def test_the_step_0_held_out_loss_is_the_base_models_own(tmp_path, data_file):
+    """SmolLM2's real weights: the held-out loss a run reports at step 0 (LoRA B is zero) is the
+    base model's own loss on those rows, loaded as a user would (``load_model(..., lora=False)``,
+    whose ``dtype="auto"`` is the run's fp32 on a CPU). The recipe's loss is computed with the
+    kernel ``F.cross_entropy`` runs (``ops.losses._chunk_scores``), so they agree to fp32 rounding."""
+    from qlora_nb_utils import models
+    from qlora_nb_utils.training import build_finetune_batches, evaluate
+
+    out = tmp_path / "run"
+    argv = ["train", "--model", "smollm2-135m", "--data", str(data_file), "--out", str(out), "--device", "cpu",
+            "--steps", "1", "--batch-size", "2", "--seq-len", "48", "--eval-every", "0", "--eval-size", "8",
+            "--save-every", "0", "--backend", "eager", "--no-progress"]
+    assert cli.main(argv) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    step0 = m["eval_losses"][0]
+    assert step0["step"] == 0
+    tok = models.load_tokenizer("smollm2-135m")
+    _, heldout, _ = build_finetune_batches(tok, data=data_file, batch_size=2, seq_len=48, seed=0, eval_size=8)
+    base, _ = models.load_model("smollm2-135m", lora=False, device="cpu")
+    own = evaluate(base, heldout)
+    assert own == pytest.approx(step0["loss"], abs=1e-5)

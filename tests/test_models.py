@@ -146,8 +146,10 @@ def test_tiny_nf4_lora_trains(cache, tiny_dir):
     assert info["quantized_linear"] == 7 * config.num_hidden_layers
     assert info["lora_layers"] == 7 * config.num_hidden_layers
     assert info["layer0_weight_dtype"] == "torch.uint8"
-    assert info["layer0_compute_dtype"] == "torch.bfloat16"
+    assert info["layer0_compute_dtype"] == "torch.float32"  # "auto": what qlora-nb train computes in on a CPU
     assert info["trainable_params"] == _lora_params(config, 16)
+    on_gpu_dtype, _ = models.load_model("tiny", device="cpu", dtype="bfloat16")
+    assert models.describe(on_gpu_dtype)["layer0_compute_dtype"] == "torch.bfloat16"
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
 
@@ -203,7 +205,7 @@ def test_prepare_kbit_and_checkpointing(cache, tiny_dir):
     base = model.get_base_model()
     assert base.is_gradient_checkpointing
     assert base.model.norm.weight.dtype == torch.float32  # the HF recipe upcasts norms
-    plain, _ = models.load_model("tiny", device="cpu", gradient_checkpointing=True)
+    plain, _ = models.load_model("tiny", device="cpu", dtype="bfloat16", gradient_checkpointing=True)
     assert plain.get_base_model().is_gradient_checkpointing
     assert plain.get_base_model().model.norm.weight.dtype == torch.bfloat16
 
@@ -226,11 +228,11 @@ def _packed(model):
 
 
 def test_save_nf4_loads_the_same_bits_in_the_runs_dtype(cache, tiny_dir, tmp_path):
-    folder = models.save_nf4("tiny", tmp_path / "tiny-nf4", device="cpu")  # bf16, as load_model's default
+    folder = models.save_nf4("tiny", tmp_path / "tiny-nf4", device="cpu")  # bf16, save_nf4's default
     assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the temporary folder is gone
-    fresh, tok = models.load_model("tiny", device="cpu", lora=False)
-    saved, tok2 = models.load_model(str(folder), device="cpu", lora=False)
+    fresh, tok = models.load_model("tiny", device="cpu", dtype="bfloat16", lora=False)
+    saved, tok2 = models.load_model(str(folder), device="cpu", dtype="bfloat16", lora=False)
     a, b = _packed(fresh), _packed(saved)
     assert a.keys() == b.keys() and len(a) == 7 * fresh.config.num_hidden_layers
     assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k], strict=True))

@@ -29,7 +29,7 @@ from .._lazy import lazy_exports
 __getattr__, __dir__ = lazy_exports(__name__, {
     **{name: "examples" for name in (
         "SPLITS", "FILE_TEMPLATE", "PADDING_POLICIES", "IGNORE_INDEX", "REQUIRED_FIELDS",
-        "OPTIONAL_STR_FIELDS", "CHAT_ROLES", "HELDOUT_SPLITS", "DataFormatError", "default_data_path",
+        "OPTIONAL_STR_FIELDS", "CHAT_ROLES", "HELDOUT_SPLITS", "DataFormatError", "MAX_REPORTED_PROBLEMS", "default_data_path",
         "validate_file", "validate_source", "load_examples", "load_splits", "format_example")},
     **{name: "tokenizing" for name in ("tokenize_examples", "learned_rows")},
     **{name: "collate" for name in ("PaddingCollator", "make_batches", "padding_stats")},

@@ -137,23 +137,60 @@ def _check_record(record: Any) -> str | None:
     return None
 
 
+#: At most this many bad lines (or rows) are listed in one error; the rest are counted.
+MAX_REPORTED_PROBLEMS = 20
+
+
+class _Problems:
+    """Every bad line of one pass: the first :data:`MAX_REPORTED_PROBLEMS` listed, all counted."""
+
+    def __init__(self, where: str, unit: str) -> None:
+        self.where, self.unit, self.listed, self.count = where, unit, [], 0
+
+    def add(self, message: str) -> None:
+        self.count += 1
+        if len(self.listed) < MAX_REPORTED_PROBLEMS:
+            self.listed.append(message)
+
+    def raise_if_any(self, total: int) -> None:
+        if not self.count:
+            return
+        more = self.count - len(self.listed)
+        tail = f"\n  ... and {more} more" if more else ""
+        raise DataFormatError(f"{self.where}: {self.count} bad {self.unit}{'s' if self.count > 1 else ''} of {total}:\n  "
+                              + "\n  ".join(self.listed) + tail)
+
+
+def _json_problem(err: json.JSONDecodeError) -> str:
+    """The parser's whole message with its column (``JSONDecodeError.msg`` alone has neither)."""
+    return f"invalid JSON: {err.msg} at column {err.colno} (char {err.pos})"
+
+
 def _scan_file(path: Path) -> tuple[int, bool]:
-    """Validate a JSONL file; return its example count and whether its lines differ in shape."""
+    """Validate a JSONL file; return its example count and whether its lines differ in shape.
+
+    Every line is checked in one pass; the error lists each bad one as ``file:line: problem``.
+    """
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path}")
-    count, shapes = 0, set()
+    count, lines, shapes = 0, 0, set()
+    problems = _Problems(str(path), "line")
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            lines += 1
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))  # a column on this line, not past its end
             except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                problems.add(f"{path}:{lineno}: {_json_problem(e)}")
+                continue
             if problem := _check_record(record):
-                raise DataFormatError(f"{path}:{lineno}: {problem}")
+                problems.add(f"{path}:{lineno}: {problem}")
+                continue
             count += 1
             shapes.add((frozenset(record), frozenset(k for m in record.get("messages") or () for k in m)))
+    problems.raise_if_any(lines)
     if count == 0:
         raise DataFormatError(f"{path}: no examples in file")
     return count, len(shapes) > 1
@@ -173,8 +210,9 @@ def validate_file(path: str | Path) -> int:
         DataFormatError: a line is not a JSON object of one layout with non-empty strings
             (a bad ``messages``: not a list, fewer than 2, a message without role/content,
             an unknown role, empty content, a last message not the assistant's), has a
-            non-string ``id``/``source``, or the file holds no example. The message names the
-            file and the 1-based line number.
+            non-string ``id``/``source``, or the file holds no example. The message lists every
+            bad line (the first :data:`MAX_REPORTED_PROBLEMS`, and how many more) as
+            ``file:line: problem``; for invalid JSON, the parser's message with its column.
     """
     return _scan_file(Path(path))[0]
 
@@ -200,11 +238,13 @@ def _check_rows(ds: datasets.Dataset, where: str) -> None:
     if len(ds) == 0:
         raise DataFormatError(f"{where}: no examples")
     row = 0
+    problems = _Problems(where, "row")
     for batch in ds.select_columns(cols).iter(batch_size=1024):
         for values in zip(*(batch[c] for c in cols)):
             if problem := _check_record({c: v for c, v in zip(cols, values) if v is not None}):
-                raise DataFormatError(f"{where}, row {row} (0-based): {problem}")
+                problems.add(f"row {row} (0-based): {problem}")
             row += 1
+    problems.raise_if_any(row)
 
 
 def _load_saved(path: Path, split: str) -> datasets.Dataset:

@@ -140,7 +140,7 @@ def load_model(
     lora_alpha: float = 32,
     lora_dropout: float = 0.0,
     lora_targets: Union[str, Sequence[str]] = "all-linear",
-    dtype: Union[str, torch.dtype] = "bfloat16",
+    dtype: Union[str, torch.dtype] = "auto",
     attn_implementation: str = "sdpa",
     device: Union[str, torch.device, None] = "auto",
     cache_dir: Union[str, Path, None] = None,
@@ -162,7 +162,10 @@ def load_model(
         lora_alpha: LoRA scaling numerator.
         lora_dropout: dropout on the LoRA input; 0 keeps runs deterministic.
         lora_targets: ``"all-linear"`` or module names as a list or comma-separated string.
-        dtype: compute dtype (see :func:`qlora_nb_utils.env.resolve_dtype`).
+        dtype: compute dtype (see :func:`qlora_nb_utils.env.resolve_dtype`); ``"auto"``: what
+            ``qlora-nb train`` computes in on the device (:func:`qlora_nb_utils.env.default_dtype`:
+            fp32 on a CPU, bf16 on an SM80+ GPU), so that a base loaded to evaluate a run's
+            adapter computes what the run did.
         attn_implementation: ``"sdpa"``, ``"eager"`` or ``"flex_attention"`` (torch has no
             CPU backward for flex attention, so it trains only on CUDA).
         device: anything :func:`qlora_nb_utils.env.resolve_device` accepts.
@@ -186,8 +189,7 @@ def load_model(
     targets = _parse_targets(lora_targets) if lora else None
     if lora:
         _check_lora_numbers(lora_r, lora_alpha, lora_dropout)
-    dev = env.resolve_device(device)
-    torch_dtype = env.resolve_dtype(dtype, dev)
+    dev, torch_dtype = env.resolve_device_dtype(device, dtype)
     if quant == "nf4":
         env.require_bnb(dev)
     source = _source(name, cache_dir)

@@ -98,8 +98,8 @@ def save_nf4(name: Union[str, os.PathLike], folder: Union[str, os.PathLike], *, 
         name: what :func:`~qlora_nb_utils.models.load_model` accepts (a named model, a folder, a hub id;
             an NF4 checkpoint is saved again as it is).
         folder: where the checkpoint goes; it must not exist (or be empty) unless ``overwrite``.
-        dtype: the dtype the weights are read in before they are quantized (the default is
-            :func:`~qlora_nb_utils.models.load_model`'s); a run in this dtype loads the very same
+        dtype: the dtype the weights are read in before they are quantized (bfloat16 by default,
+            what a run on an SM80+ GPU computes in); a run in this dtype loads the very same
             model as it would quantizing while loading.
         device: where to quantize (bitsandbytes quantizes on the device the weights load to).
         double_quant: also quantize the NF4 scales.

@@ -58,7 +58,7 @@ class LMHead:
     softcap: float | None = None
     bias: bool = False
     reproduced: bool = True
-    why: str = "hidden @ W^T"
+    why: str = "asked for"
 
     def describe(self) -> str:
         """The map in a few words, e.g. ``hidden @ W^T, softcap 30``."""
@@ -210,8 +210,8 @@ def read_head(model: torch.nn.Module, input_ids: torch.Tensor | None = None) -> 
             if abs(own - ours) > rtol * max(1.0, abs(own)):
                 return LMHead(reproduced=False, why=f"its loss ({own:.6g} on a probe) is not the cross-entropy of "
                                                     f"its logits ({ours:.6g}): it adds or weighs something")
-            found = LMHead(scale=scale * k, softcap=cap, bias=head.bias is not None)
-            return dataclasses.replace(found, why=found.describe() + " (read from the model, checked on a probe)")
+            return LMHead(scale=scale * k, softcap=cap, bias=head.bias is not None,
+                          why="read from the model, checked on a probe forward")
     return LMHead(reproduced=False, why=f"its forward changes the logits after hidden @ W^T in a way that is none of "
                                         f"the caps and scales its config names (largest difference {best:.3g} on a probe)")
 

@@ -224,6 +224,9 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
         else:
             (log or print)(f"==> packing: off (padded batches are {waste:.0%} padding, "
                            f"<= {PACK_WHEN_PADDING_OVER:.0%})")
+    else:
+        (log or print)(f"==> packing: off (asked for): padded batches are "
+                       f"{padding_stats(train)['waste_fraction']:.0%} padding")
     return train, heldout, dict(held_ds[0])
 
 

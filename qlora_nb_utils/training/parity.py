@@ -8,12 +8,17 @@ batches with the rows of every batch in another order (:func:`permute_rows`). Th
 the loss are the same in exact arithmetic; only the order of the sums over tokens, in the loss
 and in every weight gradient, changes. Its per-step difference from the eager run is what a
 correct run can differ by. A compiled run passes (:func:`judge`) when its difference from eager
-stays within the floor's largest at every step and its mean is at most ``mean_factor`` (1.5) x
-the floor's mean.
+stays within ``max_factor`` (1.5) x the floor's largest at every step and its mean is at most
+``mean_factor`` (1.5) x the floor's mean.
 
-In fp32 on a CPU the floor is tiny (1e-7 and less) and a compiled run's own rounding is of the
-same order or a little above it, so the verdict is meant for bf16 runs; the figures are
-reported either way.
+Why a margin on the largest difference too: a correct compiled run is one more draw of the same
+noise, and the largest of its steps' differences exceeds the largest of the floor's two runs
+about one time in three (of three draws of a maximum, each is the largest equally often). In
+fp32 on a CPU that is what the main job met: every difference, the floor's and the compiled
+runs', was a few units in the last place of a loss near 4 (2.4e-7 each), the floor's largest
+4 of them, a compiled run's 5 at one step. A real error is of another size: a loss computed with
+another ``exp`` (``torch.logsumexp`` against ``F.cross_entropy``'s ``log_softmax``) was 70 of
+them; a left-out soft cap, a loss many times the model's.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ def loss_diffs(reference: Sequence[float], other: Sequence[float]) -> list[float
 
 
 def judge(eager: Sequence[float], floor_run: Sequence[float] | Sequence[Sequence[float]], run: Sequence[float],
-          mean_factor: float = 1.5) -> dict[str, Any]:
+          mean_factor: float = 1.5, max_factor: float = 1.5) -> dict[str, Any]:
     """The floor, the run's difference, and the verdict, per the module docstring.
 
     Args:
@@ -64,21 +69,23 @@ def judge(eager: Sequence[float], floor_run: Sequence[float] | Sequence[Sequence
             differences, the range that one summation order alone does not show.
         run: the run under test (compiled), same batches, same start.
         mean_factor: the most the run's mean difference may be, in floor means.
+        max_factor: the most any step's difference may be, in the floor's largest (module docstring).
 
     Returns:
         ``floor_max_abs_loss_diff``, ``floor_mean_abs_loss_diff``, ``max_abs_loss_diff``,
-        ``mean_abs_loss_diff``, ``steps_over_floor`` (the steps whose difference exceeds the
-        floor's max), ``within_floor`` (bool) and the per-step lists ``floor_diffs``, ``diffs``.
+        ``mean_abs_loss_diff``, ``steps_over_floor`` (the steps whose difference exceeds
+        ``max_factor`` x the floor's max), ``within_floor`` (bool) and the per-step lists
+        ``floor_diffs``, ``diffs``.
     """
     runs = [floor_run] if floor_run and not isinstance(floor_run[0], (list, tuple)) else list(floor_run)
     floor = [max(step) for step in zip(*(loss_diffs(eager, r) for r in runs))]
     diffs = loss_diffs(eager, run)
     floor_max, floor_mean = max(floor), sum(floor) / len(floor)
     run_max, run_mean = max(diffs), sum(diffs) / len(diffs)
-    over = [i for i, d in enumerate(diffs) if d > floor_max]
+    over = [i for i, d in enumerate(diffs) if d > max_factor * floor_max]
     return {
         "floor_max_abs_loss_diff": floor_max, "floor_mean_abs_loss_diff": floor_mean,
         "max_abs_loss_diff": run_max, "mean_abs_loss_diff": run_mean, "steps_over_floor": over,
         "within_floor": not over and run_mean <= mean_factor * floor_mean,
-        "mean_factor": mean_factor, "floor_runs": len(runs), "floor_diffs": floor, "diffs": diffs,
+        "mean_factor": mean_factor, "max_factor": max_factor, "floor_runs": len(runs), "floor_diffs": floor, "diffs": diffs,
     }

@@ -1,0 +1,78 @@
+"""qlora-nb: every command refuses a bad output path (and other bad input) before any model loads."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from qlora_nb_utils import cli
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load fails the test: the refusals must come first."""
+    from qlora_nb_utils import models
+    from qlora_nb_utils.models import load
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(load, "load_model", refuse)
+    monkeypatch.setattr(models, "load_model", refuse, raising=False)
+
+
+def _refused(argv, capsys, *needles):
+    start = time.monotonic()
+    assert cli.main(argv) == 2
+    assert time.monotonic() - start < 20
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith(f"qlora-nb {argv[0]}: error:")
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_bench_refuses_an_existing_file_as_out(tmp_path, capsys, no_model):
+    out = tmp_path / "results.txt"
+    out.write_text("mine\n")
+    _refused(["bench", "--model", "tiny", "--device", "cpu", "--out", str(out)], capsys, "is a file, not a folder")
+    assert out.read_text() == "mine\n"
+
+
+def test_bench_refuses_an_out_under_a_file(tmp_path, capsys, no_model):
+    (tmp_path / "f").write_text("")
+    _refused(["bench", "--device", "cpu", "--out", str(tmp_path / "f" / "run")], capsys, "cannot be made")
+
+
+def test_diagnose_refuses_a_folder_as_json(tmp_path, capsys, no_model):
+    _refused(["diagnose", "--device", "cpu", "--json", str(tmp_path)], capsys, "is a folder")
+
+
+def test_quantize_refuses_a_non_empty_out_and_a_bad_model(tmp_path, capsys, no_model):
+    (tmp_path / "x").write_text("")
+    _refused(["quantize", "tiny", str(tmp_path), "--device", "cpu"], capsys, "not empty", "--overwrite")
+    _refused(["quantize", str(tmp_path / "nowhere"), str(tmp_path / "new"), "--device", "cpu"], capsys,
+             "unknown model")
+
+
+def test_train_refuses_an_existing_file_as_out(tmp_path, capsys, no_model):
+    out = tmp_path / "run"
+    out.write_text("")
+    _refused(["train", "--model", "tiny", "--device", "cpu", "--out", str(out)], capsys, str(out))
+
+
+def test_report_refuses_a_missing_file(tmp_path, capsys):
+    _refused(["report", str(tmp_path / "missing.json")], capsys, "not found")
+
+
+def test_bench_out_existing_file_exits_2_quickly_as_a_process(tmp_path):
+    """The whole command, as a user runs it: exit 2 within 20 s, one line, no traceback."""
+    out = tmp_path / "existing"
+    out.write_text("")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "qlora_nb_utils.cli", "bench", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 2 and time.monotonic() - start < 20, proc.stderr
+    assert "Traceback" not in proc.stderr and "is a file, not a folder" in proc.stderr
