@@ -381,7 +381,7 @@ def choose_attention(model: torch.nn.Module, attention: str, batches: list[dict]
     longer = window is not None and bool(batches) and _longest(batches) > window
     if packed:
         doc = _longest_document(batches) if longer else 0
-        if doc > window:
+        if longer and doc > window:
             raise ValueError(f"a packed document of {doc} tokens is longer than the model's sliding window "
                              f"({window}), which the per-document mask does not apply: pack to at most {window} "
                              "tokens (--seq-len) or train on padded batches (--packing off)")
