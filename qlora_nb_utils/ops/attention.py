@@ -378,17 +378,17 @@ def choose_attention(model: torch.nn.Module, attention: str, batches: list[dict]
         ValueError: packed rows, or ``attention="causal"`` on rows, longer than the model's sliding window.
     """
     window = sliding_window(model)
-    longer = window is not None and bool(batches) and _longest(batches) > window
+    longest = _longest(batches) if batches else 0
+    longer = window is not None and longest > window
     if packed:
-        doc = _longest_document(batches) if longer else 0
-        if longer and doc > window:
+        if longer and (doc := _longest_document(batches)) > window:
             raise ValueError(f"a packed document of {doc} tokens is longer than the model's sliding window "
                              f"({window}), which the per-document mask does not apply: pack to at most {window} "
                              "tokens (--seq-len) or train on padded batches (--packing off)")
         return "document", "packed rows: each token attends to its own document only"
     if attention == "causal" and longer:
         raise ValueError(f"attention='causal' drops the model's sliding window ({window} tokens), and the batches "
-                         f"hold {_longest(batches)}; use attention='auto' or 'mask'")
+                         f"hold {longest}; use attention='auto' or 'mask'")
     if attention != "auto":
         return attention, "asked for"
     if batches is None:
@@ -399,6 +399,6 @@ def choose_attention(model: torch.nn.Module, attention: str, batches: list[dict]
         return "mask", "some batch is not right-padded"
     if longer:
         return "mask", (f"the model's sliding window ({window} tokens) is shorter than the longest batch "
-                        f"({_longest(batches)}): its own mask (causal-only SDPA would drop the window)")
+                        f"({longest}): its own mask (causal-only SDPA would drop the window)")
     return "causal", "every batch is right-padded: causal-only SDPA (flash, GQA)"
 
