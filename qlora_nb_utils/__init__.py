@@ -1,4 +1,4 @@
-"""qlora_nb_utils: QLoRA fine-tuning under ``torch.compile``, and the lab that measures it.
+"""qlora_nb_utils: QLoRA fine-tuning under ``torch.compile``.
 
 QLoRA (a bitsandbytes NF4 base model with PEFT LoRA adapters) is easy to train eagerly and
 surprisingly easy to train slowly under ``torch.compile``: one graph break or one
@@ -10,12 +10,14 @@ The public face is a handful of names, imported lazily on first use::
 
     from qlora_nb_utils import load_model, load_data, optimize, prepare_for_compile, TrainConfig, train, diagnose
 
-Below it, subpackages named by job. The product, what a user trains with: ``models``,
-``data``, ``ops``, ``compile`` (with ``compile.patches``), ``diagnostics``, ``training`` and
-``distributed``. The lab, which measures the product and is never imported by it: ``bench``
-(the main job, the peers, the compile matrix, compile time, FLOPs) and ``report`` (plots and
-Markdown tables); ``cli`` sits on top of both. ``docs/architecture.md`` draws the layers, and
-``lint-imports`` (the ``[tool.importlinter]`` contracts in ``pyproject.toml``) keeps them.
+Below it, subpackages named by job: ``models``, ``data``, ``ops``, ``compile`` (with
+``compile.patches``), ``diagnostics``, ``training`` and ``distributed``; ``plots`` draws loss
+curves and step times; ``bench`` measures a run of your own (eager against compiled on the same
+batches, judged against the eager floor, and the compile time); ``cli`` sits on top.
+``docs/architecture.md`` draws the layers, and ``lint-imports`` (the ``[tool.importlinter]``
+contracts in ``pyproject.toml``) keeps them. What measured the product against other libraries
+is the lab, ``lab/`` in the repository, beside this package: it imports the package, never the
+reverse, and no install ships it.
 
 Importing the package is cheap and changes nothing: no patch is applied at import time, and
 the heavy libraries (torch, transformers, peft, bitsandbytes) are imported by the modules that

@@ -2,7 +2,7 @@
 
 Why: importing ``qlora_nb_utils`` (or one of its subpackages) must stay cheap and must not
 import torch, transformers or peft before the caller wants them. The Unsloth peer, for one,
-runs ``python -m qlora_nb_utils.bench.peers.unsloth`` and has to reach ``import unsloth`` with
+runs ``python -m lab.peers.unsloth`` and has to reach ``import unsloth`` with
 transformers still unloaded. A package's ``__init__`` therefore names its public entry points
 in a table and lets PEP 562's module ``__getattr__`` import each from its module on first use.
 """

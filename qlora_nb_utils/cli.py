@@ -116,11 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(train in the same one: bfloat16, float16 or float32)")
     q.add_argument("--no-double-quant", action="store_true", help="do not quantize the NF4 scales too")
     q.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
-    r = sub.add_parser("report", help="Markdown tables of bench, matrix, peers, packing and FSDP2 results files "
-                       "(peers, packing, FSDP2: plots too)")
-    r.add_argument("files", nargs="+", help="results files written by qlora-nb bench, matrix.run_matrix, peers.run_peers "
-                   "or scripts/gpu/gpu_fsdp.sh or gpu_packing.sh (for a peers, packing or FSDP2 file the PNG plots are written next to it; an FSDP2 "
-                   "diagnostic file is skipped with a note)")
+    r = sub.add_parser("report", help="Markdown tables of the results files qlora-nb bench and the compile matrix write")
+    r.add_argument("files", nargs="+", help="results files written by qlora-nb bench or bench.matrix.run_matrix")
     return parser
 
 
@@ -206,96 +203,41 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kind(path: str, results: dict) -> str | None:
-    """Which results file this is ("bench", "matrix", "packing", "peers", "fsdp2"); None for an FSDP2 diagnostic.
-
-    Raises:
-        ValueError: for a JSON that is none of these, naming the file (rather than a KeyError later).
-    """
-    from .report import fsdp as fsdp_report
-    from .report import peers as peers_report
-
-    if not isinstance(results, dict):
-        raise ValueError(f"{path}: not a results file (a JSON {type(results).__name__}, expected an object)")
-    if results.get("kind") in ("peers_compute", "offload"):
-        return results["kind"]  # the compute-bound peers file (its table and trade-off plot), and the offload points it plots
-    if results.get("kind") == "fast_path" or ("optimize" in results and "runs" in results):
-        return "bench"  # the three-run main job (one call, or gathered calls of several shapes)
-    from .report import packing as packing_report
-
-    if packing_report.is_packing_file(results):
-        return "packing"  # the packing benchmark (its runs carry packed/library/data)
-    if peers_report.is_peers_file(results):
-        return "peers"
-    if "cells" in results:
-        return "matrix"
-    if fsdp_report.is_fsdp2_file(results):
-        return "fsdp2"
-    if isinstance(results.get("eager"), dict) and isinstance(results.get("compiled"), dict):
-        return "bench"
-    if fsdp_report.is_fsdp2_diag_file(results):
-        return None
-    if results.get("partial"):
-        raise ValueError(f"{path}: a partial FSDP2 results file (finished runs: {results.get('finished_runs')}, "
-                         f"missing: {results.get('missing_runs')}); nothing to compare")
-    raise ValueError(f"{path}: not a results file of qlora-nb bench, matrix.run_matrix, peers.run_peers or "
-                     f"scripts/gpu/gpu_fsdp.sh (FSDP2); its keys are {sorted(results)[:8]}")
-
-
 def _report(args: argparse.Namespace) -> int:
+    """Markdown tables of the files `qlora-nb bench` and the compile matrix write (the lab's own files: `python -m lab.report`)."""
     from .bench import main_job as bench
     from .bench import matrix
-    from .report import fsdp as fsdp_report
-    from .report import peers as peers_report
-    from .report.plots import load_results
+    from .plots import load_results
 
     missing = [f for f in args.files if not Path(f).is_file()]
     if missing:
         raise FileNotFoundError(f"results file(s) not found: {', '.join(missing)}")
     loaded = {f: load_results(f) for f in args.files}
     kinds = {f: _kind(f, r) for f, r in loaded.items()}
-    for f in (f for f, kind in kinds.items() if kind is None):
-        print(f"skipped {f}: an FSDP2 diagnostic record, not a results file", file=sys.stderr)
     benches = [f for f, kind in kinds.items() if kind == "bench"]
     if benches:
         print(bench.markdown_table(benches), end="")
     for f in (f for f, kind in kinds.items() if kind == "matrix"):
         print("\n" + matrix.markdown_table(f), end="")
-    for f in (f for f, kind in kinds.items() if kind == "peers"):
-        print("\n" + peers_report.markdown_table(loaded[f], Path(f).name), end="")
-        for png in peers_report.write_plots(loaded[f], f):
-            print(f"wrote {png}", file=sys.stderr)
-    for f in (f for f, kind in kinds.items() if kind == "fsdp2"):
-        print("\n" + fsdp_report.markdown_table(loaded[f], Path(f).name), end="")
-        for png in fsdp_report.write_plot(loaded[f], f):
-            print(f"wrote {png}", file=sys.stderr)
-    _report_compute(loaded, kinds)
-    _report_packing(loaded, kinds)
     return 0
 
 
-def _report_packing(loaded: dict, kinds: dict) -> None:
-    """The packing benchmark's tables, targets and trade-off plot (written next to each file)."""
-    from .report import packing as packing_report
+def _kind(path: str, results: dict) -> str:
+    """"bench" or "matrix".
 
-    for f in (f for f, kind in kinds.items() if kind == "packing"):
-        print("\n" + packing_report.markdown_table(loaded[f], Path(f).name), end="")
-        png = packing_report.write_plot(loaded[f], f)
-        print(f"wrote {png}" if png else f"{f}: no run without an error, no plot", file=sys.stderr)
-
-
-def _report_compute(loaded: dict, kinds: dict) -> None:
-    """The compute-bound peers' table and trade-off plot (with the offload files named beside it, else those next to it)."""
-    from .report import peers_compute
-
-    offload = [(Path(f).name, loaded[f]) for f, kind in kinds.items() if kind == "offload"]
-    for f in (f for f, kind in kinds.items() if kind == "peers_compute"):
-        print("\n" + peers_compute.markdown_table(loaded[f], Path(f).name), end="")
-        png = peers_compute.write_tradeoff_plot(f, loaded[f], offload)
-        print(f"wrote {png}" if png else f"{f}: no run at the trade-off shape, no plot", file=sys.stderr)
-    if offload and "peers_compute" not in kinds.values():
-        print("offload files are plotted with a peers_compute file (qlora-nb report peers_compute_<gpu>.json ...)",
-              file=sys.stderr)
+    Raises:
+        ValueError: for a JSON that is neither, naming the file (rather than a KeyError later).
+    """
+    if not isinstance(results, dict):
+        raise ValueError(f"{path}: not a results file (a JSON {type(results).__name__}, expected an object)")
+    if results.get("kind") == "fast_path" or ("optimize" in results and "runs" in results):
+        return "bench"  # the three-run main job (one call, or gathered calls of several shapes)
+    if "cells" in results:
+        return "matrix"
+    if isinstance(results.get("eager"), dict) and isinstance(results.get("compiled"), dict):
+        return "bench"
+    raise ValueError(f"{path}: not a results file of qlora-nb bench or the compile matrix (peers, packing, FSDP2 "
+                     f"and compute files: python -m lab.report); its keys are {sorted(results)[:8]}")
 
 
 def _bench(args: argparse.Namespace) -> int:

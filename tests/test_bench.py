@@ -5,9 +5,8 @@ import json
 import pytest
 import torch
 
-from qlora_nb_utils import cli, models
+from qlora_nb_utils import cli, models, plots
 from qlora_nb_utils.bench import main_job as bench
-from qlora_nb_utils.report import plots
 from qlora_nb_utils.training.loop import TrainConfig, train
 
 REQUIRED = {

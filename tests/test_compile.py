@@ -416,7 +416,7 @@ def test_eager_numerics_tiny_llama_bf16_forward_losses_match_eager(tmp_path):
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="torch 2.11 (H200): a forward traced by Dynamo with selective activation checkpointing "
                           "(our recompute-everything policy) and no backward leaves memory allocated that "
-                          "gc.collect() does not free (results/ckpt_leak_h200.json: 0.64 MiB tiny, 20 MiB on the "
+                          "gc.collect() does not free (lab/results/memory/ckpt_leak_h200.json: 0.64 MiB tiny, 20 MiB on the "
                           "4-layer 1B shape, 0.13 GiB on the 1B shape; none without the policy); compare "
                           "pytorch#154642. Training runs backward and is unaffected; passes once upstream frees it")
 def test_a_forward_with_the_recompute_policy_and_no_backward_frees_its_memory_on_gpu():

@@ -1,6 +1,6 @@
 """The Markdown table header the reports share."""
 
-from qlora_nb_utils.report.markdown import table_header
+from qlora_nb_utils.bench.markdown import table_header
 
 
 def test_separator_has_one_cell_per_column():

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,11 @@ def test_the_wheel_installs_into_a_fresh_venv_with_its_data_and_cli(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
                     str(ROOT)], check=True, capture_output=True)
     (wheel,) = dist.glob("qlora_nb_utils-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    lab_files = [n for n in names if n.startswith(("lab/", "qlora_nb_utils/bench/peers/", "qlora_nb_utils/report/"))
+                 or Path(n).name.startswith("peer")]
+    assert not lab_files, f"the wheel ships lab code: {lab_files[:5]}"
+    assert "qlora_nb_utils/compile/fast_path.py" in names and "qlora_nb_utils/plots.py" in names
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
     py = env_dir / "bin" / "python"
@@ -46,7 +52,9 @@ def test_the_wheel_installs_into_a_fresh_venv_with_its_data_and_cli(tmp_path):
         "from qlora_nb_utils import load_model, load_data, prepare_for_compile, TrainConfig, train, diagnose\n"
         "ds = load_data(limit=3)\n"  # the shipped data travels in the wheel
         "assert len(ds) == 3 and set(ds.column_names) >= {'prompt', 'response'}, ds\n"
-        "import qlora_nb_utils.bench.peers.runner, qlora_nb_utils.distributed.fsdp_train, qlora_nb_utils.compile.patches\n"
+        "import qlora_nb_utils.bench.main_job, qlora_nb_utils.distributed.fsdp_train, qlora_nb_utils.compile.patches\n"
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('lab') is None, 'the lab must not be installed'\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

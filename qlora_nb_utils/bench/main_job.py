@@ -35,9 +35,9 @@ import torch
 from .. import data as qdata
 from .. import diagnostics, env, models
 from ..env import default_dtype, resolve_device_dtype  # re-exported: bench.resolve_device_dtype
-from ..report.markdown import table_header
 from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
 from ..training.parity import judge, permute_rows
+from .markdown import table_header
 from .pairwise import compare, compiled_run, mark_dynamic, side_by_side, warm_shapes  # re-exported
 
 __all__ = [
@@ -324,7 +324,7 @@ def write_results(results: dict[str, Any], out_dir: str | Path, plot: bool = Tru
         import matplotlib
 
         matplotlib.use("Agg", force=False)
-        from ..report import plots
+        from .. import plots
 
         paths["loss_png"] = out / "loss_curves.png"
         plot = plots.plot_fast_path if "runs" in results else plots.plot_loss_curves
@@ -353,7 +353,7 @@ def markdown_table(paths: list[str | Path]) -> str:
     files = []
     for path in paths:
         r = json.loads(Path(path).read_text())
-        # a file gathered from several calls (scripts/gpu/fast_path_results.py) holds each call whole
+        # a file gathered from several calls (lab/gpu/fast_path_results.py) holds each call whole
         files += [(path, call) for call in r["calls"].values()] if r.get("kind") == "fast_path" else [(path, r)]
     for path, r in files:
         o = r["options"]

@@ -71,7 +71,7 @@ def _autocast(forward: Callable[..., Any], device: torch.device, dtype: torch.dt
     moves in steps of about 1e-4, the size of an update at lr 2e-4), so a rounding difference in
     any gradient, eager or compiled, decides whether a weight moves at all, and the runs drift
     apart step by step. fp32 master weights keep the update; the matmuls still run in bf16.
-    On the H200 (results/compile_matrix_h200.json, bf16_noise_h200.json) this took the base
+    On the H200 (lab/results/matrix/compile_matrix_h200.json, bf16_noise_h200.json) this took the base
     cells' eager-vs-compiled difference over 30 steps from 0.25-0.48 to 0.024-0.034, and
     eager-vs-eager with another SDPA kernel from 0.47 to 0.033, at lr 2e-4; at full fine-tuning's
     usual 2e-5 (`base_lr`) to 2.7e-3-5.4e-3, eager-vs-eager 2.0e-3-3.9e-3
@@ -295,7 +295,7 @@ def run_matrix(
                     done.append(cell)
                 # The break check runs after this length kind's runs, never between eager and
                 # compiled: it leaves memory allocated that gc.collect() does not free (0.133 GiB
-                # on the 1B shape with checkpointing, results/ckpt_mem_snapshot_h200.json), which
+                # on the 1B shape with checkpointing, lab/results/memory/ckpt_mem_snapshot_h200.json), which
                 # would count in every later peak of this process.
                 if done:
                     checked = _break_check(model, batches[0], dev, ckpt, wrap)

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..report.markdown import table_header
+from .markdown import table_header
 
 __all__ = ["CONFIGS", "LENGTHS", "SCOPES", "cell_lr", "committed_results", "config_lr", "markdown_table",
            "merge_results", "parity_table", "summary_frame"]
@@ -137,7 +137,7 @@ def parity_table(result: dict[str, Any], noise: Iterable[dict[str, Any]] = (), t
 
     For each config of the matrix `result`: the range over its cells of the max and of the mean
     per-step |loss compiled - loss eager| over the run, the cells within `target`, and the same
-    two statistics for the eager-vs-eager runs of `scripts/gpu/bf16_noise.py` results (`noise`) of
+    two statistics for the eager-vs-eager runs of `lab/gpu/bf16_noise.py` results (`noise`) of
     that config trained at the same learning rate (the fp32-master full fine-tune is the noise
     file's "base-fp32"). A perturbation whose run equals the plain eager run bit for bit (a
     repeat, or a flag that changed nothing) is left out: it is not a second sample of the drift.

@@ -81,7 +81,7 @@ def warm_shapes(model, batches, forward: Callable[..., Any] | None = None) -> in
     Why: on a GPU the first step at a batch length the process has not run before costs about
     100 ms more than later steps at that length, eager and compiled alike (on the H200 with the
     4-layer 1B shape: ~130-200 ms against ~20-35 ms; a since-removed probe,
-    `results/default_step_probe_h200.json`). It is paid once per length per process, outside
+    `lab/results/step/default_step_probe_h200.json`). It is paid once per length per process, outside
     the compiler: a compiled run after an eager pass over the same lengths steps at 20 ms from
     its first new length. So when runs are compared on variable lengths, whichever runs first
     pays for every length, and its median step says so. Warming every shape once first makes

@@ -2,7 +2,7 @@
 
 Why this module exists: on 2 H200s (torch 2.11, NCCL) sharding the packed NF4 weights stored
 as bf16 changed 0.07% of the 16-bit words, every one a bf16 NaN pattern rewritten to 0x7FFF
-(``results/fsdp2_h200_diag.json``), and the loss moved by 0.12. The cause, read from the torch
+(``lab/results/fsdp/fsdp2_h200_diag.json``), and the loss moved by 0.12. The cause, read from the torch
 source, is one copy, not NCCL and not a dtype cast:
 
 1. FSDP2's ``foreach_all_gather`` copies each rank's shards into the all-gather buffer with

@@ -11,7 +11,7 @@ that costs depends on the kernel.
 * **flex_attention.** ``masking_utils.flex_attention_mask`` (transformers 5.17, line 685) asks
   ``if attention_mask is not None and not fast_all(attention_mask)``, a branch on tensor data:
   compiling the whole model breaks the graph there and ``fullgraph=True`` fails
-  (``results/flex_attention_h200.json``: 5 breaks). Dropping the 2-D mask alone is not enough:
+  (``lab/results/attention/flex_attention_h200.json``: 5 breaks). Dropping the 2-D mask alone is not enough:
   the function then calls ``create_block_mask(..., _compile=True)``, whose deprecation
   ``warnings.warn`` (torch 2.13, ``flex_attention.py:1912``) is a graph break too (4 breaks on
   the tiny CPU model, measured).
@@ -56,7 +56,7 @@ H200 (``use_causal_flex``'s docstring). On a CPU (tiny Llama, forward, Inductor)
 like the in-graph mask: one static graph, one dynamic graph for every length over 128, one
 more for a 1-block length. On the H200 the whole 1B-shape QLoRA trained 20 lengths (128 to
 2560) with 0 breaks, ``fullgraph=True`` and 2 compilations, and the loss and gradients equal
-stock flex with the padding mask (``results/flex_attention_h200.json``, ``whole_precomputed``).
+stock flex with the padding mask (``lab/results/attention/flex_attention_h200.json``, ``whole_precomputed``).
 The mask function is a module-level function, so its identity guard holds from call to call.
 
 Not for generation with a cache or for left-padded batches (:func:`check_right_padded` refuses
@@ -211,7 +211,7 @@ def use_causal_flex(model: torch.nn.Module) -> PatchHandle:
     dynamic graph (``CantSplit: ((s + 127)//128) not divisible by ...``, H200, measured, also
     with the lengths declared multiples of 128 through ``torch._check``): there, build the mask
     outside the graph instead (:func:`with_causal_block_mask`: the whole 1B QLoRA trained 20
-    lengths with 2 compilations on the H200, ``results/flex_attention_h200.json``), or compile
+    lengths with 2 compilations on the H200, ``lab/results/attention/flex_attention_h200.json``), or compile
     regionally (``prepare_for_compile(scope="regional")``: 4 compilations for 20 lengths).
     """
     return use_causal_attention(model, "flex_attention")

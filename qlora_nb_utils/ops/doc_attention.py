@@ -45,7 +45,7 @@ length marked dynamic. The implementation is registered with transformers' ``Att
 under :data:`VARLEN` and not with the mask interface, so transformers builds no mask at all. On a
 CPU the same cuts drive the dense mask and SDPA (the reference the CUDA kernel is tested
 against; the flash kernel has no CPU build). Measured on an H100 (torch 2.11, 1B shape, 8 x 1024
-packed rows of the shipped data, ``results/packing_h100.json``'s ``doc_attention``): ``fullgraph=True``,
+packed rows of the shipped data, ``lab/results/packing/packing_h100.json``'s ``doc_attention``): ``fullgraph=True``,
 0 graph breaks, 1 compilation over the epoch, 69.1k real tokens/s at 10.51 GiB, where flex attention
 gave 61.1k at 15.82 GiB (:mod:`qlora_nb_utils.compile.packed` says why flex stays the default).
 
@@ -130,7 +130,7 @@ def document_block_mask(document_ids: torch.Tensor, block_size: int = 128, *, st
             every call of the same shape (for CUDA graphs, which take the tensor a ``mask_mod``
             captures as a static input: recorded at its address, recorded again when a new
             batch's ids lie elsewhere: 4 extra graphs in 14 steps, steps of 0.5-1.4 s between
-            150 ms ones, ``results/cudagraph_rerecord_h100.json``). The mask of the previous call
+            150 ms ones, ``lab/results/step/cudagraph_rerecord_h100.json``). The mask of the previous call
             then reads the new ids: use it before building the next.
 
     Returns:

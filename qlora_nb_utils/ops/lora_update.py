@@ -5,7 +5,7 @@ of place: cuBLAS first copies ``base`` into the new output. Compiled, Inductor e
 (``extern_kernels.addmm(buf0, ..., out=buf2)``), and on an H100 at 8B, 8 x 1024 the copies were a
 ``Memcpy DtoD`` of 14.4 ms a step without checkpointing and 28.7 ms with it (the recompute runs
 the forward twice): 672 MiB of LoRA-layer outputs per decoder layer, copied once each
-(``results/profile_8b_h100_regional.json``). The base output is read by nothing else, so the
+(``lab/results/step/profile_8b_h100_regional.json``). The base output is read by nothing else, so the
 update can go into it.
 
 :func:`add_lora_` does that. It is an autograd Function (its backward is the sum's: the base
@@ -35,11 +35,11 @@ dequantizes each ``W_i`` into a buffer whose last columns hold ``B_i``
 (:func:`~qlora_nb_utils.ops.nf4_triton.dequantize_wide`). For gate and up at 8B, 8 x 1024 that
 spares two 8192 x 14336 update tensors (written by a rank-r matmul, read back by the base GEMM's
 epilogue) per layer: on an H100 the forward of the pair took 2.76 ms against 2.93 ms
-(``results/lora_concat_h100.json``, ``fwd_concat_nocopy``); with ``x`` copied into the wide
+(``lab/results/step/lora_concat_h100.json``, ``fwd_concat_nocopy``); with ``x`` copied into the wide
 buffer instead it gained nothing (``fwd_concat_copy``). The backward is the narrow one's; it
 keeps ``x`` (recomputable) and the small ``s x A^T`` columns, not the wide buffer. Only groups
 run wide: a lone ``down_proj`` run wide too (its input also an elementwise result) made the
-8B, 8 x 1024 step slower on an H100, 431.5 against 427.5 ms (``results/peers_compute_h100_wide_down_ab.json``).
+8B, 8 x 1024 step slower on an H100, 431.5 against 427.5 ms (``lab/results/compute/peers_compute_h100_wide_down_ab.json``).
 """
 
 from __future__ import annotations

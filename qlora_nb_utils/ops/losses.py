@@ -22,7 +22,7 @@ model's head does after ``hidden @ W^T`` (a bias, a logit scale, a soft cap; :mo
 reads it from the model and checks it), so that the loss is the model's own.
 
 **Labelled rows only.** On padded batches most target rows are ignored (83% of them in the
-8B, 8 x 1024 profile on the shipped data, ``results/profile_8b_h100.json``), yet the head's
+8B, 8 x 1024 profile on the shipped data, ``lab/results/step/profile_8b_h100.json``), yet the head's
 matmuls and the softmax ran over all of them: 22 ms of a 500 ms step, and the fp32 chunks
 that were the largest tensors alive at the peak. :func:`labelled_rows` lists the rows that
 carry a label, *outside* the compiled graph, padded up to a multiple of a bucket with an
@@ -60,7 +60,7 @@ ROW_BUCKETS = 16
 #: ``chunked_cross_entropy(min_chunk_rows=...)``'s value in :class:`ChunkedLossLM` (optimize()'s
 #: loss in regional scope): fewer chunks while each would hold fewer rows. On an H100 the
 #: head and loss over 512 rows (8B, vocabulary 128256) took 2.46 ms in one chunk, 2.76 in two and
-#: 4.30 in four, at 555, 319 and 164 MiB of extra peak (``results/lora_concat_h100.json``, ``loss``):
+#: 4.30 in four, at 555, 319 and 164 MiB of extra peak (``lab/results/step/lora_concat_h100.json``, ``loss``):
 #: a 128-row chunk is too short a matmul to fill the GPU.
 CHUNK_MIN_ROWS = 512
 

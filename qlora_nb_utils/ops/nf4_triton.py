@@ -5,7 +5,7 @@ backward): 448 weights per step on a Llama-3.1-8B shape. bitsandbytes 0.50 does 
 CUDA kernels: first the 8-bit block scales ("double quantization": uint8 codes, a 256-entry
 float32 code book, one float32 scale per 256 codes and a float32 offset) back to float32 in a
 scratch tensor, then the NF4 codes times those scales. The profile at 8B, 8 x 1024 on an H100
-(``results/profile_8b_h100.json``, ``dequant``) measured 19.06 ms of a 501.5 ms step in those
+(``lab/results/step/profile_8b_h100.json``, ``dequant``) measured 19.06 ms of a 501.5 ms step in those
 kernels, against 12.68 ms for Unsloth's ``fast_dequantize``; and our pure-torch body
 (:mod:`.nf4`), compiled by Inductor, took 105 us where Unsloth took 55.5 us on one 14336 x 4096
 weight. A dequantize is memory bound (0.5 byte read, 2 bytes written per value), so the one
@@ -383,7 +383,7 @@ def dequantize(*args: Any) -> torch.Tensor:
     """The op where a compiler traces (one node in its graph), its body straight away in eager code.
 
     An eager call of the op through the dispatcher cost 142 us against 43 us for the bare kernel
-    launch on a 4096 x 4096 weight (H100, ``results/nf4_dequant_h100.json``, ``call_us``): the
+    launch on a 4096 x 4096 weight (H100, ``lab/results/step/nf4_dequant_h100.json``, ``call_us``): the
     dispatcher is pure overhead when nothing traces. Same arguments as :data:`OP`.
     """
     if torch.compiler.is_compiling():

@@ -287,7 +287,7 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
     # device before its end: tokens are counted on the batch as given, before its copy (counted on
     # the device, the count waited for the whole backward before the optimizer could be launched;
     # ours at 8B, 8 x 1024 on an H200 went from 412.2 to 408.4 ms a step with this, the next call,
-    # results/peers_compute_h200.json), and the gradient norm stays a tensor until the closing sync.
+    # lab/results/compute/peers_compute_h200.json), and the gradient norm stays a tensor until the closing sync.
     host = next_batch()
     batch = _to_device(host, device)
     sync(device)

@@ -1,0 +1,26 @@
+# Writes: nothing (sourced by the other scripts here)
+# Use: source lab/gpu/gpu_env.sh
+# Sourced by the lab/gpu/gpu_*.sh scripts on the GPU machine: install the carried wheels (.whl/) into
+# /tmp/site and set the offline environment they share (package path, model cache, hub off,
+# unbuffered logs). A script that needs more (torchao's own site, notebook wheels) adds it after.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+export TOKENIZERS_PARALLELISM=false
+
+# unsloth_site: unpack the carried Unsloth bundle (.unsloth/usite.tar.gz, from lab/gpu/unsloth_bundle.sh)
+# into /tmp/usite and point the Unsloth peer at it (QLORA_NB_UNSLOTH_SITE); nothing when it was not carried.
+unsloth_site() {
+  if [ -f .unsloth/usite.tar.gz ]; then
+    mkdir -p /tmp/usite && tar -xzf .unsloth/usite.tar.gz -C /tmp/usite && export QLORA_NB_UNSLOTH_SITE=/tmp/usite
+  fi
+}
+
+# models_outside_tree: build the named models under /tmp (16 GB at 8B), not in the carried tree; the
+# tokenizer comes from .gpucache. Scripts of one call that use it share the built models.
+models_outside_tree() {
+  mkdir -p /tmp/qlora_nb_cache && cp -rn .gpucache/qlora_nb/. /tmp/qlora_nb_cache/ 2>/dev/null
+  export QLORA_NB_CACHE=/tmp/qlora_nb_cache
+}
