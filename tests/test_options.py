@@ -4,8 +4,6 @@ The descriptions in ``optimize_descriptions.json`` were recorded from ``optimize
 choices were split into small functions: each case here must still read exactly as recorded.
 """
 
-import ast
-import inspect
 import json
 from pathlib import Path
 

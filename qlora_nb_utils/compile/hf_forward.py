@@ -24,13 +24,10 @@ refused with their names, rather than silently trained another way.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from transformers.utils import ModelOutput
-
-if TYPE_CHECKING:
-    from .optimized import Optimized
 
 __all__ = ["TokenStatsOutput", "trainer_forward"]
 
@@ -56,7 +53,15 @@ class TokenStatsOutput(ModelOutput):
     aux_loss: torch.Tensor | None = None
 
 
-def trainer_forward(opt: Optimized, original: Callable[..., Any]) -> Callable[..., Any]:
+class Step(Protocol):
+    """What :func:`trainer_forward` trains through: an object with the recipe's ``forward(**batch)``
+    (an :class:`~qlora_nb_utils.compile.optimized.Optimized`; this module does not import it, which
+    imports this one)."""
+
+    forward: Callable[..., Any]
+
+
+def trainer_forward(opt: Step, original: Callable[..., Any]) -> Callable[..., Any]:
     """A ``forward`` for the model that trains through ``opt`` and takes a Trainer's arguments.
 
     Args:

@@ -14,6 +14,8 @@ import torch
 
 from ..ops.doc_attention import with_document_mask
 from ..reversible import PatchHandle, set_attribute
+from .choices import show as _show
+from .hf_forward import trainer_forward
 from .recipe import FastPrepared
 from .step_inputs import prepare_batch
 
@@ -33,6 +35,7 @@ class Optimized:
         choices: Each choice made, by name (``mode``, ``attention``, ``ckpt_layers``, ...).
         reasons: Why, one short phrase per choice.
         fast: The :class:`~qlora_nb_utils.compile.recipe.FastPrepared` underneath.
+        options: The :class:`~qlora_nb_utils.compile.options.OptimizeOptions` it was made with.
     """
 
     forward: Callable[..., Any]
@@ -41,6 +44,7 @@ class Optimized:
     choices: dict[str, Any]
     reasons: dict[str, str]
     fast: FastPrepared
+    options: Any = None
     _pad_id: int = 0
     _row_chunks: int = 0  # labelled rows for the loss, in lengths divisible by this (0: every row)
     _min_rows: int = 0  # ... padded to at least this many (the most a batch shown needed): one length
@@ -96,8 +100,6 @@ class Optimized:
         if not self.choices["loss"].startswith("chunked"):
             raise ValueError("install() needs the chunked loss (ce_chunks > 0): with the model's own loss the "
                              "compiled module is the model, whose forward install() replaces")
-        from .hf_forward import trainer_forward
-
         handle = PatchHandle("optimize.install", {"model": type(model).__name__})
         set_attribute(handle, model, "forward", trainer_forward(self, model.forward))
         self._extra.append(handle)
@@ -107,7 +109,3 @@ class Optimized:
         while self._extra:
             self._extra.pop().undo()
         self.fast.undo()
-
-
-def _show(value: Any) -> str:
-    return str(value).replace("torch.", "") if value is not None else "none"

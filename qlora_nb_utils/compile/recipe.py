@@ -41,7 +41,7 @@ thing the default setup gets wrong under ``torch.compile``, and each can be undo
   autograd Function (``Unsupported call_function target autograd_function_apply``), and every
   graph of the recipe holds one (the chunked loss, the fused LoRA linear, bitsandbytes' own).
   So a second process traced and partitioned the joint graph again, from a warm cache too
-  (``results/compute_extras_h100.json``: ``autograd_cache_bypass``). Dynamo traces a Function's
+  (the cache's counter ``autograd_cache_bypass``). Dynamo traces a Function's
   forward and backward into the graph, so the cache key covers both; torch's setting
   ``autograd_cache_allow_custom_autograd_functions`` (off by default) lets the cache take them
   (:func:`partitioner_settings` with ``cache_functions``).
@@ -60,11 +60,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 
 from ..ops.attention import check_right_padded, use_causal_sdpa
-from ..ops.lm_head import LMHead
 from ..ops.losses import ChunkedLossLM
 from ..reversible import PatchHandle, set_attribute
 from . import offload as _offload
 from .checkpointing import decoder_layers
+from .options import RecipeOptions
 from .prepare import Prepared, prepare_for_compile
 
 if TYPE_CHECKING:
@@ -242,88 +242,65 @@ class FastPrepared:
             self.attention.undo()
 
 
-def prepare_fast(model: torch.nn.Module, *, dtype: torch.dtype, device: Any = None,
-                 batches: Iterable[dict] | None = None, cast_bf16: bool = True, ce_chunks: int = 4,
-                 grad_ckpt: bool = False, ckpt_layers: int | None = None, autocast: bool = False,
-                 causal_attn: bool = False, mode: str | None = None, backend: Any = "inductor",
-                 eager_numerics: bool = False, scope: str = "whole", dynamic: bool | None = None,
-                 offload: bool = False, ce_min_rows: int = 0, head: LMHead | None = None) -> FastPrepared:
+def prepare_fast(model: torch.nn.Module, options: RecipeOptions | None = None, *,
+                 batches: Iterable[dict] | None = None, **knobs: Any) -> FastPrepared:
     """Apply the fast recipe to a loaded PEFT QLoRA model (see the module docstring).
 
     Args:
         model: a PEFT causal LM, e.g. from ``models.load_model(..., prepare_kbit=True)``; load it
             with ``gradient_checkpointing=grad_ckpt``.
-        dtype: the compute dtype (what the non-LoRA weights are cast to, autocast's dtype).
-        device: where the model runs (autocast's device type); None: the model's first parameter's.
+        options: what to apply, one :class:`~qlora_nb_utils.compile.options.RecipeOptions` (its
+            attributes say what each does; ``dtype`` has no default); keywords passed beside it
+            (``dtype=``, ``ce_chunks=``, ...) override it, or build it when it is None.
         batches: the training batches (a list); needed with ``causal_attn``, which checks that
             they are right-padded.
-        cast_bf16: cast every non-LoRA float weight to ``dtype`` (:func:`cast_non_lora`).
-        ce_chunks: chunked cross-entropy over this many pieces (``ChunkedLossLM``); 0 keeps the
-            model's own loss.
-        grad_ckpt: gradient checkpointing with the must-recompute policy; False turns it off.
-        ckpt_layers: with ``grad_ckpt``, checkpoint only the first N decoder layers (None: all).
-        autocast: run the step under ``torch.autocast(dtype)`` (nothing to do for fp32).
-        causal_attn: causal-only SDPA (flash kernel + GQA); right-padded batches only.
-        mode: the inductor mode (None: default).
-        backend: the Dynamo backend.
-        eager_numerics: Inductor rounds where eager does (``prepare_for_compile``'s option).
-        scope: ``"whole"`` (one graph) or ``"regional"`` (each decoder layer compiled; the rest,
-            the chunked loss included, eager): ``prepare_for_compile``'s option.
-        dynamic: ``torch.compile``'s ``dynamic`` (``prepare_for_compile``'s option).
-        offload: keep the checkpointed layers' saved inputs in CPU memory (:func:`.offload.apply`);
-            needs ``grad_ckpt`` and ``scope="regional"``.
-        ce_min_rows: the chunked loss's ``min_chunk_rows`` (fewer pieces while a piece would have
-            fewer rows; a loss outside the compiled graph only). 0: always ``ce_chunks`` pieces.
-        head: what the model's head does after ``hidden @ W^T``, for the chunked loss
-            (:func:`~qlora_nb_utils.ops.lm_head.read_head`); None: read and checked here.
 
     Returns:
         A :class:`FastPrepared`; call ``undo()`` when done (in a ``finally``).
 
     Raises:
+        TypeError: a keyword that is no option, or no ``dtype``.
         ValueError: ``ckpt_layers`` without ``grad_ckpt``, ``causal_attn`` without batches or with
             batches that are not right-padded, ``offload`` without checkpointing in regional scope,
             or a bad ``prepare_for_compile`` option.
     """
-    if offload and not (grad_ckpt and scope == "regional"):
-        raise ValueError("offload needs grad_ckpt=True and scope='regional' (in one whole graph Dynamo refuses "
-                         "the saved-tensor hooks; see qlora_nb_utils.compile.offload)")
-    if ckpt_layers is not None and not grad_ckpt:
-        raise ValueError("ckpt_layers picks which layers gradient checkpointing covers; it needs grad_ckpt=True")
-    if causal_attn and batches is None:
+    opts = options if options is not None and not knobs else (
+        RecipeOptions(**knobs) if options is None else dataclasses.replace(options, **knobs))
+    if opts.causal_attn and batches is None:
         raise ValueError("causal_attn needs the batches, to check that they are right-padded")
-    device = next(model.parameters()).device if device is None else torch.device(device)
-    cast = cast_non_lora(model, dtype) if cast_bf16 else 0
+    dtype = opts.dtype
+    device = next(model.parameters()).device if opts.device is None else torch.device(opts.device)
+    cast = cast_non_lora(model, dtype) if opts.cast_bf16 else 0
     attn = None
-    if causal_attn:
+    if opts.causal_attn:
         check_right_padded(batches)
         attn = use_causal_sdpa(model)
     try:
         # regional scope leaves the head and the loss eager: their softmax arithmetic is compiled on CUDA
-        compiled_math = scope == "regional" and device.type == "cuda" and backend == "inductor"
-        target = ChunkedLossLM(model, ce_chunks, compiled_math, ce_min_rows, head) if ce_chunks else model
-        prepared = prepare_for_compile(target, grad_ckpt=bool(grad_ckpt), mode=mode, backend=backend,
-                                       eager_numerics=eager_numerics, scope=scope, dynamic=dynamic)
+        compiled_math = opts.scope == "regional" and device.type == "cuda" and opts.backend == "inductor"
+        target = (ChunkedLossLM(model, opts.ce_chunks, compiled_math, opts.ce_min_rows, opts.head) if opts.ce_chunks
+                  else model)
+        prepared = prepare_for_compile(target, **opts.compile_options())
     except BaseException:  # leave the model as it was given, but for the cast
         if attn is not None:
             attn.undo()
         raise
     layers = decoder_layers(model)
-    n_ckpt = len(layers) if grad_ckpt else 0
+    n_ckpt = len(layers) if opts.grad_ckpt else 0
     layer_flags = None
-    if grad_ckpt and ckpt_layers is not None:
-        layer_flags = PatchHandle("checkpoint_first_layers", {"layers": ckpt_layers})
-        n_ckpt = checkpoint_first_layers(model, ckpt_layers, layer_flags)
+    if opts.grad_ckpt and opts.ckpt_layers is not None:
+        layer_flags = PatchHandle("checkpoint_first_layers", {"layers": opts.ckpt_layers})
+        n_ckpt = checkpoint_first_layers(model, opts.ckpt_layers, layer_flags)
     forward = prepared.forward
     fast = FastPrepared(forward=forward, prepared=prepared, attention=attn, cast=cast, ckpt_layers=n_ckpt,
                         layers=len(layers), autocast=False, dtype=dtype, layer_flags=layer_flags)
-    if offload and n_ckpt:
+    if opts.offload and n_ckpt:
         try:
             fast.offload = _offload.apply(model)
         except BaseException:
             fast.undo()
             raise
-    use_autocast = autocast and dtype in (torch.bfloat16, torch.float16)  # fp32 runs: nothing to do
+    use_autocast = opts.autocast and dtype in (torch.bfloat16, torch.float16)  # fp32 runs: nothing to do
     if use_autocast:
         fast.forward, fast.autocast = autocast_forward(prepared.forward, device.type, dtype), True
     return fast

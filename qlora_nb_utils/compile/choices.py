@@ -1,0 +1,189 @@
+"""``optimize()``'s decision table: each choice a small function that says what and why.
+
+Why this module exists: ``optimize()`` turns every ``"auto"`` of its options
+(:class:`~qlora_nb_utils.compile.options.OptimizeOptions`) into a decision from the device, the
+dtype, the torch it runs on and the batches it is shown, and it says why
+(:attr:`~qlora_nb_utils.compile.optimized.Optimized.description`). Each decision is one function
+here, of plain values, returning a :class:`Choice` (the value and its reason, the text the
+description shows); the facts (the device, what this torch has) are gathered by the caller, so
+each rule reads, and is tested, on its own. :func:`~qlora_nb_utils.compile.plan.decide` runs
+them in order. The choices made elsewhere keep their modules: the attention path
+(``ops.attention.choose_attention``), the packed mask's kernel (:func:`.packed.choose_doc_kernel`),
+the head (``ops.lm_head.choose_head``), checkpointing and offload (:func:`.offload.plan`), the
+labelled rows (:func:`.step_inputs.choose_loss_rows`) and the model patches (:mod:`.model_patches`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from ..ops.losses import CHUNK_MIN_ROWS
+
+__all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "choose_recompute",
+           "choose_warm_cache", "choose_head_choice", "choose_packing", "choose_mode", "choose_dynamic",
+           "choose_pad_multiple", "choose_autocast", "chunk_rows", "choose_loss", "choose_loss_rows_scope",
+           "choose_eager_numerics", "choose_cast", "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show"]
+
+#: At most this many distinct batch shapes get CUDA graphs (one graph each) under ``mode="auto"``.
+MAX_CUDAGRAPH_SHAPES = 4
+#: Why the LoRA update is out of place when every saving is taken and the target is still not met.
+LORA_OUT_OF_PLACE_WHY = "the memory target is not met with every layer checkpointed: one tensor fewer"
+#: Why a LoRA group is not formed in whole scope with checkpointing.
+LORA_NO_GROUP_WHY = ("whole scope with checkpointing: a checkpointed region is traced without side effects, "
+                     "and the group's state is one")
+
+
+class Choice(NamedTuple):
+    """One decision: its value and the reason ``optimize()``'s description gives for it."""
+
+    value: Any
+    why: str
+
+
+def show(value: Any) -> str:
+    """A value as the description writes it (``float32``, not ``torch.float32``; ``none``)."""
+    return str(value).replace("torch.", "") if value is not None else "none"
+
+
+def choose_dtype(asked: torch.dtype | None, model_dtype: torch.dtype) -> Choice:
+    """The compute dtype: the one asked for, else the model's."""
+    dtype = asked or model_dtype
+    return Choice(dtype, "the model's compute dtype" if dtype == model_dtype else "asked for")
+
+
+def choose_scope(scope: str) -> Choice:
+    """What is compiled, as asked (offload may make it regional later: :func:`.offload.plan`)."""
+    return Choice(scope, "one graph" if scope == "whole" else "one decoder layer's graph, shared")
+
+
+def choose_recompute(asked: bool | str, available: bool) -> Choice:
+    """What the backward recomputes (``"elementwise"`` or ``"torch's default"``); ``available``: whether
+    this torch's partitioner has the setting. Refused here, not at the first step, when asked for
+    where it is not."""
+    if asked is True and not available:
+        raise ValueError(f"recompute=True: torch {torch.__version__}'s partitioner has no setting for it "
+                         "(torch._functorch.config.ban_recompute_materialized_backward); use 'auto' or False")
+    rec = asked is True or (asked == "auto" and available)
+    return Choice("elementwise" if rec else "torch's default",
+                  "asked for" if asked is not True and asked != "auto" else
+                  "SwiGLU product and norm outputs recomputed in the backward, not saved" if rec
+                  else "this torch's partitioner has no such setting")
+
+
+def choose_warm_cache(asked: bool | str, backend: Any, available: bool) -> Choice:
+    """Whether AOTAutograd's cache takes graphs holding autograd Functions; ``available``: whether this
+    torch has the setting. Refused here, not at the first step, when asked for where it is not."""
+    if asked is True and not available:
+        raise ValueError(f"warm_cache=True: torch {torch.__version__}'s AOTAutograd cache has no setting for it "
+                         "(torch._functorch.config.autograd_cache_allow_custom_autograd_functions); use 'auto' or False")
+    on = asked is True or (asked == "auto" and backend == "inductor" and available)
+    return Choice(on, "asked for" if asked != "auto" else
+                  "AOTAutograd's cache takes the graphs with autograd Functions (a warm start skips "
+                  "tracing and partitioning)" if on else
+                  f"backend {backend!r}" if backend != "inductor" else "this torch has no such setting")
+
+
+def choose_head_choice(head: Any) -> Choice | None:
+    """The head the chunked loss computes (``ops.lm_head.choose_head`` read and checked it); None: no
+    chunked loss asked for."""
+    if head is None:
+        return None
+    return Choice(head.describe() if head.reproduced else "model's own", head.why)
+
+
+def choose_packing(packed: bool, batches: Sequence[dict] | None) -> Choice:
+    """Whether the batches are packed (they carry ``document_ids``)."""
+    return Choice(packed, "batches carry document_ids: one fixed shape, per-document attention" if packed
+                  else "batches are padded" if batches else "no batches shown")
+
+
+def choose_mode(asked: str | None, backend: Any, scope: str, device: torch.device,
+                shapes: Sequence[tuple[int, int]] | None) -> Choice:
+    """The Inductor mode (None: the default): CUDA graphs where few shapes are shown on CUDA (the
+    LoRA step is many small kernels, launch-bound; one graph per shape, each costing memory)."""
+    if asked != "auto":
+        return Choice(None if asked == "default" else asked, "asked for")
+    if backend != "inductor":
+        return Choice(None, f"backend {backend!r}")
+    if scope == "regional":
+        return Choice(None, "regional scope: no CUDA graphs")
+    if device.type != "cuda":
+        return Choice(None, f"no CUDA graphs on {device.type}")
+    if shapes is None:
+        return Choice(None, "shapes not shown: no CUDA graphs")
+    if len(shapes) <= MAX_CUDAGRAPH_SHAPES:
+        return Choice("reduce-overhead", f"{len(shapes)} batch shape(s): CUDA graphs")
+    return Choice(None, f"{len(shapes)} batch shapes > {MAX_CUDAGRAPH_SHAPES}: no CUDA graphs")
+
+
+def choose_dynamic(asked: bool | str, shapes: Sequence[tuple[int, int]] | None) -> Choice:
+    """Lengths dynamic from the first call when the batches shown have more than one: one compilation
+    instead of a static one followed by a dynamic one."""
+    if asked != "auto":
+        return Choice(bool(asked), "asked for")
+    lengths = sorted({s for _, s in shapes}) if shapes else None
+    if lengths is None:
+        return Choice(False, "lengths not shown: torch's default (at most static + dynamic)")
+    if len(lengths) > 1:
+        return Choice(True, f"{len(lengths)} lengths: dynamic from the first call")
+    return Choice(False, "one length: static")
+
+
+def choose_pad_multiple(pad_multiple: int) -> Choice:
+    """Lengths padded to a multiple (unaligned lengths added a compilation on a GPU: a ``% 8`` guard)."""
+    return Choice(pad_multiple, "lengths aligned (no % 8 guard)" if pad_multiple > 1 else "asked for")
+
+
+def choose_autocast(asked: bool | str, dtype: torch.dtype) -> Choice:
+    """Autocast for bf16/fp16 (the LoRA matmuls in the compute dtype, fp32 master weights); nothing for fp32."""
+    low = dtype in (torch.bfloat16, torch.float16)
+    return Choice(low and asked is not False, "asked for" if asked is False else
+                  "LoRA matmuls in the compute dtype" if low else f"{show(dtype)}: nothing to autocast")
+
+
+def chunk_rows(ce_chunks: int, scope: str, asked: int | str) -> int:
+    """The chunked loss's fewest rows a chunk: a loss computed outside the graph (regional scope)
+    takes fewer, longer chunks when few rows are labelled (``ops.losses.CHUNK_MIN_ROWS`` says why);
+    0 inside the graph."""
+    if not ce_chunks or scope != "regional":
+        return 0
+    return CHUNK_MIN_ROWS if asked == "auto" else asked
+
+
+def choose_loss(ce_chunks: int, head_asked: bool, rows: int) -> Choice:
+    """The chunked loss (no full fp32 logits) or the model's own; ``head_asked``: the chunked loss was
+    asked for (its head read); ``rows``: :func:`chunk_rows`."""
+    if ce_chunks:
+        return Choice(f"chunked CE x{ce_chunks}", "no full fp32 logits" + (
+            f"; fewer chunks while one would hold under {rows} rows" if rows else ""))
+    return Choice("model's own", "the chunked loss would not compute this model's loss (see head)" if head_asked
+                  else "asked for")
+
+
+def choose_loss_rows_scope(rows: tuple[str, str], scope: str) -> Choice:
+    """The labelled rows (:func:`.step_inputs.choose_loss_rows`), per batch where the loss runs outside the
+    graph (regional scope: each batch its own count, in multiples of 64 rows); inside it, one count (the
+    most a batch shown needs: one compilation, one CUDA graph)."""
+    value, why = rows
+    if value == "labelled" and scope == "regional":
+        why += "; each batch its own count, in multiples of 64 rows (the loss runs outside the graph)"
+    return Choice(value, why)
+
+
+def choose_eager_numerics(asked: bool | str, dtype: torch.dtype, backend: Any) -> Choice:
+    """Eager's rounding for bf16/fp16 under Inductor: its fused kernels keep intermediates in fp32 where
+    eager rounds every op, and over a bf16 residual stream the difference grew well past the
+    eager-vs-eager floor; ``emulate_precision_casts`` rounds where eager does."""
+    if asked != "auto":
+        return Choice(bool(asked), "asked for")
+    low = dtype in (torch.bfloat16, torch.float16)
+    on = low and backend == "inductor"
+    return Choice(on, "compiled rounds where eager does (loss within the eager floor)" if on
+                  else f"{show(dtype)}: nothing to round" if not low else f"backend {backend!r}")
+
+
+def choose_cast(cast: int) -> Choice:
+    """How many non-LoRA weights the recipe cast (kbit prep's fp32 upcast undone)."""
+    return Choice(cast, "non-LoRA weights cast to the compute dtype")

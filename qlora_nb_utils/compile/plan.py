@@ -1,0 +1,201 @@
+"""``optimize()``'s decisions, made in order before the model changes: a :class:`Plan`.
+
+Why this module exists: ``optimize()`` decides first and changes the model after, so that a bad
+option or a refused choice leaves the model as it was given. :func:`decide` runs the decision
+table (:mod:`.choices`, and the choices that live with what they decide) in the order the
+description lists them, gathering the facts each needs once (the model's compute dtype, the
+batch shapes, the memory estimate), and hands back every choice with its reason and the values
+the recipe is built from (:meth:`Plan.recipe_options`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from ..ops.attention import choose_attention
+from ..ops.lm_head import choose_head
+from . import choices as table
+from .checkpointing import decoder_layers
+from .memory_estimate import estimate_terms, peak_from_terms
+from .model_patches import lora_addmm_expected
+from .offload import plan as checkpoint_plan
+from .options import OptimizeOptions, RecipeOptions
+from .packed import choose_doc_kernel, packed_batches
+from .step_inputs import batch_shapes, choose_loss_rows
+
+__all__ = ["Plan", "decide", "compute_dtype"]
+
+
+def compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype ``model`` computes in: bitsandbytes' ``compute_dtype``, else its config's, else the device's default."""
+    for module in model.modules():  # bitsandbytes Linear4bit keeps the dtype it computes in
+        dtype = getattr(module, "compute_dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    config = getattr(model, "config", None)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):  # a config built in memory may name it
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    from ..env import default_dtype, resolve_dtype
+
+    return resolve_dtype(default_dtype(device), device)
+
+
+@dataclasses.dataclass
+class Plan:
+    """Every choice of one ``optimize()`` with its reason, and the values the step is built from.
+
+    ``choices`` and ``reasons`` are in the order the description lists them; the patches applied
+    after the recipe (:mod:`.model_patches`) add theirs.
+    """
+
+    options: OptimizeOptions
+    device: torch.device
+    choices: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+    scope: str = "whole"
+    recompute: bool = False
+    cache_functions: bool = False
+    head: Any = None
+    ce_chunks: int = 0
+    ckpt_layers: int = 0
+    offload: bool = False
+    over_target: bool = False  # every saving taken and still over the memory target
+    packed: bool = False
+    attention: str = "mask"
+    mode: str | None = None
+    dynamic: bool = False
+    autocast: bool = False
+    eager_numerics: bool = False
+    chunk_rows: int = 0
+    head_rows: int | None = None
+    loss_rows_choice: tuple[str, str] = ("all", "")  # step_inputs.choose_loss_rows' (choice, reason)
+
+    def record(self, name: str, choice: table.Choice | None) -> Any:
+        """Enter ``choice`` under ``name`` (None: nothing to say) and return its value."""
+        if choice is None:
+            return None
+        self.choices[name], self.reasons[name] = choice
+        return choice.value
+
+    @property
+    def labelled_rows(self) -> bool:
+        """The LM head and the loss over the labelled rows only."""
+        return self.choices["loss_rows"] == "labelled"
+
+    @property
+    def fine_rows(self) -> bool:
+        """Each batch its own row count (the loss outside the graph), not one count for all."""
+        return self.labelled_rows and self.scope == "regional"
+
+    @property
+    def min_rows(self) -> int:
+        """Rows padded to at least this many: the most a batch shown needed (one length, one graph)."""
+        return (self.head_rows or 0) if self.labelled_rows and not self.fine_rows else 0
+
+    @property
+    def row_chunks(self) -> int:
+        """Labelled rows in lengths divisible by this (0: every row)."""
+        return self.ce_chunks if self.labelled_rows else 0
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """CUDA graphs: static inputs at one address (the row count static, the document ids in one buffer)."""
+        return self.mode in ("reduce-overhead", "max-autotune")
+
+    @property
+    def lora_groups(self) -> bool:
+        """Whether LoRA layers reading one input may run as one group (not in a checkpointed whole graph)."""
+        return not (self.scope == "whole" and self.ckpt_layers > 0)
+
+    def recipe_options(self) -> RecipeOptions:
+        """What :func:`~qlora_nb_utils.compile.recipe.prepare_fast` applies."""
+        opts = self.options
+        return RecipeOptions(
+            dtype=self.dtype, device=self.device, cast_bf16=opts.cast, ce_chunks=self.ce_chunks,
+            grad_ckpt=self.ckpt_layers > 0, ckpt_layers=self.ckpt_layers if self.ckpt_layers > 0 else None,
+            autocast=self.autocast, causal_attn=self.attention == "causal", mode=self.mode, backend=opts.backend,
+            eager_numerics=self.eager_numerics, scope=self.scope, offload=self.offload,
+            ce_min_rows=self.chunk_rows, head=self.head,
+            # regional: the layers' inputs cannot be marked dynamic from outside
+            dynamic=True if self.scope == "regional" and self.dynamic else None)
+
+
+def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | None, *,
+           recompute_available: bool, cache_available: bool) -> Plan:
+    """Every choice of ``optimize()`` for ``model`` on ``batches``, in the description's order.
+
+    ``recompute_available`` and ``cache_available``: whether this torch has the partitioner's and
+    the AOTAutograd cache's settings (``recipe.can_recompute_elementwise``, ``recipe.can_cache_functions``).
+    Nothing here changes the model (the head is read on a probe forward).
+
+    Raises:
+        ValueError: a choice asked for that cannot be made (``recompute=True`` or ``warm_cache=True``
+            on a torch without the setting, ``attention="causal"`` on packed or not right-padded
+            batches, ``loss_rows=True`` for a head the chunked loss does not reproduce).
+    """
+    device = next(model.parameters()).device
+    p = Plan(options=opts, device=device)
+    p.record("device", table.Choice(device.type, "where the model is"))
+    p.dtype = p.record("dtype", table.choose_dtype(opts.dtype, compute_dtype(model, device)))
+    p.scope = p.record("scope", table.choose_scope(opts.scope))
+    shapes = batch_shapes(batches, opts.pad_multiple)
+    # what the backward recomputes: decided first, the memory estimate counts it
+    p.recompute = p.record("recompute", table.choose_recompute(opts.recompute, recompute_available)) == "elementwise"
+    p.cache_functions = p.record("warm_cache", table.choose_warm_cache(opts.warm_cache, opts.backend, cache_available))
+    # the LM head: the chunked loss computes the model's own (bias, scale, soft cap) or is not used
+    p.head, p.ce_chunks = choose_head(model, opts.ce_chunks, opts.loss_rows, batches)
+    p.record("head", table.choose_head_choice(p.head))
+    _checkpointing(p, model, batches, shapes)
+    p.packed = p.record("packing", table.choose_packing(packed_batches(batches), batches))
+    if p.packed:
+        if opts.attention == "causal":
+            raise ValueError("attention='causal' would let packed documents attend to each other; use 'auto'")
+        p.record("doc_attention", table.Choice(*choose_doc_kernel(device, opts.doc_attention)))
+    p.attention = p.record("attention", table.Choice(*choose_attention(model, opts.attention, batches, p.packed)))
+    mode = p.record("mode", table.choose_mode(opts.mode, opts.backend, p.scope, device, shapes))
+    p.mode, p.choices["mode"] = mode, mode or "default"
+    p.dynamic = p.record("dynamic", table.choose_dynamic(opts.dynamic, shapes))
+    p.record("pad_multiple", table.choose_pad_multiple(opts.pad_multiple))
+    p.autocast = p.record("autocast", table.choose_autocast(opts.autocast, p.dtype))
+    p.chunk_rows = table.chunk_rows(p.ce_chunks, p.scope, opts.ce_min_rows)
+    p.record("loss", table.choose_loss(p.ce_chunks, p.head is not None, p.chunk_rows))
+    p.record("loss_rows", table.choose_loss_rows_scope(p.loss_rows_choice, p.scope))
+    p.eager_numerics = p.record("eager_numerics", table.choose_eager_numerics(opts.eager_numerics, p.dtype,
+                                                                              opts.backend))
+    if opts.memory_budget is not None:
+        p.record("memory_budget", table.Choice(opts.memory_budget, "asked for"))
+    return p
+
+
+def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, shapes: Any) -> None:
+    """Checkpointing and offload (:func:`.offload.plan`), by the memory estimate at the largest batch
+    shape when there is a target; offloading makes the scope regional. Also decides the labelled
+    rows (the estimate counts the head's rows)."""
+    opts = p.options
+    n_layers = len(decoder_layers(model))
+    *rows, p.head_rows = choose_loss_rows(opts.loss_rows, p.ce_chunks, batches, opts.pad_multiple)
+    p.loss_rows_choice = tuple(rows)
+    est, at = None, ""
+    if opts.max_memory_gib is not None:
+        b, s = max(shapes, key=lambda x: x[0] * x[1])
+        terms = estimate_terms(model, b, s, ce_chunks=p.ce_chunks, act_bytes=torch.finfo(p.dtype).bits // 8,
+                               cast_dtype=p.dtype if opts.cast else None, head_rows=p.head_rows,
+                               recompute=p.recompute, lora_in_place=lora_addmm_expected(model, opts.lora_addmm))
+        est, at = functools.partial(peak_from_terms, terms), f"{b} x {s}"
+    ck = checkpoint_plan(n_layers, grad_ckpt=opts.grad_ckpt, ckpt_layers=opts.ckpt_layers,
+                         max_memory_gib=opts.max_memory_gib, offload=opts.offload, scope=p.scope, estimate=est,
+                         shape=at)
+    p.ckpt_layers, p.scope, p.offload = ck.ckpt_layers, ck.scope, ck.offload
+    p.over_target = est is not None and est(ck.ckpt_layers, ck.offload) > opts.max_memory_gib
+    p.record("ckpt_layers", table.Choice(f"{ck.ckpt_layers}/{n_layers}", ck.ckpt_why))
+    p.record("offload", table.Choice(ck.offload, ck.offload_why))
+    if ck.scope_why:
+        p.record("scope", table.Choice(ck.scope, ck.scope_why))
