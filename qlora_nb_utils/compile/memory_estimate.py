@@ -4,16 +4,18 @@ Why this module exists: ``optimize(max_memory_gib=...)`` has to pick how many de
 to checkpoint *before* the first step, so it needs a peak it can compute from the model and the
 batch shape. The terms are counted from the model (weights as they will be after the recipe's
 cast, LoRA gradients and AdamW state), and the activation terms are calibrated on measured
-peaks: ``results/memory_target_h200.json`` (``scripts/gpu/memory_target.py``; 1B shape, bf16,
-an H200, 4 x 512 and 16 x 1024, 0 to 14 checkpointed layers, 7 runs), against the peak
-*reserved* memory, which under CUDA graphs is what the device must hold:
+peaks (the lab's memory-target runs, 0 to every layer checkpointed at two token counts) against
+the peak *reserved* memory, which under CUDA graphs is what the device must hold:
 
-* an un-checkpointed layer saves ``6.93 * hidden + 2.89 * intermediate`` elements per token;
+* an un-checkpointed layer saves a fitted number of ``hidden`` and ``intermediate`` elements
+  per token (:data:`_ACT_PER_TOKEN`);
 * a checkpointed one keeps its input (``hidden`` per token), and once any layer is checkpointed
-  the backward holds one recomputed layer and its gradients at a time (1.64 layers' worth);
-* the chunked loss holds 1.90x one chunk's logits in fp32 + its compute-dtype copy;
-* the fixed allowance (0.55 GiB) puts every measured peak under its estimate (largest
-  residual 0.51 GiB).
+  the backward holds one recomputed layer and its gradients at a time
+  (:data:`_CKPT_TRANSIENT_LAYERS` layers' worth);
+* the chunked loss holds a multiple of one chunk's logits in fp32 + its compute-dtype copy
+  (:data:`_LOGITS_FACTOR`);
+* a fixed allowance (:data:`_OVERHEAD_GIB`: workspace, CUDA-graph pool slack, allocator
+  rounding) puts every calibration peak under its estimate.
 
 With ``optimize(recompute=...)`` on, the backward recomputes the SwiGLU product and the three
 LoRA inputs of hidden size (the two norm outputs, the attention output in token-major layout)
@@ -23,10 +25,9 @@ fewer, which the un-checkpointed layer's term subtracts from the fitted numbers
 (:data:`_ACT_RECOMPUTED`). That is counted, not fitted on a measured peak.
 
 With the LoRA updates added into the base outputs in place (``optimize(lora_addmm=...)``,
-:mod:`qlora_nb_utils.ops.lora_update`), the measured peak grew by one intermediate-sized tensor,
-0.22 GiB at 8B 8 x 1024 with checkpointing off and on alike (``results/profile_8b_h100_regional*.json``),
-so once, not per layer: ``lora_in_place_gib``, one ``tokens x intermediate`` tensor. Measured on
-one shape, not fitted.
+:mod:`qlora_nb_utils.ops.lora_update`), the peak grew by one intermediate-sized tensor, with
+checkpointing off and on alike, so once, not per layer: ``lora_in_place_gib``, one
+``tokens x intermediate`` tensor. Seen on one shape, not fitted.
 
 With the checkpointed inputs offloaded to CPU memory (:mod:`.offload`), a checkpointed layer
 keeps nothing on the GPU, and the backward holds at most two inputs copied back (the one in use

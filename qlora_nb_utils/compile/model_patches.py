@@ -152,9 +152,9 @@ def use_nf4_dequant(model: torch.nn.Module, asked: bool | str, device: torch.dev
                     reasons: dict[str, str]) -> list[PatchHandle]:
     """``optimize(nf4_dequant=...)``: route the NF4 layers' dequantize through one Triton kernel.
 
-    ``"auto"``: on CUDA with Triton, where it was measured (1.9% faster at 8B 8 x 1024 and 2.0% at
-    1B 4 x 512 on an H100, ``results/nf4_dequant_step_h100_call2.json``); elsewhere off (on a CPU
-    the op is its pure-torch body: the same values, no speed measured). True applies it on any
+    ``"auto"``: on CUDA with Triton, where it was measured to pay (one kernel where bitsandbytes
+    launches two, per weight and step); elsewhere off (on a CPU the op is its pure-torch body: the
+    same values, no speed measured). True applies it on any
     device and raises where it is refused. The patch replaces two bitsandbytes module attributes
     for the whole process (:mod:`~qlora_nb_utils.compile.patches.nf4_dequant`); every
     ``optimize()`` that takes it shares one application, undone with the last of them.

@@ -1,10 +1,9 @@
 """Checkpointing whose saved layer inputs live in CPU memory: the last GiBs of a QLoRA step.
 
 Why this module exists: with every decoder layer checkpointed, what a step still keeps on the
-GPU per layer is that layer's input (the hidden state, ``batch * seq * hidden`` elements: 64 MiB
-per layer at 8 x 1024 on the 8B shape, 2 GiB over its 32 layers). Unsloth brings its 8B
-checkpointed peak to 8.06 GiB against our 12.93 (issue 20's table, H100) partly by keeping those
-inputs in pinned CPU memory: ``unsloth_zoo/gradient_checkpointing.py`` (unslothai/unsloth-zoo,
+GPU per layer is that layer's input (the hidden state, ``batch * seq * hidden`` elements per
+layer, summed over every layer). Unsloth brings its checkpointed peak below ours partly by
+keeping those inputs in pinned CPU memory: ``unsloth_zoo/gradient_checkpointing.py`` (unslothai/unsloth-zoo,
 commit ce232d6, ``UnslothCheckpointFunction``) is a reentrant ``torch.autograd.Function`` run
 with Dynamo disabled that copies the first input to a pinned buffer on a side stream during the
 layer's forward, and copies it back into one reused GPU buffer before the recompute.

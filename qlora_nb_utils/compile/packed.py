@@ -13,18 +13,13 @@ The kernel (``doc_attention="auto"``): flex attention with a document-causal ``B
 CUDA (blocks where two documents do not meet are skipped), the dense boolean mask with SDPA
 elsewhere (torch has no flex-attention backward on a CPU). Either can be asked for.
 
-Measured (``results/bench_packing_h100_{flex,sdpa}.json``: H100, torch 2.11, 1B shape, 8 rows of
-1024, the shipped data, CUDA graphs): flex and SDPA are equal within 2% (flex 60.3k, SDPA 61.6k real
-tokens/s; 5.3x and 5.4x the same examples padded), both with one compilation over the epoch and
-within the bf16 floor. ``"varlen"`` (torch's ``varlen_attn``, :mod:`qlora_nb_utils.ops.doc_attention`)
-was measured on the same batches from the same LoRA start (``results/packing_h100.json``, key
-``doc_attention``): 69.1k real tokens/s at 10.51 GiB, one compilation over the 84-batch epoch, 0
-graph breaks, its loss within its eager floor and at most 8.3e-4 from flex's over 8 steps (flex's floor: 9.0e-4); flex's run of
-those batches (``runs``: ``ours-packed``, kjv, another call) gave 61.1k at 15.82 GiB. So varlen is
-1.13x faster at 0.66x the peak on that shape. **"auto" stays flex attention for now**: the two flex
-figures come from another call than varlen's (a same-call flex run ran out of time), varlen has not
-run at 8B, and callers outside this module (``bench.packing_job``'s graph-break count, notebook 08)
-still build flex's mask or assert flex on CUDA. Ask for ``doc_attention="varlen"`` to use it.
+Flex and SDPA train packed batches alike (one compilation over the epoch, within the bf16
+floor). ``"varlen"`` (torch's ``varlen_attn``, :mod:`qlora_nb_utils.ops.doc_attention`) trains
+the same batches faster and with a lower peak, in one compilation, without graph breaks and
+within its eager floor. **"auto" stays flex attention for now**: the comparison with flex was
+not made within one run, varlen has not run at the largest shape, and callers outside this
+module (``bench.packing_job``'s graph-break count, notebook 08) still build flex's mask or
+assert flex on CUDA. Ask for ``doc_attention="varlen"`` to use it.
 """
 
 from __future__ import annotations

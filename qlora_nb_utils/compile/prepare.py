@@ -212,12 +212,9 @@ def _with_static_floats(compiled: Callable) -> Callable:
     floats, so the pass cannot turn those two into tensors: it raises
     ``TensorifyScalarRestartAnalysis`` and Dynamo traces the layer a second time with them
     specialized. The restart is one more full Dynamo + AOTAutograd trace and one more graph
-    handed to the backend under the same compile id (``0/0`` twice). On a CPU (torch 2.13,
-    tiny model, aot_eager or inductor) that is the second of 2 counted compilations; it
-    accounts for the third in the regional variable-length cells of
-    ``results/compile_matrix_h200.json`` (3 compilations but 1 recompilation, whose guard is
-    inductor's CUDA-only SDPA ``% 8`` alignment: two graphs had frame compile id 0; inferred
-    from those counts, not rerun on a GPU).
+    handed to the backend under the same compile id (``0/0`` twice): one more counted
+    compilation, on a CPU as on a GPU (where the compile matrix's regional variable-length cells
+    showed more compilations than recompilations: two graphs with frame compile id 0).
 
     Specializing floats up front (what ``dynamic=None`` does on a first compile, where
     ``assume_static_by_default`` keeps floats constant) avoids the restart; shapes stay dynamic,

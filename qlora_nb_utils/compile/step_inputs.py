@@ -15,11 +15,11 @@ They run here, on each call, in plain Python, and hand the graph only shapes it 
   shown to ``optimize`` needs, so the batches like those shown share one length. Without CUDA
   graphs it is marked dynamic: one compilation for every count. Under CUDA graphs it is static
   (``mark_static``), and a batch that needs more rows than any shown takes every row's length
-  (``overflow_to_all``): two lengths, two compilations at most. Measured on an H100, 1B shape,
-  ``optimize(max_memory_gib=9.61)`` in whole scope on long-tail packed rows
-  (``results/cudagraph_rerecord_h100.json``): with the count dynamic the first step peaked at 13.04 GiB (the figure of the benchmark's held run that overshot,
-  ``results/packing_h100.json``), with it static at 9.21. (Its erratic steps had another cause:
-  the document ids the flex mask captures, ``ops.doc_attention.document_block_mask(stable_ids=)``.)
+  (``overflow_to_all``): two lengths, two compilations at most. Why static: with the count
+  dynamic under CUDA graphs, the graphs were recorded again and a run held to a memory target
+  (whole scope, long-tail packed rows) overshot it on its first step; static, it stayed under.
+  (Its erratic steps had another cause: the document ids the flex mask captures,
+  ``ops.doc_attention.document_block_mask(stable_ids=)``.)
 
 :func:`step_forward` puts them around the compiled recipe; ``fast_path.optimize`` calls it and
 ``Optimized.eager`` applies the same preparation uncompiled (:func:`prepare_batch`).

@@ -3,12 +3,12 @@
 Not a graph-break workaround: a memory (and speed) patch. PEFT's ``Linear4bit.forward``
 computes a LoRA projection as ``result = base(x).clone()``, ``out = lora_B(lora_A(x)) * scaling``,
 ``result = result + out``. Compiled, that is the base output, the ``lora_B`` matmul's output and
-their sum: three output-sized buffers where one is needed. Held to Unsloth's peak at 8B,
-8 x 1024, every layer checkpointed, the backward's recompute of one MLP had six of them alive
-at once beside the two base outputs, 224 MiB each (``results/held_peak_h100.json``,
-``live_at_peak``: ``lora/bnb.py`` sites). Here the update is one matmul that adds into the base
-output itself (:func:`qlora_nb_utils.ops.lora_update.add_lora_`, in place: an out-of-place
-``torch.addmm`` made cuBLAS copy the base output first, 14.4 ms a step at 8B 8 x 1024). The
+their sum: three output-sized buffers where one is needed. With every layer checkpointed, the
+backward's recompute of one MLP had several of them alive at once beside the base outputs (the
+memory profile's live tensors at the peak, allocated in PEFT's ``lora/bnb.py``). Here the update
+is one matmul that adds into the base output itself
+(:func:`qlora_nb_utils.ops.lora_update.add_lora_`, in place: an out-of-place ``torch.addmm``
+made cuBLAS copy the base output first, time spent in every step). The
 backward is the sum's (the base gets the output gradient as it is; ``A`` and ``B`` their usual
 gradients from the saved ``x@A^T`` and ``x``), so what is saved does not grow. When ``x@A^T``
 comes out in another dtype than the base output, or the base layer has a bias (Qwen2's q, k and
@@ -58,7 +58,7 @@ __all__ = ["VERIFIED_ON", "SUPPORTED", "GROUPS", "apply", "patched", "find_layer
 
 NAME = "lora_addmm"
 
-#: Versions this patch was verified on (CPU: tests here; CUDA: scripts/gpu/gpu_peers_compute.sh).
+#: Versions this patch was verified on (CPU: tests here; CUDA: lab/gpu/gpu_peers_compute.sh).
 VERIFIED_ON = {"torch": "2.13.0 (cpu), 2.11.0+cu130 (cuda)", "peft": "0.21.2"}
 
 #: Sibling LoRA layers (attribute names under one parent) that a decoder layer calls on the same input.
@@ -206,9 +206,8 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
           group: bool = True, wide: bool = False) -> PatchHandle:
     """Give every PEFT LoRA linear layer of ``model`` the one-matmul update (module docstring).
 
-    ``in_place=False``: the out-of-place ``torch.addmm`` (a copy of each base output, but one
-    tensor fewer at the peak: 8.00 against 8.22 GiB at 8B 8 x 1024 held to Unsloth's peak, 3%
-    slower; ``results/peers_compute_h100*.json``), which ``optimize()`` takes when a memory target
+    ``in_place=False``: the out-of-place ``torch.addmm`` (a copy of each base output, so a little
+    slower, but one tensor fewer at the peak), which ``optimize()`` takes when a memory target
     is not met otherwise.
 
     ``nf4_rows``: layers over an NF4 weight run as one ``nf4_lora_linear`` past this many input

@@ -22,7 +22,7 @@ forward is ``F.linear(x, op(W))`` and whose backward dequantizes again
 (``grad @ op(W)``): the dequantized weight is never saved for the backward, as with
 bitsandbytes. The op is ``torch.ops.qlora_nb.dequantize_nf4_fused``
 (:mod:`qlora_nb_utils.ops.nf4_triton`): one Triton kernel on CUDA, its pure-torch body elsewhere.
-Its values equal ``dequantize_4bit``'s bit for bit (tests; ``results/nf4_dequant_h100.json``).
+Its values equal ``dequantize_4bit``'s bit for bit (tests here, and on CUDA).
 
 Apply it before compiling: Dynamo reads ``bnb.matmul_4bit`` while tracing, and guards on it.
 The patch is process-wide (module attributes), so ``model`` is accepted for the common
@@ -49,7 +49,7 @@ __all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routabl
 
 NAME = "nf4_dequant"
 
-#: Versions this patch was verified on (CPU: tests here; CUDA: scripts/gpu/gpu_nf4_dequant.sh).
+#: Versions this patch was verified on (CPU: tests here; CUDA: lab/gpu/gpu_nf4_dequant.sh).
 VERIFIED_ON = {"torch": "2.13.0 (cpu), 2.11.0+cu130 (cuda)", "bitsandbytes": "0.50.2", "triton": "3.6.0"}
 
 #: Versions the patch accepts; outside them it refuses.
