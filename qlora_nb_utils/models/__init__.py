@@ -10,7 +10,8 @@
   ``from_pretrained`` and wrapped with LoRA by ``peft.get_peft_model`` (``load_model``), and
   what a loaded model holds (``describe``).
 - ``prequantized``: an NF4 checkpoint saved once (``save_nf4``), which later loads read as it
-  is instead of quantizing a bf16 one: the fastest start.
+  is instead of quantizing a bf16 one: the fastest start; ``load_prequantized``: how ``load``
+  reads one (``nf4_config``, ``dequantize_to``: the run's compute dtype, other formats refused).
 
 Importing it is cheap: torch, transformers and peft are imported by the modules that need them,
 when first used.

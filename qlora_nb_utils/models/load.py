@@ -95,7 +95,7 @@ def _load_base(source: str, quant: str, dtype: torch.dtype, attn: str,
                device: torch.device, double_quant: bool):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from .prequantized import dequantize_to, nf4_config
+    from .load_prequantized import dequantize_to, nf4_config
 
     saved = nf4_config(source, dtype, quant, double_quant)
     if saved is not None:  # a pre-quantized NF4 checkpoint: read as it is, in the run's compute dtype
@@ -155,7 +155,7 @@ def load_model(
         name: one of :data:`MODEL_NAMES` (built into the cache on first use), a local
             checkpoint folder, or a Hugging Face model id. A checkpoint saved already in NF4
             (:func:`~qlora_nb_utils.models.prequantized.save_nf4`, or a ``*-bnb-4bit`` one) is
-            read as it is, with ``dtype`` as its compute dtype: the fastest start.
+            read as it is (:mod:`.load_prequantized`), with ``dtype`` as its compute dtype: the fastest start.
         quant: ``"nf4"`` (bitsandbytes 4-bit base) or ``"none"`` (plain ``dtype`` weights).
         lora: wrap the model with LoRA adapters (only they are trainable).
         lora_r: LoRA rank.

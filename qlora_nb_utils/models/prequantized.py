@@ -2,7 +2,7 @@
 
 Why: a start that loads a bf16 checkpoint with a ``BitsAndBytesConfig`` reads every weight at two
 bytes and quantizes it on the way in. At Llama-3.1-8B shape that is 16 GB read and 7 B weights
-quantized, 5.4-7.3 s of an H200 warm start whose target is 20 s (``results/warm_start_h200.json``:
+quantized, 5.4-7.3 s of an H200 warm start whose target is 20 s (``lab/results/compile_time/warm_start_h200.json``:
 imports 12.3 s, load 5.4 s, first step 2.9 s). Saved after quantization, the same weights are
 about 5.6 GB, and loading them is a copy: the blocks, their absmax and the double-quant
 statistics are read as they are, so the model is the very same bits (``tests/test_models.py``).
@@ -13,17 +13,13 @@ module adds is the two things a run needs around that:
 
 * :func:`save_nf4` writes model and tokenizer into a folder atomically (a temporary folder,
   renamed), so that an interrupted save never leaves a folder that looks complete.
-* :func:`nf4_config` reads such a checkpoint's quantization and sets the compute dtype the run
-  asks for: a checkpoint saved on a CPU (float32 compute) and loaded on a GPU would otherwise
-  keep float32 matmuls, because ``from_pretrained`` takes the checkpoint's config as it is.
+* :func:`~.load_prequantized.nf4_config` and :func:`~.load_prequantized.dequantize_to` (in
+  :mod:`.load_prequantized`, which :func:`~.load.load_model` reads every checkpoint through) set
+  the compute dtype of the saved quantization to the run's, so a checkpoint saved on a CPU
+  (float32) and loaded on a GPU computes in bf16 and takes ``optimize()``'s one-pass NF4 route.
   Anything but a bitsandbytes NF4 checkpoint is refused with the reason.
-* :func:`dequantize_to` makes every 4-bit weight dequantize to the run's dtype. The quant state
-  keeps the dtype the weights had before they were quantized; a weight that dequantizes to
-  another dtype than the layer's input is cast on every call, and ``optimize()``'s one-pass NF4
-  route (which needs them equal) is not taken. A checkpoint saved in the run's dtype is then the
-  very same model as quantizing while loading (``tests/test_models.py``).
 
-``load_model`` calls :func:`nf4_config` for every checkpoint, so a pre-quantized folder (ours,
+``load_model`` calls ``nf4_config`` for every checkpoint, so a pre-quantized folder (ours,
 or one from the hub, e.g. a ``*-bnb-4bit`` repository) is loaded the same way as any other name.
 """
 
@@ -32,61 +28,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
-from typing import Any, Union
+from typing import Union
 
 import torch
 
+from .load_prequantized import dequantize_to, nf4_config  # noqa: F401  (their import path before the split)
+
 __all__ = ["save_nf4", "nf4_config", "dequantize_to"]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def nf4_config(source: str, dtype: torch.dtype, quant: str, double_quant: bool) -> Any | None:
-    """The checkpoint's config with its NF4 compute dtype set to ``dtype``, or None when it is not quantized.
-
-    Args:
-        source: a local folder or a hub id (what ``from_pretrained`` reads).
-        dtype: the run's compute dtype.
-        quant: what the run asked for (``"nf4"`` or ``"none"``).
-        double_quant: what the run asked for; a checkpoint is what it is, so a difference is a warning.
-
-    Raises:
-        ValueError: a quantized checkpoint with ``quant="none"``, or one that is not bitsandbytes NF4.
-    """
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(source)
-    qc = getattr(config, "quantization_config", None)
-    if qc is None:
-        return None
-    qc = dict(qc) if isinstance(qc, dict) else qc.to_dict()
-    what = f"{qc.get('quant_method')} {qc.get('bnb_4bit_quant_type') or ''}".strip()
-    if quant == "none":
-        raise ValueError(f"{source} is a quantized checkpoint ({what}): load it with quant='nf4', or load the "
-                         "checkpoint it was quantized from")
-    if qc.get("quant_method") != "bitsandbytes" or not qc.get("load_in_4bit") or qc.get("bnb_4bit_quant_type") != "nf4":
-        raise ValueError(f"{source} is quantized as {what or qc}: only bitsandbytes NF4 checkpoints are supported "
-                         "(or an unquantized one, quantized while it loads)")
-    if bool(qc.get("bnb_4bit_use_double_quant")) != bool(double_quant):
-        warnings.warn(f"{source} was saved with double_quant={bool(qc.get('bnb_4bit_use_double_quant'))}; "
-                      f"double_quant={double_quant} is ignored for a pre-quantized checkpoint", stacklevel=3)
-    config.quantization_config = {**qc, "bnb_4bit_compute_dtype": _dtype_name(dtype)}
-    return config
-
-
-def dequantize_to(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Set every 4-bit weight's quant state to dequantize to ``dtype``; returns how many were changed."""
-    changed = 0
-    for param in model.parameters():
-        qs = getattr(param, "quant_state", None)
-        if type(param).__name__ == "Params4bit" and qs is not None and qs.dtype != dtype:
-            qs.dtype = dtype
-            changed += 1
-    return changed
 
 
 def save_nf4(name: Union[str, os.PathLike], folder: Union[str, os.PathLike], *, dtype: Union[str, torch.dtype] = "bfloat16",
@@ -114,7 +63,7 @@ def save_nf4(name: Union[str, os.PathLike], folder: Union[str, os.PathLike], *, 
         ValueError: as :func:`~qlora_nb_utils.models.load_model`.
     """
     from .. import env
-    from .load import load_model
+    from .load import load_model  # looked up at the call: a test's stand-in for it is seen
 
     out = Path(folder).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
