@@ -4,7 +4,7 @@ Why: every start renders each example with the chat template and tokenizes the w
 before its first step, even when nothing changed since the last start: a resumed
 ``qlora-nb train``, a notebook run again, a warm start. For the shipped 4000 examples that is
 1.1 s on a 2-core CPU; at Llama-3.1-8B shape on an H100 building the batches was the largest
-part of a warm start's load (``results/warm_start_profile_h100.json``), and a user's 100k
+part of a warm start's load (``lab/results/compile_time/warm_start_profile_h100.json``), and a user's 100k
 examples take minutes. ``datasets.Dataset.map``'s own cache would do it, but it keys on a hash
 of the tokenizer object, which changes when a call sets truncation or padding on it; here the
 key is what the rows depend on, said explicitly:
@@ -15,13 +15,18 @@ key is what the rows depend on, said explicitly:
 * the tokenizer: its class, name, size, special token ids, chat template and its serialized
   vocabulary and rules (``backend_tokenizer.to_str()``);
 * the arguments (``max_len``, ``chat_template``, ``train_on_prompt``);
-* the code: transformers' and tokenizers' versions and the source of :mod:`.examples` and
-  :mod:`.tokenizing`, so a change to the tokenization never reads rows written by the old one.
+* the code: transformers' and tokenizers' versions and the source files the caller names
+  (``code=``; :mod:`.tokenizing` names itself and :mod:`.examples`), so a change to the
+  tokenization never reads rows written by the old one.
 
 Each entry is a ``save_to_disk`` folder (memory-mapped when read back), written to a temporary
 folder and renamed, with the count of dropped examples so that a hit warns as a miss did. The
 folder is ``$QLORA_NB_CACHE/tokenized`` (else ``~/.cache/qlora_nb/tokenized``); deleting it is
 always safe.
+
+This module knows nothing of how rows are made: :func:`cached` is handed the function that makes
+them, the source files they depend on and what to replay on a hit (the dropped-rows warning), so
+that :mod:`.tokenizing` uses it and it never imports :mod:`.tokenizing` back.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 __all__ = ["default_dir", "resolve", "key", "load", "save", "cached"]
 
@@ -67,20 +72,19 @@ def _tokenizer_id(tokenizer: Any) -> list:
             getattr(tokenizer, "chat_template", None) or "", hashlib.sha256(rules.encode()).hexdigest()]
 
 
-def key(ds: Any, tokenizer: Any, **args: Any) -> str | None:
-    """The entry's name for these examples, tokenizer and arguments; None when ``ds`` has no fingerprint."""
+def key(ds: Any, tokenizer: Any, *, code: Iterable[str | os.PathLike] = (), **args: Any) -> str | None:
+    """The entry's name for these examples, tokenizer, arguments and source files (``code``, in
+    order); None when ``ds`` has no fingerprint."""
     fingerprint = getattr(ds, "_fingerprint", None)
     if not fingerprint:
         return None
     import tokenizers
     import transformers
 
-    from . import examples, tokenizing
-
     parts = {"examples": fingerprint, "rows": len(ds), "tokenizer": _tokenizer_id(tokenizer),
              "args": sorted(args.items()), "transformers": transformers.__version__,
              "tokenizers": tokenizers.__version__,
-             "code": hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (examples, tokenizing))).hexdigest()}
+             "code": hashlib.sha256(b"".join(Path(f).read_bytes() for f in code)).hexdigest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -115,22 +119,27 @@ def save(folder: Path, name: str, rows: Any, meta: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def cached(ds: Any, tokenizer: Any, cache: bool | str | os.PathLike, tokenize: Callable[[], Any], **args: Any) -> Any:
+def cached(ds: Any, tokenizer: Any, cache: bool | str | os.PathLike, tokenize: Callable[[], Any], *,
+           code: Iterable[str | os.PathLike] = (), on_hit: Callable[[dict], None] | None = None, **args: Any) -> Any:
     """``tokenize()``'s rows for ``ds``, read from the entry of ``cache`` (:func:`resolve`) when there
-    is one, else made and kept there; a hit warns about dropped rows as the miss did.
+    is one, else made and kept there.
+
+    Args:
+        code: the source files the rows depend on (part of the :func:`key`).
+        on_hit: called with the entry's meta (``dropped``, ``total``) on a hit, so that the caller
+            says again what the miss said (``tokenize_examples`` warns about dropped rows).
+        **args: the arguments the rows depend on (part of the :func:`key`).
 
     Raises:
         ValueError: a bad ``cache``; what ``tokenize`` raises.
     """
-    from .tokenizing import _warn_dropped
-
     folder = resolve(cache)
-    name = key(ds, tokenizer, **args) if folder is not None else None
+    name = key(ds, tokenizer, code=code, **args) if folder is not None else None
     hit = load(folder, name) if name is not None else None
     if hit is not None:
         rows, meta = hit
-        if meta.get("dropped"):
-            _warn_dropped(meta["dropped"], meta["total"], args["max_len"], stacklevel=3)
+        if on_hit is not None:
+            on_hit(meta)
         return rows
     rows = tokenize()
     if name is not None:

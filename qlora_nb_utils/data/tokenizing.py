@@ -3,7 +3,9 @@
 Why a module apart from :mod:`.examples`: reading and validating data is one concern, turning
 it into token ids for one tokenizer and one length another, and only the second is kept on disk
 between runs (:mod:`.token_cache`, ``tokenize_examples(cache=...)``): a restart reads the rows
-back instead of rendering and tokenizing every example again.
+back instead of rendering and tokenizing every example again. The cache is handed what it needs
+from here (the source files the rows depend on, the dropped-rows warning to say again on a
+hit) and imports nothing of this module.
 
 Importing this module is cheap: ``datasets`` is imported by the functions that need it.
 """
@@ -14,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import examples
 from .examples import IGNORE_INDEX, format_example
 from .token_cache import cached
 
@@ -21,6 +24,9 @@ if TYPE_CHECKING:
     import datasets
 
 __all__ = ["tokenize_examples", "learned_rows"]
+
+#: The source files the rows depend on: a change to either makes the cached rows stale.
+_CODE = (examples.__file__, __file__)
 
 
 def _tokenize_one(prompt_ids: list[int], completion_ids: list[int], eos_id: int | None,
@@ -63,6 +69,7 @@ def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template
     if cache is not None and cache is not False:
         return cached(ds, tokenizer, cache, lambda: tokenize_examples(ds, tokenizer, max_len, chat_template,
                                                                       train_on_prompt),
+                      code=_CODE, on_hit=lambda meta: _warn_dropped_again(meta, max_len),
                       max_len=max_len, chat_template=chat_template, train_on_prompt=train_on_prompt)
     pairs = [format_example(ex, tokenizer, chat_template) for ex in ds]
     plain = not (chat_template and getattr(tokenizer, "chat_template", None))
@@ -77,6 +84,12 @@ def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template
 def _warn_dropped(dropped: int, total: int, max_len: int, stacklevel: int) -> None:
     warnings.warn(f"dropped {dropped} of {total} examples whose prompt fills max_len={max_len}",
                   stacklevel=stacklevel + 1)
+
+
+def _warn_dropped_again(meta: dict, max_len: int) -> None:
+    """On a cache hit: the warning the miss gave, pointing at ``tokenize_examples``' caller."""
+    if meta.get("dropped"):  # the frames up to that caller: this, the on_hit lambda, cached, tokenize_examples
+        _warn_dropped(meta["dropped"], meta["total"], max_len, stacklevel=5)
 
 
 def learned_rows(rows: Any, max_len: int, stacklevel: int = 2) -> datasets.Dataset:
