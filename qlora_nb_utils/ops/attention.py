@@ -10,11 +10,10 @@ that costs depends on the kernel.
   the backward keeps 4x the K/V of Llama-3's grouped attention.
 * **flex_attention.** ``masking_utils.flex_attention_mask`` (transformers 5.17, line 685) asks
   ``if attention_mask is not None and not fast_all(attention_mask)``, a branch on tensor data:
-  compiling the whole model breaks the graph there and ``fullgraph=True`` fails
-  (``lab/results/attention/flex_attention_h200.json``: 5 breaks). Dropping the 2-D mask alone is not enough:
-  the function then calls ``create_block_mask(..., _compile=True)``, whose deprecation
-  ``warnings.warn`` (torch 2.13, ``flex_attention.py:1912``) is a graph break too (4 breaks on
-  the tiny CPU model, measured).
+  compiling the whole model breaks the graph there and ``fullgraph=True`` fails. Dropping the
+  2-D mask alone is not enough: the function then calls ``create_block_mask(..., _compile=True)``,
+  whose deprecation ``warnings.warn`` (torch 2.13, ``flex_attention.py:1912``) is a graph break
+  too, in every layer.
 
 For causal-LM training on *right*-padded batches the padding mask is not needed: a real token
 at position ``i`` attends to positions ``<= i``, which are all real, so the causal mask alone
@@ -34,14 +33,14 @@ implementation registered with transformers' own ``AttentionInterface`` and
   ``enable_gqa=True`` (transformers repeats K/V only when the query heads per device are not a
   power of two), its scaling and its (B, S, H, D) output.
 
-What was measured (tiny Llama on a CPU, torch 2.13, forward only: torch has no flex backward on
+How it compiles (tiny Llama on a CPU, torch 2.13, forward only: torch has no flex backward on
 a CPU): the whole model traces as one graph, ``fullgraph=True`` compiles, and the loss equals
 the padding-masked SDPA loss. Over variable lengths with the sequence dimension dynamic it
 compiles **once per side of 128**: ``create_block_mask`` gives a ``ceil(S / 128)``-block mask,
 and Dynamo specialises a 1-block mask (S <= 128) apart from the rest, so lengths on both sides
 take 2 compilations (3 with ``dynamic=None``: the first one static). Building the mask in each
 attention call instead (from the query and key lengths) behaves the same but traces one mask
-per layer (34 s against 22 s in one CPU comparison); a causal ``score_mod`` without a
+per layer, so it compiles slower; a causal ``score_mod`` without a
 ``BlockMask`` compiles once for all lengths but computes every block of the upper triangle too.
 Gradients cannot be checked on a CPU; ``tests/test_attention.py`` compares them on a GPU.
 
@@ -51,12 +50,12 @@ transformers takes a ``BlockMask`` passed as ``attention_mask`` as it is
 ``flex_attention`` model can be given the causal ``BlockMask`` built eagerly, once per length
 (cached), with no mask code in the compiled graph at all. The graph then takes the mask's
 block counts and indices as inputs, sized by a block-count symbol of their own, instead of
-computing them from ``ceil(S / 128)``: that computation is what Inductor could not split on the
-H200 (``use_causal_flex``'s docstring). On a CPU (tiny Llama, forward, Inductor) it compiles
+computing them from ``ceil(S / 128)``: that computation is what Inductor could not split on a
+GPU (``use_causal_flex``'s docstring). On a CPU (tiny Llama, forward, Inductor) it compiles
 like the in-graph mask: one static graph, one dynamic graph for every length over 128, one
-more for a 1-block length. On the H200 the whole 1B-shape QLoRA trained 20 lengths (128 to
-2560) with 0 breaks, ``fullgraph=True`` and 2 compilations, and the loss and gradients equal
-stock flex with the padding mask (``lab/results/attention/flex_attention_h200.json``, ``whole_precomputed``).
+more for a 1-block length. On a GPU the whole 1B-shape QLoRA trains lengths on both sides of
+128 without graph breaks under ``fullgraph=True``, compiling once per side, and the loss and
+gradients equal stock flex with the padding mask (the lab's flex-attention record).
 The mask function is a module-level function, so its identity guard holds from call to call.
 
 Not for generation with a cache or for left-padded batches (:func:`check_right_padded` refuses
@@ -65,7 +64,7 @@ let real tokens see pads. The SDPA variant also drops what transformers adds to 
 (a sliding window; packed-sequence boundaries, derived from ``position_ids`` when no
 ``attention_mask`` is given); the flex variant passes them on (not tested here). Train with
 ``use_cache=False``: with a ``DynamicCache`` the flex path does not trace on transformers 5.17,
-with this mask or with none (an ``AttributeError`` on the cache layer's ``dtype``, measured).
+with this mask or with none (an ``AttributeError`` on the cache layer's ``dtype``).
 """
 
 from __future__ import annotations
@@ -208,11 +207,11 @@ def use_causal_flex(model: torch.nn.Module) -> PatchHandle:
     The compiled whole model is then one graph (no break in the mask code), and variable
     lengths compile once per side of 128 tokens with the sequence dimension dynamic (see the
     module docstring). On a GPU, torch 2.11's Inductor could not generate the whole model's
-    dynamic graph (``CantSplit: ((s + 127)//128) not divisible by ...``, H200, measured, also
-    with the lengths declared multiples of 128 through ``torch._check``): there, build the mask
-    outside the graph instead (:func:`with_causal_block_mask`: the whole 1B QLoRA trained 20
-    lengths with 2 compilations on the H200, ``lab/results/attention/flex_attention_h200.json``), or compile
-    regionally (``prepare_for_compile(scope="regional")``: 4 compilations for 20 lengths).
+    dynamic graph (``CantSplit: ((s + 127)//128) not divisible by ...``, also with the lengths
+    declared multiples of 128 through ``torch._check``): there, build the mask outside the graph
+    instead (:func:`with_causal_block_mask`: the whole 1B QLoRA then compiles once per side of
+    128), or compile regionally (``prepare_for_compile(scope="regional")``: a few compilations
+    over any number of lengths).
     """
     return use_causal_attention(model, "flex_attention")
 

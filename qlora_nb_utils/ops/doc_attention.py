@@ -12,21 +12,20 @@ transformers 5.17 returns a 4-D mask or ``BlockMask`` as it is
 graph, and ``flex_attention_forward`` hands the ``BlockMask`` to flex attention, which skips the
 blocks where no query sees a key (across documents, above the diagonal). The ``mask_mod`` is a
 closure over the ``document_ids`` tensor; Dynamo lifts that tensor as a graph input and guards
-on the closure's code, not its identity. Measured on the tiny Llama (CPU, torch 2.13,
-``fullgraph=True``, ``aot_eager``, forward: torch has no flex backward on a CPU): 0 graph
-breaks and 1 compilation over batches with different document layouts
-(``tests/test_packing.py``); with Inductor too (1 compilation over the same 3 layouts, 16 s for
-the first call on 2 CPU cores, measured once, not in the tests).
+on the closure's code, not its identity. So batches with different document layouts compile
+once, without graph breaks, under ``fullgraph=True`` (``tests/test_packing.py`` checks it on the
+tiny Llama with ``aot_eager``, forward only: torch has no flex backward on a CPU; Inductor keeps
+the single compilation too, though its first call is slow on a CPU).
 
 **What transformers does by itself with packed ``position_ids``** (no ``attention_mask``):
 ``find_packed_sequence_indices`` derives document ids from the position resets; its early exit
 for unpacked batches reads tensor data but is skipped while tracing, so it does not break.
-With ``sdpa`` it then builds a dense ``(B, 1, S, S)`` boolean mask inside the graph: 0 breaks,
-1 compilation, right logits (measured, tiny Llama, ``fullgraph=True``), but every block of the
+With ``sdpa`` it then builds a dense ``(B, 1, S, S)`` boolean mask inside the graph: no
+breaks, no recompiles and the right logits under ``fullgraph=True``, but every block of the
 mask is computed and attended, and SDPA cannot take its flash kernel with a mask. With
 ``flex_attention`` it calls ``create_block_mask(..., _compile=True)`` inside the graph, whose
-deprecation ``warnings.warn`` is a graph break: 4 breaks on the 2-layer tiny model (measured),
-so ``fullgraph=True`` fails. Hence the mask is built here, outside.
+deprecation ``warnings.warn`` is a graph break in every layer, so ``fullgraph=True`` fails.
+Hence the mask is built here, outside.
 
 **The dense fallback** (:func:`document_dense_mask`, ``kernel="sdpa"``): the same mask as a 4-D
 boolean tensor for SDPA. It is what trains on a CPU (flex has no CPU backward), and it is the
@@ -44,10 +43,10 @@ power of two (at least 16) with the total, zero-length sequences the kernel skip
 length marked dynamic. The implementation is registered with transformers' ``AttentionInterface``
 under :data:`VARLEN` and not with the mask interface, so transformers builds no mask at all. On a
 CPU the same cuts drive the dense mask and SDPA (the reference the CUDA kernel is tested
-against; the flash kernel has no CPU build). Measured on an H100 (torch 2.11, 1B shape, 8 x 1024
-packed rows of the shipped data, ``lab/results/packing/packing_h100.json``'s ``doc_attention``): ``fullgraph=True``,
-0 graph breaks, 1 compilation over the epoch, 69.1k real tokens/s at 10.51 GiB, where flex attention
-gave 61.1k at 15.82 GiB (:mod:`qlora_nb_utils.compile.packed` says why flex stays the default).
+against; the flash kernel has no CPU build). On a GPU it trains a whole epoch of packed rows
+under ``fullgraph=True`` with one compilation and no graph breaks, faster and in less memory than
+flex attention on the same rows (the lab's packing benchmark records the figures;
+:mod:`qlora_nb_utils.compile.packed` says why flex stays the default).
 
 The model must run the kernel the mask is made for: :func:`use_document_attention` switches its
 configs' ``_attn_implementation`` (read at trace time) and ``undo()`` switches them back; no
@@ -129,9 +128,8 @@ def document_block_mask(document_ids: torch.Tensor, block_size: int = 128, *, st
         stable_ids: the ``mask_mod`` reads a copy of ``document_ids`` in one buffer reused by
             every call of the same shape (for CUDA graphs, which take the tensor a ``mask_mod``
             captures as a static input: recorded at its address, recorded again when a new
-            batch's ids lie elsewhere: 4 extra graphs in 14 steps, steps of 0.5-1.4 s between
-            150 ms ones, ``lab/results/step/cudagraph_rerecord_h100.json``). The mask of the previous call
-            then reads the new ids: use it before building the next.
+            batch's ids lie elsewhere, and each re-recording is a slow step). The mask of the
+            previous call then reads the new ids: use it before building the next.
 
     Returns:
         A ``torch.nn.attention.flex_attention.BlockMask`` of shape ``(rows, 1, seq_len, seq_len)``.

@@ -2,10 +2,10 @@
 
 Why it exists: ``torch.addmm(base, xa, B^T)`` computes the sum in the matmul's epilogue, but out
 of place: cuBLAS first copies ``base`` into the new output. Compiled, Inductor emits exactly that
-(``extern_kernels.addmm(buf0, ..., out=buf2)``), and on an H100 at 8B, 8 x 1024 the copies were a
-``Memcpy DtoD`` of 14.4 ms a step without checkpointing and 28.7 ms with it (the recompute runs
-the forward twice): 672 MiB of LoRA-layer outputs per decoder layer, copied once each
-(``lab/results/step/profile_8b_h100_regional.json``). The base output is read by nothing else, so the
+(``extern_kernels.addmm(buf0, ..., out=buf2)``), and in a profile the copies show as a
+``Memcpy DtoD`` every step, twice as long with checkpointing (the recompute runs the forward
+twice): at 8B, 8 x 1024 the LoRA-layer outputs of one decoder layer are 8192 tokens x 43008
+bf16 features, 672 MiB, each copied once. The base output is read by nothing else, so the
 update can go into it.
 
 :func:`add_lora_` does that. It is an autograd Function (its backward is the sum's: the base
@@ -34,12 +34,12 @@ the kernel that produces ``x``; ``lora_xa_into_`` then fills the columns), and t
 dequantizes each ``W_i`` into a buffer whose last columns hold ``B_i``
 (:func:`~qlora_nb_utils.ops.nf4_triton.dequantize_wide`). For gate and up at 8B, 8 x 1024 that
 spares two 8192 x 14336 update tensors (written by a rank-r matmul, read back by the base GEMM's
-epilogue) per layer: on an H100 the forward of the pair took 2.76 ms against 2.93 ms
-(``lab/results/step/lora_concat_h100.json``, ``fwd_concat_nocopy``); with ``x`` copied into the wide
-buffer instead it gained nothing (``fwd_concat_copy``). The backward is the narrow one's; it
-keeps ``x`` (recomputable) and the small ``s x A^T`` columns, not the wide buffer. Only groups
+epilogue) per layer, which makes the pair's forward faster; with ``x`` copied into the wide
+buffer instead the copy eats the gain (the lab's LoRA-concat benchmark compares both). The
+backward is the narrow one's; it keeps ``x`` (recomputable) and the small ``s x A^T`` columns,
+not the wide buffer. Only groups
 run wide: a lone ``down_proj`` run wide too (its input also an elementwise result) made the
-8B, 8 x 1024 step slower on an H100, 431.5 against 427.5 ms (``lab/results/compute/peers_compute_h100_wide_down_ab.json``).
+step slower in the lab's A/B comparison.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ class _NF4LoraGroup(torch.autograd.Function):
                 at += r
             # x itself and a copy of the small s x A^T columns are saved, not the wide buffer: x can
             # then be recomputed in the backward (optimize's recompute policy) where the buffer,
-            # written by a mutable op, could not, 129 MiB a layer at 8B, 8 x 1024 (4 GiB a step, H100)
+            # written by a mutable op, could not: at 8B, 8 x 1024 the buffers are 8192 x 4128 bf16
+            # values per group, about 4 GiB over the step's layers
             ctx.save_for_backward(x2, xc[:, x2.shape[1]:].clone(), *flat)
             return tuple(outs)
         xa = x2 @ _stacked_a(members).t()  # one x @ [A_1; A_2; ...]^T: x is read once for the whole group

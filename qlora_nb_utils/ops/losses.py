@@ -3,7 +3,8 @@
 Why it exists: the last matmul of a Llama-3 model is by far the widest (vocabulary 128256),
 and the standard path (``lm_head`` -> logits -> ``.float()`` -> ``F.cross_entropy``) keeps the
 logits in bf16 and in fp32 plus the fp32 log-softmax for the backward: at batch 4 x 512 that
-is about 0.5 + 1 + 1 GiB for a 1B model whose NF4 weights take 1 GiB. Here the tokens are
+is 2048 x 128256 values at 2 + 4 + 4 bytes each, about 0.5 + 1 + 1 GiB, for a 1B model whose
+NF4 weights take about 1 GiB. Here the tokens are
 cut into ``chunks`` pieces; for each piece the forward computes its logits, its summed loss
 *and already the gradient of that loss with respect to the hidden states* (softmax minus
 one-hot, times the head), and keeps only that gradient. So at any time one chunk of fp32
@@ -21,10 +22,10 @@ idea. :class:`ChunkedLossLM` puts it in place of a PEFT causal LM's own loss, wi
 model's head does after ``hidden @ W^T`` (a bias, a logit scale, a soft cap; :mod:`.lm_head`
 reads it from the model and checks it), so that the loss is the model's own.
 
-**Labelled rows only.** On padded batches most target rows are ignored (83% of them in the
-8B, 8 x 1024 profile on the shipped data, ``lab/results/step/profile_8b_h100.json``), yet the head's
-matmuls and the softmax ran over all of them: 22 ms of a 500 ms step, and the fp32 chunks
-that were the largest tensors alive at the peak. :func:`labelled_rows` lists the rows that
+**Labelled rows only.** On padded batches most target rows are ignored (the prompt and the
+padding carry no label), yet the head's matmuls and the softmax ran over all of them: a
+visible share of the step in the lab's profiles, and the fp32 chunks were the largest tensors
+alive at the peak. :func:`labelled_rows` lists the rows that
 carry a label, *outside* the compiled graph, padded up to a multiple of a bucket with an
 index that reads as an ignored row; :func:`chunked_cross_entropy` (``rows=``) gathers just
 those rows before the head. The loss and every gradient are the same (an ignored row adds
@@ -58,10 +59,10 @@ IGNORE_INDEX = -100
 #: least 64 rows): at most this many distinct counts per batch shape.
 ROW_BUCKETS = 16
 #: ``chunked_cross_entropy(min_chunk_rows=...)``'s value in :class:`ChunkedLossLM` (optimize()'s
-#: loss in regional scope): fewer chunks while each would hold fewer rows. On an H100 the
-#: head and loss over 512 rows (8B, vocabulary 128256) took 2.46 ms in one chunk, 2.76 in two and
-#: 4.30 in four, at 555, 319 and 164 MiB of extra peak (``lab/results/step/lora_concat_h100.json``, ``loss``):
-#: a 128-row chunk is too short a matmul to fill the GPU.
+#: loss in regional scope): fewer chunks while each would hold fewer rows. Splitting a few
+#: hundred rows into more chunks saves peak memory but costs time, and more so the shorter the
+#: chunk: a 128-row chunk is too short a matmul to fill the GPU (the lab's LoRA-concat
+#: benchmark has the time and memory per chunk count).
 CHUNK_MIN_ROWS = 512
 
 

@@ -4,11 +4,10 @@ Why this module exists. A QLoRA step dequantizes every frozen NF4 weight twice (
 backward): 448 weights per step on a Llama-3.1-8B shape. bitsandbytes 0.50 does each in two
 CUDA kernels: first the 8-bit block scales ("double quantization": uint8 codes, a 256-entry
 float32 code book, one float32 scale per 256 codes and a float32 offset) back to float32 in a
-scratch tensor, then the NF4 codes times those scales. The profile at 8B, 8 x 1024 on an H100
-(``lab/results/step/profile_8b_h100.json``, ``dequant``) measured 19.06 ms of a 501.5 ms step in those
-kernels, against 12.68 ms for Unsloth's ``fast_dequantize``; and our pure-torch body
-(:mod:`.nf4`), compiled by Inductor, took 105 us where Unsloth took 55.5 us on one 14336 x 4096
-weight. A dequantize is memory bound (0.5 byte read, 2 bytes written per value), so the one
+scratch tensor, then the NF4 codes times those scales. Those kernels are a visible share of an
+8B step in the lab's profiles, more than Unsloth's one-kernel ``fast_dequantize`` spends, and
+our pure-torch body (:mod:`.nf4`) compiled by Inductor was slower than Unsloth's too. A
+dequantize is memory bound (0.5 byte read, 2 bytes written per value), so the one
 thing to win is traffic and launches: the scratch float32 scales (written, then read back)
 and the second launch go away when each program computes its blocks' scales itself.
 
@@ -382,9 +381,9 @@ def op_args(packed: torch.Tensor, quant_state: Any, dtype: torch.dtype | None = 
 def dequantize(*args: Any) -> torch.Tensor:
     """The op where a compiler traces (one node in its graph), its body straight away in eager code.
 
-    An eager call of the op through the dispatcher cost 142 us against 43 us for the bare kernel
-    launch on a 4096 x 4096 weight (H100, ``lab/results/step/nf4_dequant_h100.json``, ``call_us``): the
-    dispatcher is pure overhead when nothing traces. Same arguments as :data:`OP`.
+    An eager call of the op goes through the dispatcher, whose cost exceeds the bare kernel
+    launch on a weight such as 4096 x 4096 and is pure overhead when nothing traces. Same
+    arguments as :data:`OP`.
     """
     if torch.compiler.is_compiling():
         return torch.ops.qlora_nb.dequantize_nf4_fused(*args)
