@@ -71,11 +71,10 @@ def _autocast(forward: Callable[..., Any], device: torch.device, dtype: torch.dt
     moves in steps of about 1e-4, the size of an update at lr 2e-4), so a rounding difference in
     any gradient, eager or compiled, decides whether a weight moves at all, and the runs drift
     apart step by step. fp32 master weights keep the update; the matmuls still run in bf16.
-    On the H200 (lab/results/matrix/compile_matrix_h200.json, bf16_noise_h200.json) this took the base
-    cells' eager-vs-compiled difference over 30 steps from 0.25-0.48 to 0.024-0.034, and
-    eager-vs-eager with another SDPA kernel from 0.47 to 0.033, at lr 2e-4; at full fine-tuning's
-    usual 2e-5 (`base_lr`) to 2.7e-3-5.4e-3, eager-vs-eager 2.0e-3-3.9e-3
-    (bf16_noise_base_h200.json).
+    Without it, eager against eager with another SDPA kernel drifts as far as eager against
+    compiled, so the full fine-tune's parity says nothing about the compiler; with it both
+    differences shrink together, the more at full fine-tuning's usual lower learning rate
+    (`base_lr`). The lab's compile matrix and bf16-noise runs record the figures.
     The context is entered outside the compiled callable, so Dynamo traces under it.
     """
 
@@ -262,8 +261,8 @@ def run_matrix(
             start = trainable_state(model)
             for kind in lengths:
                 batches = _batches(tok, kind, batch_size, max_len, steps, seed)
-                # Every new length's first step costs ~100 ms more on a GPU, eager or compiled, once
-                # per process (bench.warm_shapes): warmed here, neither run pays it for the other.
+                # Every new length's first step costs more on a GPU, eager or compiled, once per
+                # process (bench.warm_shapes): warmed here, neither run pays it for the other.
                 warm_shapes(model, batches, forward=wrap(model))
                 load_trainable_state(model, start)
                 eager = train(model, batches, cfg, forward=wrap(model), label="eager")
@@ -294,9 +293,9 @@ def run_matrix(
                                     max_abs_loss_diff=None, first_step_loss_diff=None, losses=None)
                     done.append(cell)
                 # The break check runs after this length kind's runs, never between eager and
-                # compiled: it leaves memory allocated that gc.collect() does not free (0.133 GiB
-                # on the 1B shape with checkpointing, lab/results/memory/ckpt_mem_snapshot_h200.json), which
-                # would count in every later peak of this process.
+                # compiled: it leaves memory allocated that gc.collect() does not free (seen on the
+                # 1B shape with checkpointing, in the lab's memory snapshots), which would count in
+                # every later peak of this process.
                 if done:
                     checked = _break_check(model, batches[0], dev, ckpt, wrap)
                     for cell in done:

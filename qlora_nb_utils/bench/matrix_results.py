@@ -142,7 +142,7 @@ def parity_table(result: dict[str, Any], noise: Iterable[dict[str, Any]] = (), t
     file's "base-fp32"). A perturbation whose run equals the plain eager run bit for bit (a
     repeat, or a flag that changed nothing) is left out: it is not a second sample of the drift.
 
-    The max over 30 steps is what the issue's target bounds; the mean says whether a cell's
+    The max over the run is what the parity `target` bounds; the mean says whether a cell's
     difference is of the floor's kind or larger, since one step's spike decides the max.
     Returns a pandas DataFrame indexed by config, in the matrix's config order.
     """

@@ -1,7 +1,7 @@
 """``qlora-nb bench --packing``: packed against padded on the same examples, in real tokens per second.
 
-Why it exists: on the shipped data most of a padded batch is padding (67% at 512 tokens, 84% at
-1024 on the tiny tokenizer), so a faster step of padded batches is mostly faster padding. The
+Why it exists: on the shipped data most of a padded batch is padding (more of it the longer the
+batch), so a faster step of padded batches is mostly faster padding. The
 number a user cares about is real (non-pad) tokens per second, counted one way for every run
 (:func:`qlora_nb_utils.data.real_tokens`). This job trains, from one LoRA start and on the same
 examples (the data, or its first ``limit`` examples, in the seed's order):

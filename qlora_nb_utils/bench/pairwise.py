@@ -78,12 +78,10 @@ def mark_dynamic(forward: Callable[..., Any], dims: dict[str, int]) -> Callable[
 def warm_shapes(model, batches, forward: Callable[..., Any] | None = None) -> int:
     """One untimed forward and backward per distinct batch shape; the weights are left as they were.
 
-    Why: on a GPU the first step at a batch length the process has not run before costs about
-    100 ms more than later steps at that length, eager and compiled alike (on the H200 with the
-    4-layer 1B shape: ~130-200 ms against ~20-35 ms; a since-removed probe,
-    `lab/results/step/default_step_probe_h200.json`). It is paid once per length per process, outside
-    the compiler: a compiled run after an eager pass over the same lengths steps at 20 ms from
-    its first new length. So when runs are compared on variable lengths, whichever runs first
+    Why: on a GPU the first step at a batch length the process has not run before costs much
+    more than later steps at that length, eager and compiled alike. It is paid once per length
+    per process, outside the compiler: a compiled run after an eager pass over the same lengths
+    steps at its steady pace from its first new length. So when runs are compared on variable lengths, whichever runs first
     pays for every length, and its median step says so. Warming every shape once first makes
     each run's step times its own.
 
