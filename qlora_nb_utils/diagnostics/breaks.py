@@ -4,7 +4,7 @@ Why this module exists: a QLoRA step that ``torch.compile`` captures in one grap
 of the notebooks, and the obvious count of graph breaks is wrong. ``torch._dynamo.explain``
 computes ``graph_break_count`` as *graphs - 1*: a break whose graph on one side is empty is
 not counted at all, a break inside an inlined call can be counted twice with one reason, and
-we have measured a non-zero count with an empty ``break_reasons`` list. So
+a non-zero count can come with an empty ``break_reasons`` list. So
 :func:`graph_breaks` cross-checks explain with Dynamo's ``counters["graph_break"]`` and, when
 both are silent, with the error that a ``fullgraph=True`` compile raises
 (:func:`check_fullgraph`), and says which source the reasons came from. Dynamo's internals
