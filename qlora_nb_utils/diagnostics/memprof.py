@@ -1,6 +1,7 @@
 """Which allocations make a CUDA memory peak: the live set at the peak of a recorded window.
 
-Why: "compiled peaks above eager" is a total; the fix needs the *allocations* behind it. PyTorch's allocator can record every allocation and free with its Python stack
+Why: "compiled peaks above eager" is a total; the fix needs the *allocations* behind it.
+PyTorch's allocator can record every allocation and free with its Python stack
 (``torch.cuda.memory._record_memory_history``); :func:`live_at_peak` replays such a recording,
 finds the moment the allocated bytes were highest, and lists what was alive then, largest
 first and summed by the line that allocated it. Two recordings of the same step (eager and
