@@ -49,7 +49,7 @@ def must_recompute_context() -> Any:
     """A ``context_fn`` for ``torch.utils.checkpoint``: recompute every op, compiled or not.
 
     Plain checkpointing tags the region ``PREFER_RECOMPUTE``, which AOTAutograd's
-    partitioner may override with its own save-or-recompute heuristics; in exploratory H100
+    partitioner may override with its own save-or-recompute heuristics; in exploratory GPU
     runs (torch 2.11, 1B-shape NF4 QLoRA; no results file kept) it did, keeping MLP- and
     attention-width activations besides each layer's input. ``MUST_RECOMPUTE`` (selective activation checkpointing with one policy for
     every op) is documented as not overridable by ``torch.compile``, and with it the compiled

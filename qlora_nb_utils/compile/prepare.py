@@ -20,7 +20,7 @@ saving, when a few decisions are made together, each easy to get subtly wrong on
   of the whole stack), and the checkpointing around each layer stays eager, so the backward
   recomputes exactly one layer at a time, as in eager.
 * **What the compiled backward keeps.** Plain checkpointing tags its region
-  ``PREFER_RECOMPUTE``, which the compiler may override. In exploratory H100 runs (torch 2.11,
+  ``PREFER_RECOMPUTE``, which the compiler may override. In exploratory GPU runs (torch 2.11,
   1B-shape NF4 QLoRA) it did: the whole-model graph kept several MLP- and attention-width
   activations per layer and peaked above eager with checkpointing. With ``grad_ckpt=True`` in
   ``"whole"`` scope the checkpoint carries a selective-checkpointing policy of
