@@ -255,7 +255,7 @@ def train(
     rows: list[dict] = []
     model.train()
     # Garbage first: tensors that earlier work left in reference cycles (Dynamo's explain and
-    # fullgraph checks leave whole forward passes so, measured) stay allocated until the
+    # fullgraph checks leave whole forward passes so) stay allocated until the
     # collector runs, and would count in this run's peak.
     gc.collect()
     bar = _progress(cfg.steps, label, cfg.progress, start_step)
@@ -285,9 +285,9 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
     # The first micro-batch reaches the device before the timer starts (as every peer's loop does:
     # the host-to-device copy of the batch is not the step's), and nothing in the step waits for the
     # device before its end: tokens are counted on the batch as given, before its copy (counted on
-    # the device, the count waited for the whole backward before the optimizer could be launched;
-    # ours at 8B, 8 x 1024 on an H200 went from 412.2 to 408.4 ms a step with this, the next call,
-    # lab/results/compute/peers_compute_h200.json), and the gradient norm stays a tensor until the closing sync.
+    # the device, the count waited for the whole backward before the optimizer could be launched,
+    # a sync in the middle of every step), and the gradient norm stays a tensor until the closing
+    # sync.
     host = next_batch()
     batch = _to_device(host, device)
     sync(device)
