@@ -1,8 +1,7 @@
 """Padding-free batches: whole examples packed into rows of one fixed length, with document ids.
 
-Why: in the peer runs on the shipped data (H100, one process per library, the same padded
-batches) 67-84% of the tokens in each batch were pad tokens, so most of every step's FLOPs went
-to padding. Padding to a fixed shape is what keeps ``torch.compile`` at one graph and makes CUDA
+Why: on the shipped data most of the tokens in each padded batch are pad tokens (short
+examples padded to the batch's length), so most of every step's FLOPs go to padding. Padding to a fixed shape is what keeps ``torch.compile`` at one graph and makes CUDA
 graphs possible; packing keeps that fixed shape and drops the waste: examples are placed whole
 into rows of exactly ``seq_len`` tokens, and only each row's tail is padding.
 

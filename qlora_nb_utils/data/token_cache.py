@@ -2,10 +2,9 @@
 
 Why: every start renders each example with the chat template and tokenizes the whole dataset
 before its first step, even when nothing changed since the last start: a resumed
-``qlora-nb train``, a notebook run again, a warm start. For the shipped 4000 examples that is
-1.1 s on a 2-core CPU; at Llama-3.1-8B shape on an H100 building the batches was the largest
-part of a warm start's load (``lab/results/compile_time/warm_start_profile_h100.json``), and a user's 100k
-examples take minutes. ``datasets.Dataset.map``'s own cache would do it, but it keys on a hash
+``qlora-nb train``, a notebook run again, a warm start. The cost grows with the dataset: small
+for the shipped 4000 examples, the largest part of a warm start's load in the lab's warm-start
+profile at Llama-3.1-8B shape, and minutes for a dataset many times larger. ``datasets.Dataset.map``'s own cache would do it, but it keys on a hash
 of the tokenizer object, which changes when a call sets truncation or padding on it; here the
 key is what the rows depend on, said explicitly:
 
