@@ -2,8 +2,8 @@
 
 Why: a start that loads a bf16 checkpoint with a ``BitsAndBytesConfig`` reads every weight at two
 bytes and quantizes it on the way in. At Llama-3.1-8B shape that is 16 GB read and 7 B weights
-quantized, 5.4-7.3 s of an H200 warm start whose target is 20 s (``lab/results/compile_time/warm_start_h200.json``:
-imports 12.3 s, load 5.4 s, first step 2.9 s). Saved after quantization, the same weights are
+quantized, a large share of a warm start (the lab's warm-start record splits it into imports,
+load and first step). Saved after quantization, the same weights are
 about 5.6 GB, and loading them is a copy: the blocks, their absmax and the double-quant
 statistics are read as they are, so the model is the very same bits (``tests/test_models.py``).
 
