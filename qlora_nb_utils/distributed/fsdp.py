@@ -14,12 +14,12 @@ whose ``quant_state`` (absmax, code, shape) lives on the parameter object.
 
 * ``fully_shard`` on the decoder layers as they are *works numerically*: the packed weight is
   a plain uint8 tensor to FSDP2, it is sharded ``Shard(0)`` and all-gathered byte for byte
-  (fp32 logits equal to the unsharded model's, bit for bit, measured on the tiny model). The
+  (fp32 logits equal to the unsharded model's, bit for bit, on the tiny model). The
   all-gathered parameter FSDP2 builds is a plain ``nn.Parameter`` without ``quant_state``,
   and bitsandbytes notices: ``fix_4bit_weight_quant_state_from_module`` rebuilds a
   ``Params4bit`` from the module's own copy of the quant state and *assigns a new parameter*
   to ``module.weight`` on every forward. Eagerly that is harmless; inside a compiled layer it
-  is 37 graph breaks per step on the 2-layer tiny model (``Failed to mutate tensor data
+  is graph breaks in every layer on every step (``Failed to mutate tensor data
   attribute ... Dynamo only supports mutating `.data` of tensor created outside
   torch.compile region`` and ``Dynamo does not know how to trace method `__set__` of class
   `getset_descriptor``` on ``Params4bit.data``) and a recompilation per layer.
@@ -37,8 +37,8 @@ whose ``quant_state`` (absmax, code, shape) lives on the parameter object.
   no all-gather traffic for the base, but every rank holds the whole 4-bit base.
 * Mixed precision and the bytes on CUDA: FSDP2 copies every shard into its all-gather buffer
   with ``_foreach_copy_``, which on CUDA widens bf16/fp16 elements to float and narrows them
-  back, rewriting every packed word that reads as a NaN to 0x7FFF (0.07% of the words on 2
-  H200s, loss off by 0.12; gloo's CPU copy is a memcpy, so CI was exact).
+  back, rewriting every packed word that reads as a NaN to 0x7FFF (a small share of the words
+  of a real model, enough to move the loss; gloo's CPU copy is a memcpy, so CI was exact).
   :mod:`qlora_nb_utils.distributed.packed_words` has the full trace and the rule: a unit that
   holds packed words must not all-gather in a 16-bit float. ``sharded_nf4_precision`` keeps it
   (no ``param_dtype`` cast, packed words stored as float32), :func:`apply_fsdp2` checks the
@@ -212,13 +212,14 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
         frozen: ``"shard"`` the other frozen parameters (embeddings, LM head, norms) like the
             trainable ones, or ``"replicate"`` them (``ignored_params``): no all-gather traffic
             for weights that never change, at the cost of holding them whole on every rank. On
-            2 H200s with the 8B shape at batch 1 the sharded embeddings and LM head (2 x 1 GiB
-            in bf16, gathered in forward and again in backward) are the main per-step cost.
+            two GPUs with the 8B shape at batch 1 the sharded embeddings and LM head (128256 x
+            4096 each, 1 GiB each in bf16, gathered in forward and again in backward) are the
+            main per-step cost.
         verify: with ``nf4="shard"``, checksum every packed 4-bit weight before sharding and
             after the first all-gather (``True``), or compare every byte (``"exact"``: a CPU
             copy of the packed bytes is kept until then), and refuse a model whose bytes
-            changed; the record is ``Sharded.bytes_check``. On 2 H200s (NCCL, bf16 storage,
-            bf16 policy, torch 2.11) 0.07% of the words changed (:mod:`.packed_words` says why).
+            changed; the record is ``Sharded.bytes_check``. On CUDA (NCCL, bf16 storage, bf16
+            policy, torch 2.11) some words do change (:mod:`.packed_words` says why).
         units: other modules sharded as units of their own, after the decoder layers and
             before the root (e.g. the input embedding, gathered only around its own forward
             instead of for the root's whole step; :mod:`.fast`). Modules whose parameters are

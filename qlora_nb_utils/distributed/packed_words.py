@@ -1,9 +1,9 @@
 """Why FSDP2 changed sharded NF4 bytes on CUDA, and the precision plan that keeps them exact.
 
-Why this module exists: on 2 H200s (torch 2.11, NCCL) sharding the packed NF4 weights stored
-as bf16 changed 0.07% of the 16-bit words, every one a bf16 NaN pattern rewritten to 0x7FFF
-(``lab/results/fsdp/fsdp2_h200_diag.json``), and the loss moved by 0.12. The cause, read from the torch
-source, is one copy, not NCCL and not a dtype cast:
+Why this module exists: on two GPUs (torch 2.11, NCCL) sharding the packed NF4 weights stored
+as bf16 changed a small share of the 16-bit words, every one a bf16 NaN pattern rewritten to
+0x7FFF, and the loss moved visibly (the lab's FSDP2 diagnosis records the counts). The cause,
+read from the torch source, is one copy, not NCCL and not a dtype cast:
 
 1. FSDP2's ``foreach_all_gather`` copies each rank's shards into the all-gather buffer with
    ``torch.ops.fsdp.all_gather_copy_in``, which is ``torch._foreach_copy_(dsts, srcs)``. The
@@ -15,7 +15,8 @@ source, is one copy, not NCCL and not a dtype cast:
    bf16 or fp16 element is widened to float and narrowed back. Widening is exact, but the
    narrowing (``c10::BFloat16(float)`` -> ``__float2bfloat16`` on sm80+) returns the canonical
    NaN 0x7FFF for every NaN, dropping its sign and payload. Packed 4-bit codes are not numbers;
-   ~1 word in 1,000 of them reads as a bf16 NaN, and exactly those words changed, to 0x7FFF.
+   a few of them read as a bf16 NaN (all exponent bits set, a non-zero mantissa), and exactly
+   those words changed, to 0x7FFF.
 3. On a CPU the same call takes ``foreach_tensor_copy_list_kernel_slow_``, a ``copy_`` per
    tensor (a memcpy for equal dtypes): gloo runs were bit-exact, which is why CI never saw it.
 

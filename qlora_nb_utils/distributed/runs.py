@@ -71,7 +71,7 @@ def _load_summary(folder: str | Path) -> dict:
 
 
 def compare_runs(parity_one: str | Path, parity_n: str | Path, scaling_one: str | Path | None = None) -> dict:
-    """The FSDP2 results record from finished runs (``results/fsdp2_<device>.json``).
+    """The FSDP2 results record from finished runs (the lab keeps one per device).
 
     Args:
         parity_one: a 1-rank run at global batch G.

@@ -47,8 +47,8 @@ def _summary(args, info, records, sharded, storage, dtype, start_step, breaks_be
     timed = [r for r in records if r["step"] >= start_step + args.timing_warmup and r.get("run_start") == start_step]
     med = lambda xs: float(sorted(xs)[len(xs) // 2]) if xs else None  # noqa: E731
     step_ms = med([r["step_ms"] for r in timed])
-    # Medians of per-step rates, not total tokens / total time: one late recompilation (an
-    # 8.9 s step among 0.3 s ones on the GPU) must not set the throughput.
+    # Medians of per-step rates, not total tokens / total time: one late recompilation (a step
+    # many times the others' length) must not set the throughput.
     rate = med([r["tokens"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0])
     rate_padded = med([r["tokens_padded"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0])
     report = sharding_report(sharded.model)
