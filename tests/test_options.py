@@ -4,6 +4,8 @@ The descriptions in ``optimize_descriptions.json`` were recorded from ``optimize
 choices were split into small functions: each case here must still read exactly as recorded.
 """
 
+import ast
+import inspect
 import json
 from pathlib import Path
 
@@ -61,3 +63,225 @@ def test_descriptions_read_as_recorded(cases):
             opt.undo()
     for name, want in DESCRIPTIONS.items():
         assert seen[name] == want, name
+
+
+def test_an_options_object_or_dict_reads_as_its_keywords(cases):
+    """``optimize(model, options)`` with the object, or a dict, chooses as the same keywords do."""
+    from qlora_nb_utils.compile.options import OptimizeOptions
+
+    model, kwargs = cases
+    kw = dict(kwargs["memory_fit"])
+    batches = kw.pop("batches")
+    optimize(model, batches=batches, **kw).undo()  # a case before may have cast the weights: cast them back
+    reference = optimize(model, batches=batches, **kw)  # the keywords
+    want = reference.description
+    reference.undo()
+    for options, extra in ((OptimizeOptions(**kw), {}), (kw, {}), ({"backend": "eager"}, {"max_memory_gib": 100.0})):
+        opt = optimize(model, options, batches=batches, **extra)
+        try:
+            assert opt.description == want
+            assert opt.options == OptimizeOptions(**kw)
+        finally:
+            opt.undo()
+    with pytest.raises(TypeError, match=r"unknown optimize\(\) option\(s\) \['turbo'\]; valid: \['grad_ckpt'"):
+        optimize(model, batches=batches, turbo=True)
+
+
+# ----------------------------------------------------------------------------- the options object
+DEFAULTS = {  # optimize()'s keyword defaults before the options object
+    "grad_ckpt": "auto", "max_memory_gib": None, "mode": "auto", "attention": "auto", "ckpt_layers": None,
+    "dtype": None, "backend": "inductor", "ce_chunks": 4, "cast": True, "autocast": "auto", "pad_multiple": 8,
+    "dynamic": "auto", "memory_budget": None, "eager_numerics": "auto", "scope": "whole", "doc_attention": "auto",
+    "offload": "auto", "loss_rows": "auto", "recompute": "auto", "lora_addmm": "auto", "nf4_dequant": "auto",
+    "warm_cache": "auto", "ce_min_rows": "auto",
+}
+
+
+def test_the_defaults_are_optimizes():
+    from qlora_nb_utils.compile.options import OptimizeOptions
+
+    assert OptimizeOptions().to_dict() == DEFAULTS
+    assert OptimizeOptions.names() == list(DEFAULTS)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"mode": "turbo"}, r"mode must be one of \['auto', 'default'"),
+    ({"grad_ckpt": "sometimes"}, "grad_ckpt must be one of"),
+    ({"attention": "flash"}, "attention must be one of"),
+    ({"scope": "layer"}, "scope must be one of"),
+    ({"doc_attention": "dense"}, "doc_attention must be one of"),
+    ({"lora_addmm": "wide"}, "lora_addmm must be one of"),
+    ({"offload": "yes"}, "offload must be one of"),
+    ({"pad_multiple": 0}, "pad_multiple must be an integer >= 1, got 0"),
+    ({"pad_multiple": True}, "pad_multiple must be an integer >= 1"),
+    ({"max_memory_gib": -1}, "max_memory_gib must be None or a number > 0"),
+    ({"ckpt_layers": -1}, "ckpt_layers must be None or an integer >= 0"),
+    ({"ckpt_layers": 1, "grad_ckpt": False}, "needs grad_ckpt=True or 'auto'"),
+    ({"offload": True, "grad_ckpt": False}, "offload=True keeps checkpointed layers' inputs in CPU memory"),
+    ({"mode": "reduce-overhead", "backend": "eager"}, "is an Inductor option"),
+    ({"ce_min_rows": -1}, "ce_min_rows must be 'auto' or an integer"),
+    ({"ce_min_rows": True}, "ce_min_rows must be 'auto' or an integer"),
+    ({"ce_chunks": -2}, "ce_chunks must be an integer >= 0"),
+    ({"ce_chunks": 0, "loss_rows": True}, "loss_rows=True needs the chunked loss"),
+    ({"dtype": "float77"}, "dtype must be None, a torch dtype or its name"),
+    ({"memory_budget": 2.0}, r"memory_budget must be None or a number in \[0, 1\]"),
+])
+def test_a_bad_value_is_refused_with_what_is_valid(options, message):
+    from qlora_nb_utils.compile.options import OptimizeOptions
+
+    with pytest.raises(ValueError, match=message):
+        OptimizeOptions(**options)
+    with pytest.raises(ValueError, match=message):
+        OptimizeOptions.from_dict(options)
+
+
+def test_every_bad_value_is_reported_at_once():
+    from qlora_nb_utils.compile.options import OptimizeOptions
+
+    with pytest.raises(ValueError) as err:
+        OptimizeOptions(mode="turbo", scope="layer", pad_multiple=0)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "3 bad optimize() options:"
+    assert [line.split(" must")[0] for line in lines[1:]] == ["- mode", "- scope", "- pad_multiple"]
+
+
+def test_from_dict_names_unknown_keys_and_the_valid_ones():
+    from qlora_nb_utils.compile.options import OptimizeOptions
+
+    with pytest.raises(TypeError) as err:
+        OptimizeOptions.from_dict({"mode": "auto", "turbo": 1, "ckpt": 2})
+    message = str(err.value)
+    assert "['ckpt', 'turbo']" in message and "valid: ['grad_ckpt', 'max_memory_gib'" in message
+    with pytest.raises(TypeError, match="must be a mapping"):
+        OptimizeOptions.from_dict([("mode", "auto")])
+
+
+def test_to_dict_round_trips_and_is_plain():
+    from qlora_nb_utils.compile.options import OptimizeOptions
+
+    opts = OptimizeOptions(dtype=torch.bfloat16, max_memory_gib=9.5, scope="regional", lora_addmm="narrow",
+                           ckpt_layers=3, grad_ckpt=True, ce_min_rows=0)
+    plain = opts.to_dict()
+    assert plain["dtype"] == "bfloat16" and json.loads(json.dumps(plain)) == plain
+    assert OptimizeOptions.from_dict(plain) == opts and OptimizeOptions(**plain).dtype is torch.bfloat16
+    assert OptimizeOptions.from_dict({"dtype": "torch.float16"}).dtype is torch.float16
+
+
+def test_build_puts_keywords_over_the_options():
+    from qlora_nb_utils.compile.options import OptimizeOptions
+
+    base = OptimizeOptions(scope="regional")
+    assert OptimizeOptions.build(base) is base
+    assert OptimizeOptions.build(base, backend="eager") == OptimizeOptions(scope="regional", backend="eager")
+    assert OptimizeOptions.build({"scope": "regional"}, scope="whole") == OptimizeOptions()
+    assert OptimizeOptions.build(None, mode="default") == OptimizeOptions(mode="default")
+    with pytest.raises(ValueError, match="scope must be one of"):  # a keyword is validated with the rest
+        OptimizeOptions.build(base, scope="layer")
+
+
+def test_recipe_options_check_and_hand_prepare_for_compile_its_share():
+    from qlora_nb_utils.compile.options import RecipeOptions
+
+    opts = RecipeOptions(dtype=torch.float32, grad_ckpt=True, scope="regional", offload=True, dynamic=True)
+    assert opts.compile_options() == {"grad_ckpt": True, "mode": None, "backend": "inductor",
+                                      "eager_numerics": False, "scope": "regional", "dynamic": True}
+    with pytest.raises(ValueError, match="offload needs grad_ckpt=True and scope='regional'"):
+        RecipeOptions(dtype=torch.float32, offload=True)
+    with pytest.raises(ValueError, match="ckpt_layers picks which layers"):
+        RecipeOptions(dtype=torch.float32, ckpt_layers=1)
+    with pytest.raises(TypeError):
+        RecipeOptions()  # no dtype
+
+
+# ----------------------------------------------------------------------------- the decision table
+def test_the_mode_rule():
+    from qlora_nb_utils.compile.choices import MAX_CUDAGRAPH_SHAPES, choose_mode
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    few, many = [(2, 64)], [(2, 8 * n) for n in range(1, MAX_CUDAGRAPH_SHAPES + 2)]
+    assert choose_mode("auto", "inductor", "whole", cuda, few) == ("reduce-overhead", "1 batch shape(s): CUDA graphs")
+    assert choose_mode("auto", "inductor", "whole", cuda, many).value is None
+    assert choose_mode("auto", "inductor", "whole", cuda, None).why == "shapes not shown: no CUDA graphs"
+    assert choose_mode("auto", "inductor", "regional", cuda, few).why == "regional scope: no CUDA graphs"
+    assert choose_mode("auto", "eager", "whole", cuda, few) == (None, "backend 'eager'")
+    assert choose_mode("auto", "inductor", "whole", cpu, few) == (None, "no CUDA graphs on cpu")
+    assert choose_mode("default", "inductor", "whole", cuda, few) == (None, "asked for")
+    assert choose_mode("max-autotune", "inductor", "whole", cpu, few) == ("max-autotune", "asked for")
+
+
+def test_the_numerics_rules():
+    from qlora_nb_utils.compile import choices as c
+
+    assert c.choose_dynamic("auto", [(2, 64), (2, 128)]) == (True, "2 lengths: dynamic from the first call")
+    assert c.choose_dynamic("auto", [(2, 64), (4, 64)]) == (False, "one length: static")
+    assert c.choose_dynamic(True, None) == (True, "asked for")
+    assert c.choose_autocast("auto", torch.bfloat16) == (True, "LoRA matmuls in the compute dtype")
+    assert c.choose_autocast(False, torch.bfloat16) == (False, "asked for")
+    assert c.choose_autocast("auto", torch.float32) == (False, "float32: nothing to autocast")
+    assert c.choose_eager_numerics("auto", torch.float16, "eager") == (False, "backend 'eager'")
+    assert c.choose_eager_numerics("auto", torch.bfloat16, "inductor").value is True
+    assert c.choose_dtype(None, torch.float32) == (torch.float32, "the model's compute dtype")
+    assert c.choose_dtype(torch.bfloat16, torch.float32) == (torch.bfloat16, "asked for")
+    assert c.chunk_rows(4, "regional", "auto") == 512 and c.chunk_rows(4, "whole", "auto") == 0
+    assert c.choose_loss(0, True, 0).why == "the chunked loss would not compute this model's loss (see head)"
+    assert c.choose_recompute("auto", False) == ("torch's default", "this torch's partitioner has no such setting")
+    with pytest.raises(ValueError, match="recompute=True"):
+        c.choose_recompute(True, False)
+    with pytest.raises(ValueError, match="warm_cache=True"):
+        c.choose_warm_cache(True, "inductor", False)
+
+
+# ----------------------------------------------------------------------------- the shape of the code
+def test_the_body_of_optimize_spans_at_most_80_lines():
+    """Measured as the ``FunctionDef``'s ``end_lineno`` minus the line after its docstring."""
+    import qlora_nb_utils
+
+    source = Path(inspect.getsourcefile(qlora_nb_utils.optimize)).read_text()
+    node = next(n for n in ast.walk(ast.parse(source))
+                if isinstance(n, ast.FunctionDef) and n.name == qlora_nb_utils.optimize.__name__)
+    doc = node.body[0]
+    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
+    assert node.end_lineno - (doc.end_lineno + 1) <= 80
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """The modules of ``package`` that the file imports, at any depth of the file (TYPE_CHECKING included)."""
+    module = package + "." + ".".join(path.with_suffix("").relative_to(COMPILE).parts)
+    module = module.removesuffix(".__init__")
+    base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            parent = base[:len(base) - node.level + 1] if node.level else []
+            target = ".".join(parent + ([node.module] if node.module else []))
+            found |= {target} | {f"{target}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {t for t in found if t.startswith(package + ".") or t == package}
+
+
+COMPILE = Path(__file__).resolve().parent.parent / "qlora_nb_utils" / "compile"
+
+
+def test_the_compile_package_has_no_import_cycle():
+    package = "qlora_nb_utils.compile"
+    files = {p: package + "." + ".".join(p.with_suffix("").relative_to(COMPILE).parts) for p in COMPILE.rglob("*.py")}
+    modules = {m.removesuffix(".__init__") for m in files.values()}
+    graph = {m.removesuffix(".__init__"): {t for t in _imports(p, package) if t in modules} - {m.removesuffix(".__init__")}
+             for p, m in files.items()}
+    # package __init__ files only re-export lazily; an edge to a package is an edge to its __init__
+    assert "qlora_nb_utils.compile.optimized" in graph["qlora_nb_utils.compile.fast_path"]
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError(" -> ".join(path[path.index(nxt):] + [nxt]) if nxt in path else nxt)
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
