@@ -30,6 +30,10 @@ Entry points (imported lazily, on first use; importing the subpackage imports no
   (CUDA graphs, dynamic lengths, the attention path, how many layers to checkpoint for a
   memory target), and says what it chose; the names above are its building blocks.
   :mod:`.memory_estimate` (``estimate_peak_gib``) is the calibrated peak it checkpoints by.
+* :class:`OptimizeOptions` (``optimize()``'s knobs, validated, from keywords or a dict) and
+  :class:`RecipeOptions` (what ``prepare_fast`` applies), in :mod:`.options`; each choice that
+  turns ``"auto"`` into a decision is a small function of :mod:`.choices`, run in order by
+  :func:`.plan.decide`.
 * :class:`CpuOffloader`, in :mod:`.offload`: checkpointed layers' saved inputs kept in pinned
   CPU memory, copied on a side stream (``optimize(offload=...)``; ``offload.apply(model)``).
 """
@@ -50,6 +54,7 @@ _EXPORTS = {
         "autocast_forward", "activation_memory_budget",
     ), "recipe"),
     **dict.fromkeys(("optimize", "Optimized"), "fast_path"),
+    **dict.fromkeys(("OptimizeOptions", "RecipeOptions"), "options"),
     **dict.fromkeys(("pad_batch",), "step_inputs"),
     **dict.fromkeys(("estimate_peak_gib", "estimate_terms"), "memory_estimate"),
     **dict.fromkeys(("CpuOffloader", "OffloadStats"), "offload"),
