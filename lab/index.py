@@ -1,0 +1,155 @@
+"""``python -m lab.index``: every results file as rows of one tidy table, and the pages made from it.
+
+Why it exists: each results file has the shape of the run that wrote it (a peers file, a packing
+benchmark, an FSDP2 record, a profile), and a reader per shape does not scale past a few files.
+This module reads them all the same way: the file's own record (device, date, versions, command,
+the code's commit where the file names one) and one row per measured number, with the
+configuration it was measured at (the path of names that leads to it: run, variant, shape, ...).
+``lab/results/index.csv`` is that table, committed; ``lab/RESULTS.md`` and the README's headline
+table are generated from it, and ``tests/lab/test_index.py`` regenerates all three and compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+LAB = Path(__file__).resolve().parent
+ROOT = LAB.parent
+RESULTS = LAB / "results"
+INDEX = RESULTS / "index.csv"
+COLUMNS = ("topic", "source", "device", "date", "commit", "versions", "configuration", "metric", "value")
+
+#: the numbers a row is made of: times, rates, memory, losses and their differences, counts of
+#: compilations and breaks, speed-ups. Anything else (seeds, sizes, settings) is configuration.
+METRIC = re.compile(
+    r"(_ms|_s|_gib|_gb|_mib|tokens_per_s|tok_s|tok_per_s|mfu|speedup|_x|loss|loss_diff|_diff|compilations|"
+    r"graph_breaks|recompilations|tflops|_ratio|_share|_fraction|waste)$|^(speedup|vs_[a-z_]+)$")
+#: numbers that match METRIC but are settings or listings, not results: targets and memory limits
+#: asked for, the device's total memory, and cProfile's per-function listing of an import
+NOT_METRIC = re.compile(r"^(target|max_memory|total_mem|budget)|^(self_s|cumulative_s)$")
+#: keys whose value names a container in a configuration path
+#: containers of per-step or per-kernel listings: their numbers are in the file, not in the table
+LISTINGS = {"history", "timeline", "steps", "losses", "top_self_cuda", "top_self_cpu", "kernels", "top"}
+NAME_KEYS = ("setting", "name", "ours", "peer", "variant", "library", "run", "arm", "case", "label", "shape",
+             "mode", "scope")
+VERSION_KEYS = ("torch", "transformers", "peft", "bitsandbytes", "triton", "cuda")
+
+
+def _device(record: dict) -> str:
+    dev = record.get("device")
+    if isinstance(dev, dict):
+        name, count = dev.get("name") or dev.get("type") or "", dev.get("count") or dev.get("gpus")
+        return f"{count} x {name}" if isinstance(count, int) and count > 1 else str(name)
+    if isinstance(dev, list):
+        return " + ".join(sorted({_device({"device": d}) for d in dev}))
+    return str(dev or "")
+
+
+def _versions(record: dict) -> str:
+    versions = record.get("versions")
+    if not isinstance(versions, dict):
+        return ""
+    return " ".join(f"{k}={versions[k]}" for k in VERSION_KEYS if versions.get(k))
+
+
+def _commit(record: dict) -> str:
+    """The code's commit(s) the file names (hex ids found under a commit-like key), else ""."""
+    for key in ("commit", "git_commit", "code_commit", "code_at", "code_at_calls"):
+        if key in record:
+            found = re.findall(r"\b[0-9a-f]{7,40}\b", json.dumps(record[key]))
+            return " ".join(dict.fromkeys(h[:7] for h in found))
+    return ""
+
+
+def _label(item: Any, index: int) -> str:
+    if isinstance(item, dict):
+        parts = [str(item[k]) for k in NAME_KEYS if isinstance(item.get(k), (str, int)) and k != "shape"]
+        for size in ("batch_size", "seq_len"):
+            if isinstance(item.get(size), int):
+                parts.append(f"{size[0]}{item[size]}")
+        if parts:
+            return " ".join(parts)
+    return str(index)
+
+
+def _leaves(node: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], str, float]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)) and METRIC.search(str(key)) and not NOT_METRIC.search(str(key)):
+                yield path, str(key), float(value)
+            elif isinstance(value, (dict, list)) and key not in LISTINGS:
+                yield from _leaves(value, path + (str(key),))
+    elif isinstance(node, list):
+        labels = [_label(item, i) for i, item in enumerate(node)]
+        for i, (item, label) in enumerate(zip(node, labels)):
+            if isinstance(item, (dict, list)):
+                unique = label if labels.count(label) == 1 else f"{label} #{i}"
+                yield from _leaves(item, path + (unique,))
+
+
+def rows_of(path: Path) -> list[dict[str, str]]:
+    """One row per measured number of the results file ``path`` (a JSON object)."""
+    record = json.loads(path.read_text())
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: a results file is a JSON object, not a {type(record).__name__}")
+    base = {"topic": path.parent.name, "source": path.relative_to(ROOT).as_posix(), "device": _device(record),
+            "date": str(record.get("date", ""))[:10], "commit": _commit(record), "versions": _versions(record)}
+    rows = []
+    for where, metric, value in _leaves(record, ()):
+        rows.append({**base, "configuration": "/".join(where), "metric": metric, "value": f"{value:.6g}"})
+    return rows
+
+
+def build_index(results: Path = RESULTS) -> list[dict[str, str]]:
+    """The rows of every ``results/<topic>/*.json``, in path order."""
+    rows = []
+    for path in sorted(results.glob("*/*.json")):
+        rows.extend(rows_of(path))
+    return rows
+
+
+def index_csv(rows: list[dict[str, str]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def read_index(path: Path = INDEX) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lab import pages
+
+    parser = argparse.ArgumentParser(prog="python -m lab.index", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare with what is committed; write nothing")
+    args = parser.parse_args(argv)
+    rows = build_index()
+    wanted = {INDEX: index_csv(rows), pages.RESULTS_MD: pages.results_md(rows),
+              pages.README: pages.readme_with_headline(pages.README.read_text(), rows)}
+    stale = [p for p, text in wanted.items() if not p.is_file() or p.read_text() != text]
+    if args.check:
+        for p in stale:
+            print(f"stale: {p.relative_to(ROOT)} (run python -m lab.index)", file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(wanted[p])
+        print(f"wrote {p.relative_to(ROOT)}")
+    print(f"{len(rows)} rows from {len({r['source'] for r in rows})} files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

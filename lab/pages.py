@@ -1,0 +1,138 @@
+"""``lab/RESULTS.md`` and the README's headline table, both generated from ``lab/results/index.csv``.
+
+Why it exists: a number written by hand goes stale with the next run. Every figure on these
+pages is a row of the index (source file, configuration, metric), printed with the device and
+date of the run that wrote it; ``python -m lab.index`` rewrites both pages and
+``tests/lab/test_index.py`` fails when a committed page differs from what the index gives.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from lab.index import LAB, ROOT
+
+RESULTS_MD = LAB / "RESULTS.md"
+README = ROOT / "README.md"
+START, END = "<!-- headline:start (python -m lab.index) -->", "<!-- headline:end -->"
+NB_START, NB_END = "<!-- notebooks:start (python -m lab.index) -->", "<!-- notebooks:end -->"
+#: the repository on GitHub, named here once: the README's Colab badges are made from it (the
+#: notebooks' install cell names the same one as its default, tests/lab/test_index.py checks)
+REPOSITORY = "qlora-compile/qlora-compile"
+BRANCH = "main"
+
+#: the README's headline: (what it shows, source file under lab/results, configuration, metric, format)
+HEADLINE = (
+    ("fast path vs HF eager, step time (Llama-3.2-1B shapes, 4 x 512)", "step/fast_path_h200.json",
+     "calls/4x512", "speedup", "{:.2f}x"),
+    ("fast path vs HF eager, step time (Llama-3.2-1B shapes, 16 x 1024)", "step/fast_path_h200.json",
+     "calls/16x1024", "speedup", "{:.2f}x"),
+    ("vs Unsloth, step time (1B shapes, 4 x 512)", "compute/peers_compute_h100.json",
+     "vs_unsloth/1b-4x512 ours b4 s512", "speedup", "{:.2f}x"),
+    ("vs Unsloth, step time (8B shapes, 8 x 1024)", "compute/peers_compute_h100.json",
+     "vs_unsloth/8b-8x1024 ours b8 s1024", "speedup", "{:.2f}x"),
+    ("vs Unsloth, peak memory (8B shapes, 8 x 1024)", "compute/peers_compute_h100.json",
+     "vs_unsloth/8b-8x1024 ours b8 s1024", "mem_ratio", "{:.2f}x"),
+    ("Llama-70B shapes, FSDP2 on 2 GPUs, all 80 layers: tokens/s", "fsdp/fsdp2_sharded_h200.json",
+     "big_model", "tokens_per_s", "{:.0f}"),
+    ("Llama-70B shapes, FSDP2 on 2 GPUs: compilations per rank", "fsdp/fsdp2_sharded_h200.json",
+     "big_model/compile_stats", "compilations", "{:.0f}"),
+    ("main job on a CPU: fast path's largest loss difference to eager", "bench/bench_cpu.json",
+     "runs/fast b4 s128", "max_abs_loss_diff", "{:.1e}"),
+)
+
+#: the columns of a file's table on RESULTS.md, in this order, when the file has them
+MAIN_METRICS = ("median_step_ms", "real_tokens_per_s", "tokens_per_s", "peak_mem_gib", "compile_s", "speedup",
+                "mem_ratio", "mfu", "max_abs_loss_diff", "compilations", "graph_breaks")
+MAX_TABLE_ROWS = 20
+
+
+def _find(rows: list[dict], source: str, configuration: str, metric: str) -> dict:
+    for row in rows:
+        if row["source"] == f"lab/results/{source}" and row["configuration"] == configuration \
+                and row["metric"] == metric:
+            return row
+    raise KeyError(f"no row {source} | {configuration} | {metric} in lab/results/index.csv")
+
+
+def headline_table(rows: list[dict]) -> str:
+    lines = ["| what | value | device | date | results row (file, configuration, metric) |", "|---|---|---|---|---|"]
+    for what, source, configuration, metric, fmt in HEADLINE:
+        row = _find(rows, source, configuration, metric)
+        lines.append(f"| {what} | {fmt.format(float(row['value']))} | {row['device']} | {row['date']} | "
+                     f"`{source}`, `{configuration}`, `{metric}` |")
+    return "\n".join(lines) + "\n"
+
+
+def notebook_list(folder: Path = ROOT / "notebooks") -> str:
+    """One line per notebook: an "Open in Colab" badge and the notebook's own title."""
+    import json
+
+    lines = []
+    for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
+        first = json.loads(path.read_text())["cells"][0]["source"]
+        title = "".join(first).split("\n")[0].lstrip("# ").strip()
+        url = f"https://colab.research.google.com/github/{REPOSITORY}/blob/{BRANCH}/notebooks/{path.name}"
+        lines.append(f"- [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url}) "
+                     f"[`{path.name}`](notebooks/{path.name}): {title}")
+    return "\n".join(lines) + "\n"
+
+
+def _replace_block(text: str, start: str, end: str, body: str) -> str:
+    if start not in text or end not in text:
+        raise ValueError(f"README.md has no markers {start} ... {end}")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}{end}{tail}"
+
+
+def readme_with_headline(readme: str, rows: list[dict]) -> str:
+    """``readme`` with its headline table and its notebook list made anew."""
+    return _replace_block(_replace_block(readme, START, END, headline_table(rows)), NB_START, NB_END, notebook_list())
+
+
+def _cell(value: str) -> str:
+    number = float(value)
+    return f"{number:.4g}" if abs(number) >= 1e-3 or number == 0 else f"{number:.2e}"
+
+
+def _file_section(source: str, rows: list[dict]) -> list[str]:
+    first = rows[0]
+    meta = ", ".join(x for x in (first["device"], first["date"], first["versions"],
+                                 first["commit"] and f"code at {first['commit']}") if x)
+    out = [f"#### `{Path(source).name}`", "", f"{meta}; {len(rows)} rows.", ""]
+    metrics = [m for m in MAIN_METRICS if any(r["metric"] == m for r in rows)]
+    if not metrics:
+        return out + ["(no step-time, memory or parity metric: see the index)", ""]
+    table: dict[str, dict[str, str]] = defaultdict(dict)
+    for r in rows:
+        if r["metric"] in metrics:
+            table[r["configuration"] or "(file)"].setdefault(r["metric"], _cell(r["value"]))
+    configs = list(table)
+    out += ["| configuration | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
+    for config in configs[:MAX_TABLE_ROWS]:
+        out.append(f"| {config} | " + " | ".join(table[config].get(m, "") for m in metrics) + " |")
+    if len(configs) > MAX_TABLE_ROWS:
+        out.append(f"| ... {len(configs) - MAX_TABLE_ROWS} more configurations in the index | " + " | " * len(metrics))
+    return out + [""]
+
+
+def results_md(rows: list[dict]) -> str:
+    """The lab's record: per topic, each results file's run (device, date, versions) and main numbers."""
+    by_topic: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        by_topic[r["topic"]][r["source"]].append(r)
+    out = ["# Results", "",
+           "Generated by `python -m lab.index` from `lab/results/index.csv`, the one table every results file",
+           "under `lab/results/<topic>/` feeds (a row per measured number: source file, device, date, commit,",
+           "versions, configuration, metric, value). Each file also records the command that wrote it.",
+           "Do not edit by hand: `tests/lab/test_index.py` regenerates this page and compares.", "",
+           "## Headline", "", headline_table(rows)]
+    for topic in sorted(by_topic):
+        out += [f"## {topic}", ""]
+        plots = sorted((LAB / "results" / topic).glob("*.png"))
+        out += [f"![{p.stem}](results/{topic}/{p.name})" for p in plots] + ([""] if plots else [])
+        for source in sorted(by_topic[topic]):
+            out += _file_section(source, by_topic[topic][source])
+    return "\n".join(out).rstrip() + "\n"
