@@ -111,7 +111,7 @@ def diagnose(
         )
         report["patches"] = []
     report.update(
-        lengths=list(seq_lens),  # the name issue 18's checks read; seq_lens is kept for older readers
+        lengths=list(seq_lens),  # the name the diagnose checks read; seq_lens is kept for older readers
         model=model, quant=quant, lora=lora, grad_ckpt=grad_ckpt, batch_size=batch_size, prepared=prepare, attn=attn,
         flex_block_mask=flex_block_mask if attn == "flex_attention" else None,
         scope=scope, fast=fast, dtype=str(torch_dtype).replace("torch.", ""), device=env.device_info(dev),
