@@ -233,3 +233,16 @@ def test_parity_table_sets_compiled_against_eager_next_to_the_eager_floor_at_the
     assert matrix.cell_lr(result, {**result["cells"][0], "lr": 1e-3}) == 1e-3
     empty = matrix.parity_table(result)  # no noise files: the floor columns are empty
     assert empty.loc["lora", "eager runs"] == 0 and empty.loc["lora", "eager max max"] is None
+
+
+def test_committed_results_finds_the_labs_matrix_from_a_notebook_folder(tmp_path):
+    """A notebook run inside a checkout finds the lab's GPU matrix; alone (as on Colab), nothing."""
+    from qlora_nb_utils.bench.matrix_results import committed_results
+
+    assert committed_results(tmp_path) is None
+    folder = tmp_path / "lab" / "results" / "matrix"
+    folder.mkdir(parents=True)
+    (folder / "compile_matrix_small.json").write_text(json.dumps({"cells": [{}]}))
+    (folder / "compile_matrix_big.json").write_text(json.dumps({"cells": [{}, {}]}))
+    (tmp_path / "notebooks").mkdir()
+    assert committed_results(tmp_path / "notebooks") == folder / "compile_matrix_big.json"

@@ -85,14 +85,15 @@ def merge_results(results: Iterable[dict[str, Any]], command: str | None = None)
 
 
 def committed_results(start: str | Path | None = None) -> Path | None:
-    """The committed GPU matrix (`results/compile_matrix_<device>.json`) with the most cells.
+    """The repository's GPU matrix (`lab/results/matrix/compile_matrix_<device>.json`) with the most cells.
 
-    Searched in `start` (default: the working directory) and its parents, so a notebook finds
-    the repository's file; None when there is none (a notebook opened on its own, in Colab).
+    Searched under `start` (default: the working directory) and its parents, so a notebook in a
+    checkout finds the lab's file; None when there is none (a notebook opened on its own, in
+    Colab: the notebooks show it only in an optional cell).
     """
     here = Path.cwd() if start is None else Path(start)
     for folder in (here, *here.parents):
-        found = sorted((folder / "results").glob("compile_matrix_*.json"))
+        found = sorted((folder / "lab" / "results" / "matrix").glob("compile_matrix_*.json"))
         if found:
             return max(found, key=lambda f: len(json.loads(f.read_text())["cells"]))
     return None
