@@ -14,9 +14,10 @@
 - ``hf_trainer``: the HF ``Trainer`` / TRL ``SFTTrainer`` through ``optimize()``
   (``optimized_trainer(trainer)``), or with their own ``torch_compile=True``
   (``trainer_patches(model)``), and ``count_graph_breaks()``.
-- ``finetuning`` (with ``finetuning_run``): ``finetune(...)``, what ``qlora-nb train`` runs: QLoRA
+- ``finetuning``: ``finetune(...)``, what ``qlora-nb train`` runs, and its stages (``Run``): QLoRA
   through ``optimize``, held-out evaluation, a PEFT adapter, ``metrics.json`` and a loss curve
-  (``curve``); ``checkpoint``: resumable, atomic checkpoints and the SIGINT/SIGTERM stop
+  (``curve``); ``finetune_options``: its options, checked before any model loads
+  (``check_options``, ``DEFAULTS``); ``finetune_batches``: its batches (``build_finetune_batches``); ``checkpoint``: resumable, atomic checkpoints and the SIGINT/SIGTERM stop
   (``FinetuneInterrupted``); ``evaluation``: ``evaluate(module, batches)``, the held-out token
   mean every caller shares, and ``complete``, a greedy sample.
 """
@@ -38,7 +39,9 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "trainer_patches": "hf_trainer",
     "optimized_trainer": "hf_trainer",
     **dict.fromkeys(("permute_rows", "loss_diffs", "judge"), "parity"),
-    **dict.fromkeys(("finetune", "check_options", "build_finetune_batches"), "finetuning"),
+    "finetune": "finetuning",
+    "check_options": "finetune_options",
+    "build_finetune_batches": "finetune_batches",
     **dict.fromkeys(("evaluate", "complete"), "evaluation"),
     **dict.fromkeys(("FinetuneInterrupted", "save_checkpoint", "load_checkpoint"), "checkpoint"),
 })

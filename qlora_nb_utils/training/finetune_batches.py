@@ -1,0 +1,98 @@
+"""The batches of a ``qlora-nb train`` run: bucketed padding or packing, in an order fixed by the seed.
+
+Why a module of its own: the batch shapes decide what ``optimize`` can do with the step, and the
+same arguments must give the same batches (what ``--resume`` relies on), so how they are built is
+one decision, made here, from the tokenizer alone (no model):
+
+* **Padding: buckets of a quarter of ``seq_len``** (``PaddingCollator`` ``"multiple"``), so at
+  most 4 batch shapes. On a GPU that lets ``optimize`` choose CUDA graphs (one per shape); on a
+  CPU it compiles once (several lengths are marked dynamic from the first call, one length is
+  static). ``"longest"`` wastes fewer pad tokens but shows many shapes, so no CUDA graphs;
+  ``"fixed"`` shows one shape but pads every short example to ``seq_len``. At ``seq_len`` 128 on
+  the shipped data nearly every row is cut to 128, so the buckets are one shape there.
+* **Packing where it pays** (``packing="auto"``): when the bucketed batches would be more than
+  :data:`PACK_WHEN_PADDING_OVER` padding, the epoch is packed instead (whole examples in rows of
+  ``seq_len``, each attending to itself only: :func:`~qlora_nb_utils.data.build_packed_batches`),
+  and the choice is stated with both pad fractions. On the shipped data at ``seq_len`` 128
+  nearly every example fills a row, so nothing is packed; at 1024 a padded batch is mostly
+  padding. The held-out batches stay padded: the loss per learned token is the same either way.
+* **Data order from the seed**: the batches of one epoch are built in a seeded order and step
+  ``i`` trains on batch ``i mod len``, so a resumed run sees what the uninterrupted one saw.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["PACK_WHEN_PADDING_OVER", "build_finetune_batches"]
+
+#: ``packing="auto"`` packs when the padded batches would hold more than this share of padding.
+PACK_WHEN_PADDING_OVER = 0.25
+
+
+def _bucket(seq_len: int) -> int:
+    """A quarter of ``seq_len``, rounded up to a multiple of 8: at most 4 padded lengths."""
+    return ((seq_len + 3) // 4 + 7) // 8 * 8
+
+
+def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, batch_size: int = 4,
+                           seq_len: int = 128, seed: int = 0, eval_size: int = 32,
+                           log: Callable[[str], None] | None = None,
+                           packing: bool | str = False) -> tuple[list, list, dict]:
+    """The training and held-out batches of a run, and the held-out example shown as a sample.
+
+    Training: one epoch of the training split, tokenized (prompt masked), shuffled by ``seed``,
+    in batches of ``batch_size`` padded to buckets of a quarter of ``seq_len`` (module
+    docstring), or packed (``packing=True``; ``"auto"``: packed when the padded batches would be
+    more than :data:`PACK_WHEN_PADDING_OVER` padding, the choice logged). Held out:
+    ``data.load_splits(eval_size)``'s held-out split, in order, padded. The same arguments give
+    the same batches (what ``--resume`` relies on).
+
+    Returns:
+        ``(train_batches, heldout_batches, sample_example)``: lists of dicts of CPU tensors, and
+        the first held-out example as it is in the data.
+    """
+    from ..data import (
+        UNCUT,
+        PaddingCollator,
+        cut_tokenized,
+        load_splits,
+        make_batches,
+        pack_tokenized,
+        padding_stats,
+        tokenize_examples,
+    )
+
+    train_ds, held_ds = load_splits(data, max_eval=eval_size, seed=seed)
+    whole = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if packing is not False:  # tokenized once, whole: cut here for the padded batches, packed below
+            whole = tokenize_examples(train_ds, tokenizer, max_len=UNCUT, cache=True)  # a restart reads it back
+            rows = cut_tokenized(whole, seq_len)
+        else:
+            rows = tokenize_examples(train_ds, tokenizer, max_len=seq_len, cache=True)
+        held = tokenize_examples(held_ds, tokenizer, max_len=seq_len, cache=True)
+    for w in caught:
+        (log or print)(f"note: {w.message} (--seq-len {seq_len})")
+    collator = PaddingCollator(pad_token_id=tokenizer.pad_token_id, policy="multiple",
+                               multiple_of=_bucket(seq_len), max_length=seq_len)
+    train = list(make_batches(rows, batch_size, collator, seed=seed))
+    heldout = list(make_batches(held, batch_size, collator, shuffle=False, drop_last=False))
+    if packing is not False:
+        waste = padding_stats(train)["waste_fraction"]
+        if packing is True or waste > PACK_WHEN_PADDING_OVER:
+            train, stats = pack_tokenized(whole, batch_size=batch_size, max_len=seq_len,
+                                          pad_id=tokenizer.pad_token_id, seed=seed)
+            why = "asked for" if packing is True else f"padded batches would be {waste:.0%} padding"
+            (log or print)(f"==> packing: on ({why}): {len(train)} packed batches, {stats.pad_fraction:.0%} "
+                           f"padding, {stats.truncated} example(s) cut to {seq_len} tokens")
+        else:
+            (log or print)(f"==> packing: off (padded batches are {waste:.0%} padding, "
+                           f"<= {PACK_WHEN_PADDING_OVER:.0%})")
+    else:
+        (log or print)(f"==> packing: off (asked for): padded batches are "
+                       f"{padding_stats(train)['waste_fraction']:.0%} padding")
+    return train, heldout, dict(held_ds[0])
