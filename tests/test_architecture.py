@@ -1,8 +1,9 @@
 """The package's shape stays what docs/architecture.md says it is.
 
 `lint-imports` (the contracts in pyproject.toml, run by the test command) forbids imports
-against the layers; these tests keep the rest honest: the subpackages exist, every module is
-one sitting, every module says why it exists, the public face is cheap to import, the wheel's
+against the layers; these tests keep the rest honest: the subpackages exist, no two modules import each other
+(directly or round a longer loop, imports inside functions included), a module past 600 lines is
+flagged, every module says why it exists, the public face is cheap to import, the wheel's
 package list is the tree, and the picture of the layers in docs/architecture.md is the import
 graph as it is (regenerate it with `.venv/bin/python tests/test_architecture.py`).
 """
@@ -12,6 +13,8 @@ import re
 import subprocess
 import sys
 import tomllib
+import warnings
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "qlora_nb_utils"
 SUBPACKAGES = ("data", "models", "ops", "compile", "diagnostics", "training", "distributed", "bench", "report")
-MAX_LINES = 450
+#: past this a module is flagged (a warning, not a failure): split it by concern, never at a line count
+LONG_MODULE = 600
 #: the units the picture draws: each subpackage, and the top-level modules
 UNITS = ("cli", "bench", "report", "distributed", "training", "diagnostics", "compile", "ops", "models", "data",
          "env", "reversible", "notebook")
@@ -35,7 +39,7 @@ def import_edges() -> set[tuple[str, str]]:
     """(importer, imported) between units, from the code's own imports (grimp, as lint-imports)."""
     import grimp
 
-    graph = grimp.build_graph("qlora_nb_utils", exclude_type_checking_imports=True)
+    graph = grimp.build_graph("qlora_nb_utils", exclude_type_checking_imports=True, cache_dir=None)
     edges = set()
     for module in graph.modules:
         for imported in graph.find_modules_directly_imported_by(module):
@@ -65,13 +69,121 @@ def test_the_subpackages_exist_and_say_their_job():
         assert init.is_file(), f"qlora_nb_utils/{name}/ is not a package"
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc.split()) >= 20, f"qlora_nb_utils/{name}/__init__.py needs a docstring that says its job"
-    assert not (ROOT / "tools").exists(), "the GPU scripts live in scripts/gpu/"
+    assert not (ROOT / "tools").exists(), "the GPU scripts live in lab/gpu/"
+
+
+def module_graph(package: str = "qlora_nb_utils") -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports: at the top, inside functions
+    and under ``if TYPE_CHECKING`` alike (a lazy import that closes a loop is still a loop)."""
+    import grimp
+
+    graph = grimp.build_graph(package, exclude_type_checking_imports=False, cache_dir=None)  # read afresh
+    return {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+
+
+def _strongly_connected(succ: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components with more than one module, or one that imports itself (iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
+    for root in sorted(succ):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(succ[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(succ.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1 or v in succ[v]:
+                        found.append(sorted(comp))
+    return found
+
+
+def import_cycles(succ: dict[str, set[str]]) -> list[str]:
+    """Each loop as a readable chain ``a -> b -> a``: within every strongly connected set of
+    modules, the shortest loop through each of its members (one chain per distinct loop)."""
+    chains = set()
+    for comp in _strongly_connected(succ):
+        members = set(comp)
+        for start in comp:  # breadth-first from start back to itself, inside the component
+            parent, queue, loop = {}, deque([start]), None
+            while queue and loop is None:
+                v = queue.popleft()
+                for w in sorted(succ[v] & members):
+                    if w == start:  # start -> ... -> v -> start, read back along the parents
+                        loop = [v]
+                        while loop[-1] != start:
+                            loop.append(parent[loop[-1]])
+                        loop.reverse()
+                        break
+                    if w not in parent:
+                        parent[w] = v
+                        queue.append(w)
+            if loop:
+                i = loop.index(min(loop))  # the same loop reads the same from any member
+                loop = loop[i:] + loop[:i]
+                short = [m.removeprefix("qlora_nb_utils.") for m in loop]
+                chains.add(" -> ".join([*short, short[0]]))
+    return sorted(chains)
+
+
+def test_no_module_imports_itself_round_a_loop():
+    # two modules that import each other are one concern split by line count, or two concerns
+    # tangled: merge them, or move what both need to a third module both import
+    cycles = import_cycles(module_graph())
+    if cycles:
+        pytest.fail(f"{len(cycles)} import cycle(s) in qlora_nb_utils:\n  " + "\n  ".join(cycles), pytrace=False)
+
+
+def test_the_cycle_check_sees_a_cycle():
+    # the check itself: a planted two-module loop, a three-module loop and a self-import are found
+    succ = {"p.a": {"p.b"}, "p.b": {"p.a", "p.c"}, "p.c": set(), "p.x": {"p.y"}, "p.y": {"p.z"},
+            "p.z": {"p.x"}, "p.s": {"p.s"}}
+    assert import_cycles(succ) == ["p.a -> p.b -> p.a", "p.s -> p.s", "p.x -> p.y -> p.z -> p.x"]
+
+
+def test_the_cycle_check_reads_imports_inside_functions(tmp_path, monkeypatch):
+    # a package whose loop is closed only by an import inside a function, and one under TYPE_CHECKING
+    pkg = tmp_path / "cycle_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('"""A planted loop."""\n')
+    (pkg / "a.py").write_text("from .b import B\n\n\ndef a():\n    return B\n")
+    (pkg / "b.py").write_text("B = 1\n\n\ndef b():\n    from .a import a\n\n    return a\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .d import D\nC = 1\n")
+    (pkg / "d.py").write_text("from .c import C\n\nD = C\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_cycles(module_graph("cycle_probe")) == ["cycle_probe.a -> cycle_probe.b -> cycle_probe.a",
+                                                          "cycle_probe.c -> cycle_probe.d -> cycle_probe.c"]
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PKG)))
-def test_every_module_is_one_sitting_and_says_why(path):
+def test_every_module_says_why_and_long_ones_are_flagged(path):
     lines = path.read_text().count("\n")
-    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES})"
+    if lines > LONG_MODULE:
+        warnings.warn(f"{path.relative_to(ROOT)} has {lines} lines (over {LONG_MODULE}): does it still hold one "
+                      "concern? Split it by concern if not, never at a line count", stacklevel=1)
     if path.name != "__main__.py":
         assert ast.get_docstring(ast.parse(path.read_text())), f"{path.relative_to(ROOT)} has no module docstring"
 
@@ -106,7 +218,7 @@ def test_the_public_face_is_cheap_and_complete():
 
 
 @pytest.mark.parametrize("package", ["qlora_nb_utils"] + [f"qlora_nb_utils.{n}" for n in SUBPACKAGES]
-                         + ["qlora_nb_utils.bench.peers"])
+                         + ["lab.peers"])
 def test_every_lazy_name_resolves(package):
     # a table entry naming a module or attribute that moved fails here, not in a user's hands
     import importlib
