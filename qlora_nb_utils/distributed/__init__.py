@@ -6,7 +6,8 @@ keeps the result comparable with one process (same loss at the same global batch
 that loads in a plain ``PeftModel``, checkpoints that resume bit for bit).
 
 - ``setup``: what every rank does first: ``init_distributed`` (-> ``DistInfo``),
-  ``mixed_precision(dtype)``, ``resolve_quant_storage``, ``load_qlora(name, ...)``.
+  ``mixed_precision(dtype)``, ``resolve_quant_storage``, ``resolve_nf4_mode``,
+  ``load_qlora(name, ...)``.
 - ``fsdp``: the sharding: ``apply_fsdp2(model, ...) -> Sharded`` (NF4 weights sharded, their
   quant state attached to FSDP2's all-gathered parameter and their bytes checked with
   ``packed_checksums``, or replicated), ``nf4_params``, ``sharding_report``,
@@ -17,7 +18,7 @@ that loads in a plain ``PeftModel``, checkpoints that resume bit for bit).
   ``save_adapter``) and DCP checkpoints (``save_checkpoint``, ``load_checkpoint``,
   ``latest_checkpoint``).
 - ``fsdp_train``: ``torchrun --nproc-per-node N -m qlora_nb_utils.distributed.fsdp_train ...``
-  (``build_parser``, ``validate``, the explicit loop ``run``, ``main``, ``resolve_nf4_mode``),
+  (``build_parser``, ``validate``, the explicit loop ``run``, ``main``),
   one JSON line per step and a summary (``summary``).
 - ``global_batches``: the same global batches on every rank (``make_global_batches``), each
   rank's rows, and the loss normalised to the one-process loss.
@@ -35,7 +36,7 @@ from .._lazy import lazy_exports
 __getattr__, __dir__ = lazy_exports(__name__, {
     **{name: "setup" for name in (
         "QUANT_STORAGE_CHOICES", "DistInfo", "init_distributed", "mixed_precision",
-        "resolve_quant_storage", "load_qlora")},
+        "resolve_quant_storage", "resolve_nf4_mode", "load_qlora")},
     **{name: "fsdp" for name in (
         "NF4_MODES", "FROZEN_MODES", "Sharded", "nf4_params", "packed_checksums", "apply_fsdp2",
         "sharding_report", "clip_grad_norm")},
@@ -43,7 +44,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "gather_trainable_state", "save_adapter", "latest_checkpoint", "save_checkpoint",
         "load_checkpoint")},
     **{name: "fsdp_train" for name in (
-        "DTYPE_CHOICES", "TRAINERS", "build_parser", "validate", "resolve_nf4_mode", "run", "main")},
+        "DTYPE_CHOICES", "TRAINERS", "build_parser", "validate", "run", "main")},
     **{name: "fast" for name in ("FastSharded", "optimize_sharded", "optimize_options")},
     "make_global_batches": "global_batches",
     "run_trainer": "trainer",

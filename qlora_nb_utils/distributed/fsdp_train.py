@@ -42,6 +42,7 @@ import torch
 from .fast import optimize_options
 from .global_batches import _local_micro_batches, _loss_sum, _target_count, make_global_batches
 from .runs import read_log
+from .setup import resolve_nf4_mode  # defined with the other load-time rules; imported from here too
 from .summary import _graph_break_total, _max_over_ranks, _summary
 
 __all__ = ["resolve_nf4_mode", "build_parser", "validate", "main", "run"]
@@ -223,20 +224,6 @@ def _setup(args, info):
                           reshard_after_forward=args.reshard_after_forward, grad_ckpt=args.grad_ckpt,
                           compile_layers=args.compile, backend=args.backend, fullgraph=args.fullgraph)
     return sharded, tok, dtype, mp, storage, None
-
-
-def resolve_nf4_mode(mode: str, backend: str) -> str:
-    """``--nf4 auto``: ``"shard"`` on gloo, ``"replicate"`` on NCCL.
-
-    Why: on 2 H200s (torch 2.11, NCCL) sharding the packed NF4 bytes in bf16 storage changed
-    0.07% of the 16-bit words: every word that reads as a bf16 NaN came back as the canonical
-    NaN 0x7fff (results/fsdp2_h200_diag.json), so the 2-GPU model computed
-    with different weights. Replicated 4-bit weights were bit-exact. On CPU/gloo sharding is exact
-    (tests/test_fsdp.py), and :func:`qlora_nb_utils.distributed.fsdp.apply_fsdp2` checks it on every run.
-    """
-    if mode == "auto":
-        return "replicate" if backend == "nccl" else "shard"
-    return mode
 
 
 def _train_step(model, params, opt, sched, batch, info, args, fast=None) -> dict:

@@ -8,6 +8,8 @@ weights stored in a dtype that policy will not cast. These steps come before
 sharded, so they live apart from the sharding. ``quant_storage="auto"``
 (:func:`resolve_quant_storage`) is the half of the mixed-precision rule that is decided at load
 time; the reason for it is in the docstring of :mod:`qlora_nb_utils.distributed.fsdp`.
+``--nf4 auto`` (:func:`resolve_nf4_mode`) is decided here too, before the load, by both the
+explicit loop (:mod:`.fsdp_train`) and the Trainer run (:mod:`.trainer`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "init_distributed",
     "mixed_precision",
     "resolve_quant_storage",
+    "resolve_nf4_mode",
     "load_qlora",
 ]
 
@@ -127,6 +130,20 @@ def resolve_quant_storage(storage: str, param_dtype: torch.dtype | None,
             return compute_dtype
         return torch.uint8
     return getattr(torch, storage)
+
+
+def resolve_nf4_mode(mode: str, backend: str) -> str:
+    """``--nf4 auto``: ``"shard"`` on gloo, ``"replicate"`` on NCCL.
+
+    Why: on 2 H200s (torch 2.11, NCCL) sharding the packed NF4 bytes in bf16 storage changed
+    0.07% of the 16-bit words: every word that reads as a bf16 NaN came back as the canonical
+    NaN 0x7fff (lab/results/fsdp/fsdp2_h200_diag.json), so the 2-GPU model computed
+    with different weights. Replicated 4-bit weights were bit-exact. On CPU/gloo sharding is exact
+    (tests/test_fsdp.py), and :func:`qlora_nb_utils.distributed.fsdp.apply_fsdp2` checks it on every run.
+    """
+    if mode == "auto":
+        return "replicate" if backend == "nccl" else "shard"
+    return mode
 
 
 def load_qlora(name: str, *, quant: str = "nf4", dtype: str | torch.dtype = "bfloat16",

@@ -56,9 +56,8 @@ def run_trainer(args: argparse.Namespace) -> dict | None:
         The summary on rank 0 (also written to ``OUT/summary.json``), None elsewhere.
     """
     from .. import env
-    from .fsdp_train import resolve_nf4_mode
     from .packed_words import sharded_nf4_precision
-    from .setup import init_distributed, load_qlora, resolve_quant_storage
+    from .setup import init_distributed, load_qlora, resolve_nf4_mode, resolve_quant_storage
 
     info = init_distributed(args.device)
     out = Path(args.out)
