@@ -63,11 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="eager vs compiled QLoRA fine-tune, side by side")
     _add_model_args(b, "smollm2-135m")
-    b.add_argument("--steps", type=_positive_int, default=30)
+    b.add_argument("--steps", type=_positive_int, default=12)
     b.add_argument("--seq-len", type=_positive_int, default=128)
     b.add_argument("--padding", choices=("fixed", "multiple", "longest"), default="fixed")
     b.add_argument("--lr", type=float, default=2e-4)
-    b.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    b.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     b.add_argument("--mode", default="auto", help="the fast path's mode: auto (optimize() chooses: CUDA graphs for "
                    "fixed shapes on a GPU), default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs")
     b.add_argument("--backend", default="inductor")

@@ -2,14 +2,28 @@
 
 import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The lab (lab/ beside the package) runs from a checkout: its tests import it from the repository root.
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 # A test must never reach a model hub: CI and developer machines are offline.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Under pytest-xdist (the test command runs one worker per core) each worker computes on one
+# thread, and so does every process it starts (notebook kernels, CLI runs, FSDP ranks): two
+# processes that each use every core slow each other many times over.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -23,22 +23,20 @@ model folder or data file fails in a second, not after the eager run.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import data as qdata
-from .. import diagnostics, env, models
+from .. import diagnostics, models
 from ..env import default_dtype, resolve_device_dtype  # re-exported: bench.resolve_device_dtype
 from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
-from ..training.parity import judge, permute_rows
+from ..training.parity import permute_rows
 from .markdown import table_header
 from .pairwise import compare, compiled_run, mark_dynamic, side_by_side, warm_shapes  # re-exported
+from .record import compile_fields, parity_fields, results_header, vs_hf_eager
 
 __all__ = [
     "DEFAULTS",
@@ -63,7 +61,7 @@ RUNS = ("hf-eager", "plain-compile", "fast")
 DEFAULTS: dict[str, Any] = {
     "model": "smollm2-135m",
     "quant": "nf4",
-    "steps": 30,
+    "steps": 12,
     "batch_size": 4,
     "seq_len": 128,
     "padding": "fixed",
@@ -72,7 +70,7 @@ DEFAULTS: dict[str, Any] = {
     "lora_r": 16,
     "lora_alpha": 32,
     "lr": 2e-4,
-    "warmup": 3,
+    "warmup": 2,
     "seed": 0,
     "mode": "auto",
     "backend": "inductor",
@@ -230,47 +228,6 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
         # compiled with fullgraph=True and trained: a break would have raised
         "fast_fullgraph": bool(opt.fast.prepared.options["fullgraph"]),
         "optimize": {"description": opt.description, "choices": {k: str(v) for k, v in opt.choices.items()}}})
-
-
-def results_header(opts: dict[str, Any], device, dtype, command: str | None, optimize: dict,
-                   caller: str = "run_bench()") -> dict[str, Any]:
-    """What every bench results file starts with: where, with what, how and when it ran.
-
-    ``command`` None: this process's command line (``caller`` when there is none, e.g. in a notebook).
-    """
-    if command is None:
-        command = shlex.join(sys.argv) if sys.argv and sys.argv[0] else caller
-    return {
-        "device": env.device_info(device),
-        "versions": env.versions(),
-        "command": command,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": opts["model"],
-        "options": {**opts, "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
-        "optimize": optimize,
-    }
-
-
-def vs_hf_eager(run: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
-    """A run's step-time and peak-memory ratios to the ``hf-eager`` baseline's summary."""
-    return {"speedup_vs_hf_eager": base["median_step_ms"] / run["median_step_ms"],
-            "peak_mem_vs_hf_eager": run["peak_mem_gib"] / base["peak_mem_gib"] if base["peak_mem_gib"] else None}
-
-
-def parity_fields(summ: dict[str, Any], eager: str, losses: list[float]) -> dict[str, Any]:
-    """A compiled run's losses judged against its eager run ``eager`` and that run's two-order floor.
-
-    ``summ`` holds the summaries of ``eager`` and ``eager-permuted1/2``
-    (:func:`qlora_nb_utils.training.parity.judge` says what passes).
-    """
-    verdict = judge(summ[eager]["losses"], [summ[f"{eager}-permuted{k}"]["losses"] for k in (1, 2)], losses)
-    return {**{k: v for k, v in verdict.items() if k not in ("floor_diffs", "diffs")},
-            "parity_against": eager, "floor_diffs": verdict["floor_diffs"], "diffs": verdict["diffs"]}
-
-
-def compile_fields(stats: dict[str, Any]) -> dict[str, Any]:
-    """What a run reports of its compilations, from a ``CompileCounter.to_dict()``."""
-    return {k: stats[k] for k in ("compilations", "recompilations", "recompile_reasons", "compile_s")}
 
 
 def _assemble(opts, device, dtype, hist, pad_stats, command, extra) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from ..env import resolve_device_dtype
 from ..ops.doc_attention import with_document_mask
 from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
 from ..training.parity import permute_rows
-from .main_job import compile_fields, parity_fields, results_header, vs_hf_eager
+from .record import compile_fields, parity_fields, results_header, vs_hf_eager
 
 __all__ = ["PACKING_RUNS", "run_packing_bench"]
 
