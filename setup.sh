@@ -222,7 +222,7 @@ next_steps() {
 Next:
   source .venv/bin/activate
   qlora-nb bench --out out/
-  .venv/bin/lint-imports && .venv/bin/ruff check && .venv/bin/python -m pytest tests notebooks --nbval-lax --nbval-current-env --sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
+  .venv/bin/lint-imports && .venv/bin/ruff check && .venv/bin/python -m pytest -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env --sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
   .venv/bin/jupyter lab     # notebooks open on this venv's python3; other Jupyters: "$KERNEL_DISPLAY"
 (CI runs the tests with QLORA_NB_PROFILE=ci and the hub offline: see .ci/run)
 EOF

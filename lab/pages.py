@@ -73,6 +73,7 @@ def notebook_list(folder: Path = ROOT / "notebooks") -> str:
     for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
         first = json.loads(path.read_text())["cells"][0]["source"]
         title = "".join(first).split("\n")[0].lstrip("# ").strip()
+        title = title.split(" · ", 1)[1] if " · " in title else title  # "NN · Title": the number is in the name
         url = f"https://colab.research.google.com/github/{REPOSITORY}/blob/{BRANCH}/notebooks/{path.name}"
         lines.append(f"- [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url}) "
                      f"[`{path.name}`](notebooks/{path.name}): {title}")

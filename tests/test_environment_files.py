@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST_COMMAND_PREFIX = ".venv/bin/lint-imports"
 TEST_COMMAND = (
     ".venv/bin/lint-imports && .venv/bin/ruff check && "
-    ".venv/bin/python -m pytest tests notebooks --nbval-lax --nbval-current-env "
+    ".venv/bin/python -m pytest -n 2 --dist loadscope tests notebooks --nbval-lax --nbval-current-env "
     "--sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider"
 )
 IN_REPO_VENV = Path(sys.prefix).resolve() == (ROOT / ".venv").resolve()
