@@ -12,15 +12,23 @@ from qlora_nb_utils import cli
 
 @pytest.fixture
 def no_model(monkeypatch):
-    """Any model load fails the test: the refusals must come first."""
+    """Any model load fails the test: the refusals must come first.
+
+    The public face (``qlora_nb_utils.load_model``) is patched too: a lazy name looked up while
+    the stand-in is in place would otherwise keep it for every later test in the process.
+    """
+    import qlora_nb_utils
     from qlora_nb_utils import models
     from qlora_nb_utils.models import load
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was refused")
 
-    monkeypatch.setattr(load, "load_model", refuse)
+    # top down: each records the real function as the one to put back (monkeypatch reads the
+    # old value through the lazy lookup, which would find the stand-in below it once set)
+    monkeypatch.setattr(qlora_nb_utils, "load_model", refuse, raising=False)
     monkeypatch.setattr(models, "load_model", refuse, raising=False)
+    monkeypatch.setattr(load, "load_model", refuse)
 
 
 def _refused(argv, capsys, *needles):
