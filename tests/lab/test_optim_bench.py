@@ -4,7 +4,7 @@ step compiles once for the whole LR warm-up, and bad input is refused."""
 import pytest
 import torch
 
-from qlora_nb_utils.bench import optim_bench
+from lab import optim_bench
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ each against HF eager's losses on the same batches from the same LoRA start."""
 
 import pytest
 
-from qlora_nb_utils.bench import parity_split
+from lab import parity_split
 
 
 def test_the_recipe_without_its_numerics_choices_is_hf_eager_to_the_bit():

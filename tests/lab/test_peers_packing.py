@@ -6,10 +6,10 @@ import statistics
 import pytest
 import torch
 
+from lab import lengths
 from lab.peers import packed as pk
 from lab.peers.packed_batches import flatten_packed, for_transformers, row_documents
 from qlora_nb_utils import models
-from qlora_nb_utils.bench import lengths
 from qlora_nb_utils.data.packing import pack_examples, real_tokens
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from qlora_nb_utils.bench import profile as P
+from lab import profile as P
 
 
 @pytest.fixture(autouse=True)
