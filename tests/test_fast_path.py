@@ -192,3 +192,47 @@ def test_the_fused_nf4_route_says_when_hf_numerics_keep_it_from_running():
     reasons = {"nf4_lora_linear": "set"}
     _note_unfused_numerics(model.to(torch.bfloat16), torch.bfloat16, False, {"nf4_lora_linear": 4}, reasons)
     assert reasons["nf4_lora_linear"] == "set"  # LoRA weights in the compute dtype: the route runs
+
+
+def test_the_step_moves_a_batch_to_the_models_device_before_the_graph_sees_it():
+    from qlora_nb_utils.compile.step_inputs import step_forward
+
+    seen = {}
+
+    def recipe(**batch):  # the compiled graph's place: records where its inputs are
+        seen.update({k: v.device for k, v in batch.items() if torch.is_tensor(v)})
+        return batch
+
+    batch = {"input_ids": torch.ones(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long),
+             "document_ids": torch.zeros(2, 8, dtype=torch.long), "num_items": 3}
+    out = step_forward(recipe, multiple=1, pad_id=0, mark_dynamic=False, loss_rows=0, memory_budget=None,
+                       device=torch.device("meta"))(**batch)
+    assert seen == {"input_ids": torch.device("meta"), "labels": torch.device("meta"),
+                    "document_ids": torch.device("meta")}
+    assert out["num_items"] == 3 and batch["input_ids"].device.type == "cpu"  # the caller's batch is left as it was
+
+
+def test_optimize_records_the_models_device_for_its_step(loaded):
+    model, tok = loaded
+    opt = optimize(model, batches=_batches(tok), backend="eager")
+    try:
+        assert opt._device == next(model.parameters()).device
+        prepared = opt.prepare(**_batches(tok)[0])
+        assert all(v.device == opt._device for v in prepared.values() if torch.is_tensor(v))
+    finally:
+        opt.undo()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cpu_batches_train_a_cuda_model():
+    model, tok = models.load_model("tiny", quant="nf4", dtype="bfloat16", device="cuda")
+    batches = qdata.build_batches(tok, batch_size=2, steps=2, max_len=64, pack=True)  # packed, as notebook 08
+    assert batches[0]["input_ids"].device.type == "cpu"
+    opt = optimize(model, batches=batches)
+    try:
+        loss = opt.forward(**batches[0]).loss
+        assert loss.device.type == "cuda" and torch.isfinite(loss)
+        loss.backward()
+    finally:
+        opt.undo()

@@ -224,7 +224,8 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
                            memory_budget=opts.memory_budget, recompute_elementwise=plan.recompute,
                            min_loss_rows=plan.min_rows,
                            dynamic_rows=not plan.cuda_graphs,  # a dynamic count overshot a held run's target
-                           cache_functions=plan.cache_functions, fine_rows=plan.fine_rows)
+                           cache_functions=plan.cache_functions, fine_rows=plan.fine_rows, device=device)
     return Optimized(forward=forward, module=fast.prepared.model, counter=fast.counter, choices=choices,
                      reasons=reasons, fast=fast, options=opts, _pad_id=pad_id, _extra=extra,
-                     _row_chunks=plan.row_chunks, _min_rows=plan.min_rows, _fine_rows=plan.fine_rows)
+                     _row_chunks=plan.row_chunks, _min_rows=plan.min_rows, _fine_rows=plan.fine_rows,
+                     _device=device)

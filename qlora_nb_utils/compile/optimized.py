@@ -27,8 +27,8 @@ class Optimized:
     """What :func:`optimize` hands back.
 
     Attributes:
-        forward: What to train with: ``forward(**batch).loss`` (pads, marks lengths dynamic,
-            runs the compiled recipe).
+        forward: What to train with: ``forward(**batch).loss`` (moves the batch to the
+            model's device, pads, marks lengths dynamic, runs the compiled recipe).
         module: The module that was compiled (the model wrapped in the chunked loss, or the
             model itself); graph-break checks look at it.
         counter: The :class:`~qlora_nb_utils.compile.CompileCounter` of every compilation.
@@ -49,6 +49,7 @@ class Optimized:
     _row_chunks: int = 0  # labelled rows for the loss, in lengths divisible by this (0: every row)
     _min_rows: int = 0  # ... padded to at least this many (the most a batch shown needed): one length
     _fine_rows: bool = False  # ... or each batch its own count, in multiples of 64 (a loss outside the graph)
+    _device: Any = None  # the model's: batch tensors elsewhere are moved there before the step
     _extra: list[PatchHandle] = dataclasses.field(default_factory=list)
 
     def __call__(self, **batch: Any) -> Any:
@@ -59,13 +60,15 @@ class Optimized:
         return self.eager_prepared(**self.prepare(**batch))
 
     def prepare(self, **batch: Any) -> dict:
-        """``batch`` as the recipe takes it: padded, with its labelled rows (read from the labels' values).
+        """``batch`` as the recipe takes it: on the model's device, padded, with its labelled rows
+        (read from the labels' values).
 
         What :meth:`forward` and :meth:`eager` do before the recipe, outside any graph. A tool that
         traces the recipe (graph-break counts) traces :meth:`eager_prepared` on this.
         """
         return prepare_batch(batch, multiple=self.choices["pad_multiple"], pad_id=self._pad_id,
-                             loss_rows=self._row_chunks, min_loss_rows=self._min_rows, fine_rows=self._fine_rows)
+                             loss_rows=self._row_chunks, min_loss_rows=self._min_rows, fine_rows=self._fine_rows,
+                             device=self._device)
 
     def eager_prepared(self, **batch: Any) -> Any:
         """The recipe uncompiled on a batch from :meth:`prepare` (traceable: no data-dependent step)."""

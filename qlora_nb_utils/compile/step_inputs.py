@@ -34,7 +34,7 @@ import torch
 from ..ops.losses import ROW_BUCKETS, labelled_rows
 from .recipe import partitioner_settings
 
-__all__ = ["pad_batch", "batch_shapes", "prepare_batch", "step_forward", "choose_loss_rows", "SEQ_KEYS",
+__all__ = ["to_device", "pad_batch", "batch_shapes", "prepare_batch", "step_forward", "choose_loss_rows", "SEQ_KEYS",
            "LOSS_ROWS_WHEN_IGNORED_OVER"]
 
 #: ``optimize(loss_rows="auto")`` takes the labelled rows only when the batches shown ignore at
@@ -85,18 +85,35 @@ def batch_shapes(batches: list[dict] | None, multiple: int) -> list[tuple[int, i
     return seen
 
 
+def to_device(batch: dict, device: torch.device | str | None) -> dict:
+    """``batch`` with every tensor on ``device`` (None: as it is).
+
+    Why: a data loader hands out CPU tensors, and a compiled graph traced for a CUDA model stops
+    on an input of another device (Dynamo: "found two different devices"). A ``Trainer`` moves its
+    inputs before the forward; the optimized step does the same, before anything is padded.
+    """
+    if device is None:
+        return batch
+    device = torch.device(device)
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) and v.device != device else v
+            for k, v in batch.items()}
+
+
 def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool = False,
                   loss_rows: int = 0, min_loss_rows: int = 0, dynamic_rows: bool = True,
-                  fine_rows: bool = False) -> dict:
-    """One batch as the compiled recipe takes it: padded, optionally marked dynamic, with its labelled rows.
+                  fine_rows: bool = False, device: torch.device | str | None = None) -> dict:
+    """One batch as the compiled recipe takes it: on ``device``, padded, optionally marked dynamic,
+    with its labelled rows.
 
     ``loss_rows`` (the loss's chunk count; 0: off) adds ``loss_rows`` (its length marked
     dynamic unless ``dynamic_rows`` is False, a multiple of the chunk count, at least
     ``min_loss_rows`` long) when the batch has ``labels`` and is not a per-token call
     (``token_stats``), which needs every row. ``fine_rows``: the count rounded up to a multiple
     of 64 rows only, not of a sixteenth of the rows (a loss outside the compiled graph meets any
-    count without compiling again).
+    count without compiling again). ``device``: the model's; tensors elsewhere are moved there first
+    (:func:`to_device`).
     """
+    batch = to_device(batch, device)
     if multiple > 1:
         batch = pad_batch(batch, multiple, pad_id)
     if mark_dynamic:
@@ -119,13 +136,14 @@ def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool
 def step_forward(compiled: Callable[..., Any], *, multiple: int, pad_id: int, mark_dynamic: bool,
                  loss_rows: int, memory_budget: float | None, recompute_elementwise: bool = False,
                  min_loss_rows: int = 0, dynamic_rows: bool = True,
-                 cache_functions: bool = False, fine_rows: bool = False) -> Callable[..., Any]:
-    """``forward(**batch)``: :func:`prepare_batch`, then the compiled recipe (under AOTAutograd's
+                 cache_functions: bool = False, fine_rows: bool = False,
+                 device: torch.device | str | None = None) -> Callable[..., Any]:
+    """``forward(**batch)``: :func:`prepare_batch` (on ``device``, the model's), then the compiled recipe (under AOTAutograd's
     settings, if any: :func:`~qlora_nb_utils.compile.recipe.partitioner_settings`)."""
     def forward(**batch: Any) -> Any:
         batch = prepare_batch(batch, multiple=multiple, pad_id=pad_id, mark_dynamic=mark_dynamic,
                               loss_rows=loss_rows, min_loss_rows=min_loss_rows, dynamic_rows=dynamic_rows,
-                              fine_rows=fine_rows)
+                              fine_rows=fine_rows, device=device)
         if memory_budget is None and not recompute_elementwise and not cache_functions:
             return compiled(**batch)  # nothing to set: keep the per-step path bare
         with partitioner_settings(memory_budget, recompute_elementwise, cache_functions):
