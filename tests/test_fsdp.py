@@ -342,3 +342,20 @@ def test_apply_fsdp2_refuses_packed_bytes_changed_by_the_round_trip(one_rank_gro
     model, _ = load_qlora("tiny", dtype="float32", device="cpu", quant_storage=torch.float32)
     with pytest.raises(RuntimeError, match="changed the packed 4-bit bytes.*replicate"):
         F.apply_fsdp2(model, nf4="shard")
+
+
+def test_clip_grad_norm_matches_torch_and_clips_in_place():
+    from qlora_nb_utils.distributed.fsdp import clip_grad_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (3, 70, 512)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    expected = [p.grad.clone() for p in params]
+    ref = float(torch.linalg.vector_norm(torch.cat(expected)))
+    assert clip_grad_norm(params, None) == pytest.approx(ref, rel=1e-6)
+    assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))  # no max_norm: left as they were
+    assert clip_grad_norm(params, 1.0) == pytest.approx(ref, rel=1e-6)  # the norm before clipping
+    clipped = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
+    assert float(clipped) == pytest.approx(1.0, rel=1e-5)
+    assert clip_grad_norm([torch.nn.Parameter(torch.ones(2))], 1.0) == 0.0  # no gradient: nothing to clip

@@ -350,22 +350,21 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> fl
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    device = grads[0].to_local().device if isinstance(grads[0], DTensor) else grads[0].device
-    total = torch.zeros((), device=device, dtype=torch.float32)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    device = local[0].device
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    for g in grads:
-        if isinstance(g, DTensor):
-            if any(isinstance(pl, Shard) for pl in g.placements) or rank0:
-                total += g.to_local().float().pow(2).sum().to(device)
-        elif rank0:
-            total += g.float().pow(2).sum().to(device)
+    counted = [t for g, t in zip(grads, local)
+               if rank0 or (isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements))]
+    # one fused kernel per device and dtype (a loop over hundreds of LoRA gradients is as many launches)
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    if counted:
+        norms = torch._foreach_norm(counted, 2.0, dtype=torch.float32)
+        total = torch.stack([n.float().to(device) for n in norms]).pow(2).sum()
     if dist.is_initialized():
         if total.device.type == "cpu" and dist.get_backend() == "nccl":  # CPU-offloaded gradients
             total = total.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(total)
     norm = float(total.sqrt())
     if max_norm is not None and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(scale)
+        torch._foreach_mul_(local, max_norm / (norm + 1e-6))
     return norm

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", action="store_true",
                    help="save the logits of the first global batch after training (OUT/probe.pt)")
     p.add_argument("--no-adapter", action="store_true", help="do not save the adapter at the end")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="profile this many steps after --timing-warmup (torch.profiler): where each rank's "
+                        "step time goes, as tables in OUT/profile_rank<R>.txt")
     p.add_argument("--trainer", default="none", choices=TRAINERS,
                    help="run through transformers.Trainer (hf) or trl.SFTTrainer (trl) with FSDP2")
     p.add_argument("--fast-path", action="store_true",
@@ -310,8 +313,14 @@ def run(args: argparse.Namespace) -> dict | None:
     reset_peak(info.device)
     model.train()
     peak = 0.0
+    profiler = None
     for step in range(start, args.steps):
+        if getattr(args, "profile", 0) and step == start + args.timing_warmup:
+            profiler = _start_profiler(info)
         rec = _train_step(model, params, opt, sched, batches[step % len(batches)], info, args, fast)
+        if profiler is not None and step == start + args.timing_warmup + args.profile - 1:
+            _write_profile(profiler, out, info)
+            profiler = None
         peak = max(peak, _max_over_ranks(peak_mem_gib(info.device), info.device))
         rec.update(step=step, peak_mem_gib=peak, world_size=info.world_size, run_start=start)
         if info.is_main:
@@ -353,6 +362,27 @@ def run(args: argparse.Namespace) -> dict | None:
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _start_profiler(info):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def _write_profile(prof, out: Path, info) -> None:
+    """Two tables per rank: the ops by device time, by CPU time (collectives show as ``nccl:*``)."""
+    prof.__exit__(None, None, None)
+    table = prof.key_averages()
+    text = []
+    if info.device.type == "cuda":
+        text += ["# by device time", table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)]
+    text += ["# by CPU time", table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_rank{info.rank}.txt").write_text("\n".join(text) + "\n")
 
 
 def frozen_mode(args, info) -> str:
