@@ -8,7 +8,7 @@
 # 2048, MB rows per GPU and micro-batch (default 4), global batch 2 x MB; REPEATS pairs, each run alone:
 # scale_2_i (2 GPUs, NF4 + embeddings + LM head sharded) and scale_1_i (1 GPU, nothing sharded, the
 # same regional fast path, accumulating 2 micro-batches; i=2 permutes the rows: the bf16 floor).
-# Then, time allowing, one profiled pair at 1 row per GPU (where the step time goes on each rank).
+# Then (PROFILE=1, the default), time allowing, one profiled pair at 1 row per GPU (where the step time goes on each rank).
 set -uo pipefail
 OUT=${OUT:-$PWD/out/fsdp_scale}
 mkdir -p "$OUT/runs"
@@ -22,7 +22,7 @@ source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 { nvidia-smi topo -m; echo; nvidia-smi nvlink -s 2>&1 | head -40; echo; env | grep -i "^NCCL" ; } > "$OUT/topo.txt" 2>&1
 cat "$OUT/topo.txt" | head -20
-NCCL_DEBUG=INFO timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+[ "${NCCL_TEST:-1}" = 1 ] && NCCL_DEBUG=INFO timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
   lab/gpu/nccl_bandwidth.py "$OUT/nccl.json" > "$OUT/nccl_debug.txt" 2>&1
 grep "^\[nccl\]" "$OUT/nccl_debug.txt"; grep -i "via \|NVLS\|P2P\|SHM" "$OUT/nccl_debug.txt" | head -8
 
@@ -49,8 +49,10 @@ for i in $(seq 1 "$REPEATS"); do
   cap=$(left); [ $cap -gt 150 ] && cap=150
   trun "scale_1_$i" "$cap" 0 1 "${COMMON[@]}" --steps "$STEPS" --global-batch-size $((2 * MB)) --micro-batch-size "$MB" "${extra[@]}" --out "$OUT/runs/scale_1_$i"
 done
-cap=$(( $(left) / 2 ))
-trun prof_2 "$cap" 0,1 2 "${COMMON[@]}" --steps 6 --global-batch-size 2 --micro-batch-size 1 --profile 2 --out "$OUT/runs/prof_2"
-trun prof_1 "$(( $(left) - 5 ))" 0 1 "${COMMON[@]}" --steps 6 --global-batch-size 2 --micro-batch-size 1 --profile 2 --out "$OUT/runs/prof_1"
+if [ "${PROFILE:-1}" = 1 ]; then
+  cap=$(( $(left) / 2 ))
+  trun prof_2 "$cap" 0,1 2 "${COMMON[@]}" --steps 6 --global-batch-size 2 --micro-batch-size 1 --profile 2 --out "$OUT/runs/prof_2"
+  trun prof_1 "$(( $(left) - 5 ))" 0 1 "${COMMON[@]}" --steps 6 --global-batch-size 2 --micro-batch-size 1 --profile 2 --out "$OUT/runs/prof_1"
+fi
 tar czf "$OUT/fsdp_scale_logs.tgz" -C "$OUT" runs 2>/dev/null
 echo "[scale] finished in $(( $(date +%s) - T0 )) s"
