@@ -1,0 +1,94 @@
+"""lab/results/fsdp/fsdp2_scaling_<gpu>.json from what lab/gpu/gpu_fsdp_scale.sh wrote: nothing typed in.
+
+Use: python lab/gpu/fsdp_scale_results.py RUNS_DIR SHARDED_JSON DEST_JSON [COMMAND]
+RUNS_DIR holds mb<R>_logs.tgz (one call of gpu_fsdp_scale.sh each, R rows per GPU), nccl.json and
+topo.txt. SHARDED_JSON is fsdp2_sharded_<gpu>.json: its 1-row pairs join the table, and its
+headline scaling, throughput, parity and memory fields are set from the largest per-GPU batch
+measured (the 1-row fields kept under ``at_1_row``).
+"""
+import datetime as dt
+import json
+import re
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fsdp_fast_results import pair_fields, read_runs  # noqa: E402
+
+HEADLINE = ("scaling", "scaling_runs", "scaling_spread", "scaling_definition", "tokens_per_s_per_gpu",
+            "tokens_per_s_runs", "per_gpu_ratio", "max_abs_loss_diff", "mean_abs_loss_diff", "floor_max",
+            "floor_mean", "within_floor", "steps_over_floor", "peak_mem_gib_per_gpu", "peak_saving_gib",
+            "memory_target_met")
+
+
+def profile_totals(path: Path) -> dict | None:
+    """Self CPU and device time totals (ms) of one rank's profile tables, and the collectives' device time."""
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    cpu = re.findall(r"Self CPU time total: ([\d.]+)(ms|s)", text)
+    dev = re.findall(r"Self CUDA time total: ([\d.]+)(ms|s)", text)
+    ms = lambda v, u: float(v) * (1000 if u == "s" else 1)  # noqa: E731
+    coll = {}
+    for line in text.split("# by CPU time")[0].splitlines():
+        cols = re.split(r"\s{2,}", line.strip())
+        if cols[0] in ("nccl:_all_gather_base", "nccl:_reduce_scatter_base", "nccl:all_reduce") and len(cols) > 6:
+            value = re.fullmatch(r"([\d.]+)(ms|us|s)", cols[6])  # the Self CUDA column
+            if value:
+                coll[cols[0]] = float(value.group(1)) * {"s": 1000, "ms": 1, "us": 1e-3}[value.group(2)]
+    return {"self_cpu_ms": ms(*cpu[0]) if cpu else None, "self_device_ms": ms(*dev[0]) if dev else None,
+            "collectives_device_ms": coll}
+
+
+def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None:
+    runs_dir = Path(runs_dir)
+    sharded = json.loads(Path(sharded_json).read_text())
+    table = {"1": {k: sharded.get(k) for k in HEADLINE} | {"source": Path(sharded_json).name}}
+    if "at_1_row" in sharded:
+        table["1"] = {**sharded["at_1_row"], "source": Path(sharded_json).name}
+    device = versions = None
+    profiles = {}
+    run_commands = {}
+    for tgz in sorted(runs_dir.glob("mb*_logs.tgz")):
+        rows = int(tgz.name[2:].split("_")[0])
+        with tempfile.TemporaryDirectory() as tmp:
+            with tarfile.open(tgz) as tar:
+                tar.extractall(tmp, filter="data")
+            runs = read_runs(Path(tmp))
+            table[str(rows)] = {**pair_fields(runs, "scale", rows), "source": f"{runs_dir.name}/{tgz.name}"}
+            ref = runs.get("scale_2_1") or {}
+            device, versions = ref.get("device", device), ref.get("versions", versions)
+            run_commands[str(rows)] = {n: r.get("command") for n, r in runs.items()}
+            for name in ("prof_1", "prof_2"):
+                for rank in (0, 1):
+                    got = profile_totals(Path(tmp) / "runs" / name / f"profile_rank{rank}.txt")
+                    if got:
+                        profiles[f"{name}_rank{rank}"] = {**got, "steps": 2,
+                                                          "micro_batches": 4 if name == "prof_1" else 2}
+    best = max(table, key=int)
+    rec = {
+        "model": sharded.get("model"), "seq_len": sharded.get("seq_len"), "world_size": 2,
+        "by_rows_per_gpu": table,
+        "headline_rows_per_gpu": int(best),
+        "nccl": json.loads((runs_dir / "nccl.json").read_text()) if (runs_dir / "nccl.json").is_file() else None,
+        "topology": (runs_dir / "topo.txt").read_text().split("\n\n")[0] if (runs_dir / "topo.txt").is_file() else None,
+        "profile_1_row": profiles,
+        "device": device, "versions": versions, "run_commands": run_commands,
+        "command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+    }
+    Path(dest).write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    if "at_1_row" not in sharded:
+        sharded["at_1_row"] = {k: sharded.get(k) for k in HEADLINE}
+    sharded.update({k: table[best][k] for k in HEADLINE})
+    sharded["scaling_rows_per_gpu"] = int(best)
+    sharded["scaling_source"] = f"{Path(dest).name} (by_rows_per_gpu.{best}; the 1-row pairs: at_1_row)"
+    Path(sharded_json).write_text(json.dumps(sharded, indent=1, default=str) + "\n")
+    for rows, row in sorted(table.items(), key=lambda kv: int(kv[0])):
+        print(rows, {k: row.get(k) for k in ("scaling", "scaling_runs", "per_gpu_ratio", "peak_mem_gib_per_gpu",
+                                              "peak_saving_gib", "max_abs_loss_diff", "floor_max", "within_floor")})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
