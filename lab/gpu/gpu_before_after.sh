@@ -16,7 +16,7 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 BENCH=(bench --model llama-3.2-1b-shape --device cuda --steps 6 --warmup 2 --batch-size 4 --seq-len 256 --no-progress)
 TRAIN=(train --model llama-3.2-1b-shape --device cuda --steps 6 --eval-every 0 --eval-size 8 --seq-len 256 --packing on
        --no-progress)
-for job in bench train; do  # a pair at a time: a job cut short still leaves the other pair whole
+for job in ${JOBS:-bench train}; do  # a pair at a time: a job cut short still leaves the other pair whole
   for tree in new old; do
     root=$PWD; [ "$tree" = old ] && root=/tmp/tree_old
     mkdir -p "$OUT/$tree"
