@@ -5,6 +5,8 @@ side, a table on the terminal and `results.json` + a loss-curve PNG in `--out`.
 `qlora-nb diagnose` reports graph breaks, the `fullgraph=True` verdict and compilations over
 a list of sequence lengths; with `--strict` it fails (exit 1) on any break, a failed
 fullgraph compile, or more compilations than `--max-compilations`, so CI can guard it.
+`qlora-nb train` fine-tunes; `qlora-nb export` merges a run's adapter into a plain checkpoint and
+`qlora-nb generate` talks to a run, so that the result of training can be used.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", dest="json_path", default=None, help="also write the report here")
     d.add_argument("--strict", action="store_true", help="exit 1 on any break, fullgraph failure or too many compilations")
     _add_train_parser(sub)
+    _add_use_parsers(sub)
     q = sub.add_parser("quantize", help="save a model as a pre-quantized NF4 checkpoint: later loads read it as it "
                        "is (about a third of the bytes, no quantization), the fastest start")
     q.add_argument("model", help=_MODEL_HELP)
@@ -154,6 +157,52 @@ def _add_train_parser(sub) -> None:
                    help="first K steps eager, eager on rows permuted two ways and compiled, judged against that "
                         "floor (then undone)")
     t.add_argument("--no-progress", action="store_true")
+
+
+def _add_use_parsers(sub) -> None:
+    """`qlora-nb export` and `qlora-nb generate`: what a user does with a run that `train` wrote."""
+    e = sub.add_parser("export", help="a trained run as one Hugging Face checkpoint: the adapter merged into the "
+                       "base it was trained against (NF4, dequantized); needs neither PEFT nor bitsandbytes to load")
+    e.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by qlora-nb train --out")
+    e.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
+    e.add_argument("--base", choices=("nf4", "original"), default="nf4",
+                   help="nf4: the NF4 base dequantized, the model that was trained (default); original: the "
+                        "unquantized base (not the model that was trained: a warning says so)")
+    e.add_argument("--dtype", default="auto", help="the saved weights' dtype (auto: the run's compute dtype)")
+    e.add_argument("--device", default="cpu", help="where to load and merge: cpu (default), cuda[:N] or auto")
+    g = sub.add_parser("generate", help="a completion from a trained run (NF4 base + adapter, as trained), "
+                       "streamed; greedy unless --temperature")
+    g.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by qlora-nb train --out (with --merged: "
+                   "one written by qlora-nb export)")
+    g.add_argument("prompt", help="the prompt (rendered with the tokenizer's chat template when it has one)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--merged", action="store_true", help="RUN_DIR is an exported model (qlora-nb export)")
+    g.add_argument("--device", default="auto", help="auto (cuda if available: bf16), cpu (fp32) or cuda[:N]")
+    g.add_argument("--no-chat-template", action="store_true", help="continue the prompt as typed")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above 0: sampled")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .training.export import check_export, export_run
+
+    check_export(args.run_dir, args.out, base=args.base)  # before any model loads
+    export_run(args.run_dir, args.out, base=args.base, dtype=args.dtype, device=args.device,
+               log=lambda line: print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .training.generate import check_source, load_trained, stream_completion
+
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    check_source(args.run_dir, merged=args.merged)  # before any model loads
+    model, tok = load_trained(args.run_dir, merged=args.merged, device=args.device)
+    text = stream_completion(model, tok, args.prompt, max_new_tokens=args.max_new_tokens,
+                             chat_template=not args.no_chat_template, temperature=args.temperature)
+    if not text.strip():
+        print("(no text: the model ended its answer at once)", file=sys.stderr)
+    return 0
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -348,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = "qlora-nb " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     handler = {"bench": _bench, "diagnose": _diagnose, "report": _report, "train": _train,
-               "quantize": _quantize}[args.command]
+               "quantize": _quantize, "export": _export, "generate": _generate}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as err:

@@ -20,6 +20,10 @@
   (``check_options``, ``DEFAULTS``); ``finetune_batches``: its batches (``build_finetune_batches``); ``checkpoint``: resumable, atomic checkpoints and the SIGINT/SIGTERM stop
   (``FinetuneInterrupted``); ``evaluation``: ``evaluate(module, batches)``, the held-out token
   mean every caller shares, and ``complete``, a greedy sample.
+- ``export``: ``export_run(run_dir, out)``, what ``qlora-nb export`` runs: the adapter merged into
+  the NF4 base dequantized, saved as a plain Hugging Face checkpoint; ``generate``: the run as
+  trained (``load_trained``) and a streamed completion (``stream_completion``); ``run_folder``:
+  a run folder read and checked before any model loads (``read_run``).
 """
 
 from .._lazy import lazy_exports
@@ -44,4 +48,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "build_finetune_batches": "finetune_batches",
     **dict.fromkeys(("evaluate", "complete"), "evaluation"),
     **dict.fromkeys(("FinetuneInterrupted", "save_checkpoint", "load_checkpoint"), "checkpoint"),
+    "export_run": "export",
+    **dict.fromkeys(("load_trained", "stream_completion"), "generate"),
+    "read_run": "run_folder",
 })
