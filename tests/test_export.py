@@ -130,6 +130,13 @@ def test_the_export_is_a_plain_checkpoint_that_needs_neither_peft_nor_bitsandbyt
     assert done.stdout.split()[-1] == str(config["vocab_size"])
 
 
+def test_the_adapter_names_its_base_by_the_runs_name_not_this_machines_cache(run):
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "tiny"  # was the cache folder, e.g. ~/.cache/qlora_nb/tiny
+    card = (run / "adapter" / "README.md").read_text()
+    assert "base_model: tiny" in card and "qlora_nb" not in card
+
+
 @pytest.fixture
 def no_model(monkeypatch):
     """Any model load fails the test: the refusals must come first."""

@@ -135,6 +135,7 @@ def finetune(*, out: str | Path = "runs/train", resume: bool = False, overwrite:
             raise _interrupted(run, stop, command) from None
         finally:
             run.release()  # opt.undo(), and the graph-break count closed
+            run.name_the_base()
         metrics = run.metrics(command=command, wall_s=time.perf_counter() - started)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str) + "\n")
         run.plot(metrics)
@@ -219,6 +220,7 @@ class Run:
             o["model"], quant="nf4", lora=True, lora_r=o["lora_r"], lora_alpha=o["lora_alpha"], dtype=self.dtype,
             device=self.device, prepare_kbit=True, seed=o["seed"])
         self.meta = run_meta(o)  # after the load: a named model's config.json exists now
+        self.loaded_from = self.model.get_base_model().name_or_path  # what PEFT writes as the base
         self.loaded_attention = self.model.get_base_model().config._attn_implementation
         if self.device.type == "cpu":  # else an eval pass repacks NF4 weights and breaks gradients
             from ..compile.patches import bnb_cpu_packing
@@ -315,6 +317,28 @@ class Run:
             if self._breaks_cm is not None:
                 self._breaks_cm.__exit__(None, None, None)
                 self._breaks_cm = None
+
+    def name_the_base(self) -> None:
+        """The saved adapter names its base as the run does, not by the folder it was read from.
+
+        ``from_pretrained`` records where the weights were read (for a named model, this
+        machine's cache folder), and PEFT writes that into ``adapter_config.json`` and the model
+        card. The run's name (a name of ``models.MODEL_NAMES``, a hub id, or a folder's absolute
+        path) is what another machine loads the base by. The files are rewritten after PEFT saved
+        them: set on the model, the name would send PEFT's save to the hub to look for its config.
+        """
+        folder, loaded_from = self.out / "adapter", getattr(self, "loaded_from", None)
+        config_file = folder / "adapter_config.json"
+        if not loaded_from or not config_file.is_file():
+            return
+        name = self.meta["model"]
+        config = json.loads(config_file.read_text())
+        if config.get("base_model_name_or_path") == loaded_from:
+            config["base_model_name_or_path"] = name
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        card = folder / "README.md"
+        if card.is_file():
+            card.write_text(card.read_text().replace(loaded_from, name))
 
     # ------------------------------------------------------------------ helpers
     def _say(self, message: str) -> None:
