@@ -236,7 +236,11 @@ def test_a_signal_checkpoints_and_resume_gives_the_uninterrupted_curve(sig, code
     assert 2 <= done < STEPS, output
     assert f"in {out / 'checkpoint'} (step {done})" in output, output
     assert "resume with: qlora-nb train" in output and "--resume" in output, output
-    assert not (out / "metrics.json").exists()
+    stopped = json.loads((out / "metrics.json").read_text())  # what was trained is recorded, marked
+    assert stopped["interrupted"] is True and stopped["stopped_by"] == signal.Signals(sig).name
+    assert stopped["steps_done"] == done and len(stopped["losses"]) == done
+    assert stopped["losses"] == pytest.approx(finished[1]["losses"][:done], abs=1e-5)
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if sig == signal.SIGTERM:
         return  # the resume below is the same for both signals; once is enough
     resumed = _spawn(args + ["--resume"])
@@ -244,7 +248,7 @@ def test_a_signal_checkpoints_and_resume_gives_the_uninterrupted_curve(sig, code
     assert resumed.returncode == 0, output
     m = json.loads((out / "metrics.json").read_text())
     full = finished[1]
-    assert m["resumed_from"] == done and m["steps_done"] == STEPS
+    assert m["resumed_from"] == done and m["steps_done"] == STEPS and m["interrupted"] is False
     assert len(m["losses"]) == STEPS
     diffs = [abs(a - b) for a, b in zip(m["losses"], full["losses"])]
     assert max(diffs) <= 1e-5, (max(diffs), diffs.index(max(diffs)))

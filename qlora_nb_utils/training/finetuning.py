@@ -6,7 +6,9 @@ every linear layer), compiled by :func:`qlora_nb_utils.compile.optimize` (which 
 chose), trained by the package's own loop (:func:`~qlora_nb_utils.training.loop.train`), judged
 on held-out examples (:func:`~qlora_nb_utils.training.evaluation.evaluate`), and saved as a PEFT
 adapter that ``PeftModel.from_pretrained`` loads. What a run leaves in ``out``: ``adapter/``,
-``checkpoint/`` (resumable, :mod:`.checkpoint`), ``metrics.json`` and ``loss_curve.png``.
+``checkpoint/`` (resumable, :mod:`.checkpoint`), ``metrics.json`` and ``loss_curve.png``; a run
+stopped by a signal writes them too, marked ``"interrupted": true``, so that what was trained can
+be read, plotted, exported and talked to before (or without) a ``--resume``.
 
 Decisions, and why:
 
@@ -118,7 +120,8 @@ def finetune(*, out: str | Path = "runs/train", resume: bool = False, overwrite:
 
     Raises:
         ValueError, FileNotFoundError: bad input, before any model loads (:func:`check_options`).
-        FinetuneInterrupted: SIGINT or SIGTERM; the checkpoint was written first (``exit_code``).
+        FinetuneInterrupted: SIGINT or SIGTERM; the checkpoint was written first (``exit_code``), and,
+            once a step is done, ``metrics.json`` (``"interrupted": true``) and ``loss_curve.png``.
     """
     started = time.perf_counter()
     opts = check_options(out=out, resume=resume, overwrite=overwrite, **options)
@@ -128,17 +131,25 @@ def finetune(*, out: str | Path = "runs/train", resume: bool = False, overwrite:
     out.mkdir(parents=True, exist_ok=True)
     with StopSignals() as stop:
         run = Run(opts, stop=stop, progress=progress, log=log)
+        stopped = None
         try:
             run.prepare()
             run.train()
         except KeyboardInterrupt:
-            raise _interrupted(run, stop, command) from None
+            stopped = _interrupted(run, stop, command)
         finally:
             run.release()  # opt.undo(), and the graph-break count closed
             run.name_the_base()
+        if stopped is not None:
+            if run.has_trained():  # what was trained keeps its record, marked as stopped
+                with contextlib.suppress(KeyboardInterrupt):  # a second signal: stop without them
+                    metrics = run.metrics(command=command, wall_s=time.perf_counter() - started, stopped=stopped)
+                    run.write(metrics)
+                    log(f"wrote {out / 'metrics.json'} and {out / 'loss_curve.png'} (interrupted after "
+                        f"{run.steps_done} steps)")
+            raise stopped
         metrics = run.metrics(command=command, wall_s=time.perf_counter() - started)
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str) + "\n")
-        run.plot(metrics)
+        run.write(metrics)
         run.summary(metrics)
     return metrics
 
@@ -406,8 +417,18 @@ class Run:
         return {"steps": k, **verdict, "losses": runs}
 
     # ------------------------------------------------------------------ results
-    def metrics(self, *, command: str | None, wall_s: float) -> dict[str, Any]:
-        """The metrics dict that ``metrics.json`` holds."""
+    def has_trained(self) -> bool:
+        """Whether there are steps to report (this session's or a resumed checkpoint's)."""
+        return self.steps_done > 0 and self.opt is not None and hasattr(self, "history")
+
+    def write(self, metrics: dict[str, Any]) -> None:
+        """``metrics.json`` and ``loss_curve.png``."""
+        (self.out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str) + "\n")
+        self.plot(metrics)
+
+    def metrics(self, *, command: str | None, wall_s: float,
+                stopped: FinetuneInterrupted | None = None) -> dict[str, Any]:
+        """The metrics dict that ``metrics.json`` holds (``stopped``: the run was interrupted)."""
         o, rows = self.opts, self.history["rows"]
         counter = self.opt.counter.to_dict()
         metrics = {
@@ -426,7 +447,13 @@ class Run:
             "command": command or "finetune()", "date": utc_now(), "wall_s": round(wall_s, 2),
             "sample": self.sample, "history": rows,
             "adapter": str(self.out / "adapter"), "checkpoint": str(self.out / CHECKPOINT),
+            "interrupted": stopped is not None,
         }
+        if stopped is not None:
+            import signal
+
+            metrics["stopped_by"] = signal.Signals(stopped.signum).name
+            metrics["resume_checkpoint"] = None if stopped.checkpoint is None else str(stopped.checkpoint)
         if self.parity is not None:
             metrics["parity"] = self.parity
         return metrics
@@ -435,7 +462,9 @@ class Run:
         """``loss_curve.png`` next to the metrics."""
         from .curve import plot_loss_curve
 
-        title = f"{metrics['model']}: QLoRA fine-tune, {metrics['steps_done']} steps ({metrics['device']['name']})"
+        stopped = " (interrupted)" if metrics.get("interrupted") else ""
+        title = (f"{metrics['model']}: QLoRA fine-tune, {metrics['steps_done']} steps{stopped} "
+                 f"({metrics['device']['name']})")
         return plot_loss_curve(metrics["losses"], metrics["eval_losses"], self.out / "loss_curve.png", title)
 
     def summary(self, metrics: dict[str, Any]) -> None:
