@@ -176,7 +176,12 @@ def _broken_runs(run: Path, tmp: Path) -> dict[str, Path]:
     metrics = json.loads((gone / "metrics.json").read_text())
     metrics["model"] = metrics["meta"]["model"] = str(tmp / "deleted-model")
     (gone / "metrics.json").write_text(json.dumps(metrics))
-    return {"missing": tmp / "nope", "no_adapter": no_adapter, "no_metrics": no_metrics, "base_gone": gone}
+    hub = tmp / "hub_base"
+    shutil.copytree(gone, hub)
+    metrics["model"] = metrics["meta"]["model"] = "nobody-here/not-a-cached-model"
+    (hub / "metrics.json").write_text(json.dumps(metrics))
+    return {"missing": tmp / "nope", "no_adapter": no_adapter, "no_metrics": no_metrics, "base_gone": gone,
+            "hub_base": hub}
 
 
 def test_export_refuses_bad_input_before_any_model_loads(run, tmp_path, capsys, no_model):
@@ -209,12 +214,15 @@ def test_generate_streams_the_same_greedy_completion_each_time(run, exported, ca
     assert capsys.readouterr().out.strip()
 
 
-def test_generate_refuses_bad_input_before_any_model_loads(run, tmp_path, capsys, no_model):
+def test_generate_refuses_bad_input_before_any_model_loads(run, tmp_path, capsys, no_model, monkeypatch):
     bad = _broken_runs(run, tmp_path)
     _refused(["generate", str(bad["missing"]), PROMPT], capsys, "no such folder")
     _refused(["generate", str(bad["no_adapter"]), PROMPT], capsys, "adapter")
     _refused(["generate", str(bad["base_gone"]), PROMPT], capsys, "deleted-model", "not found")
     _refused(["generate", str(run), PROMPT, "--merged"], capsys, "not an exported model")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    _refused(["generate", str(bad["hub_base"]), PROMPT], capsys, "nobody-here/not-a-cached-model",
+             "not in the local Hugging Face cache")
     _refused(["generate", str(run / "adapter"), PROMPT, "--merged"], capsys, "adapter")
 
 
