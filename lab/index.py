@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = build_index()
     wanted = {INDEX: index_csv(rows), pages.RESULTS_MD: pages.results_md(rows),
               pages.README: pages.readme_with_headline(pages.README.read_text(), rows)}
+    for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        wanted[nb] = pages.notebook_with_badge(nb.read_text(), nb.name)
     stale = [p for p, text in wanted.items() if not p.is_file() or p.read_text() != text]
     if args.check:
         for p in stale:

@@ -65,6 +65,28 @@ def headline_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BADGE_SVG = "https://colab.research.google.com/assets/colab-badge.svg"
+
+
+def colab_url(name: str) -> str:
+    """The "Open in Colab" address of ``notebooks/<name>`` in :data:`REPOSITORY`."""
+    return f"https://colab.research.google.com/github/{REPOSITORY}/blob/{BRANCH}/notebooks/{name}"
+
+
+def notebook_with_badge(text: str, name: str) -> str:
+    """A notebook's JSON text with its "Open in Colab" badge under the title of its first cell
+    (replaced where one is there already), written as Jupyter writes it (indent 1)."""
+    import json
+
+    nb = json.loads(text)
+    source = [line for line in nb["cells"][0]["source"] if BADGE_SVG not in line]
+    badge = f"[![Open in Colab]({BADGE_SVG})]({colab_url(name)})\n"
+    if len(source) > 1 and source[1] == "\n" and len(source) > 2 and source[2] == "\n":
+        source.pop(2)  # the blank line that followed a removed badge
+    nb["cells"][0]["source"] = source[:1] + ["\n", badge] + source[1:]
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
 def notebook_list(folder: Path = ROOT / "notebooks") -> str:
     """One line per notebook: an "Open in Colab" badge and the notebook's own title."""
     import json
@@ -74,8 +96,7 @@ def notebook_list(folder: Path = ROOT / "notebooks") -> str:
         first = json.loads(path.read_text())["cells"][0]["source"]
         title = "".join(first).split("\n")[0].lstrip("# ").strip()
         title = title.split(" · ", 1)[1] if " · " in title else title  # "NN · Title": the number is in the name
-        url = f"https://colab.research.google.com/github/{REPOSITORY}/blob/{BRANCH}/notebooks/{path.name}"
-        lines.append(f"- [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url}) "
+        lines.append(f"- [![Open in Colab]({BADGE_SVG})]({colab_url(path.name)}) "
                      f"[`{path.name}`](notebooks/{path.name}): {title}")
     return "\n".join(lines) + "\n"
 

@@ -45,12 +45,13 @@ def _seq_lens(text: str) -> list[int]:
 
 
 #: models.MODEL_NAMES in words, for every --model (tests/test_models.py checks each names them all)
-_MODEL_HELP = ("tiny, smollm2-135m, llama-3.2-1b-shape, llama-3.2-1b-shape-4l, llama-3.1-8b-shape, "
+_MODEL_HELP = ("tiny, smollm2-135m, smollm2-135m-5l, llama-3.2-1b-shape, llama-3.2-1b-shape-4l, llama-3.1-8b-shape, "
                "llama-3.1-8b-shape-4l, an HF id or a path (a model folder)")
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:
-    p.add_argument("--model", default=default_model, help=_MODEL_HELP)
+    auto = "; default auto: smollm2-135m-5l on a CPU, smollm2-135m on a GPU" if default_model == "auto" else ""
+    p.add_argument("--model", default=default_model, help=_MODEL_HELP + auto)
     p.add_argument("--quant", choices=("nf4", "none"), default="nf4")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bench", help="eager vs compiled QLoRA fine-tune, side by side")
-    _add_model_args(b, "smollm2-135m")
+    _add_model_args(b, "auto")
     b.add_argument("--steps", type=_positive_int, default=12)
     b.add_argument("--seq-len", type=_positive_int, default=128)
     b.add_argument("--padding", choices=("fixed", "multiple", "longest"), default="fixed")

@@ -352,3 +352,34 @@ def test_smollm2_real_weights(cache):
     assert tok.eos_token == "<|im_end|>"
     files = {p.name for p in models.materialize("smollm2-135m").iterdir()}
     assert {"model.safetensors", "chat_template.jinja", "tokenizer.json"} <= files
+
+
+@pytest.mark.slow
+def test_smollm2_slice_keeps_both_ends_of_the_real_weights_and_learns(cache):
+    from safetensors.torch import load_file
+
+    from qlora_nb_utils.models.build import SMOLLM2_SLICE
+
+    full, part = models.materialize("smollm2-135m"), models.materialize("smollm2-135m-5l")
+    whole, sliced = load_file(str(full / "model.safetensors")), load_file(str(part / "model.safetensors"))
+    assert {int(k.split(".")[2]) for k in sliced if k.startswith("model.layers.")} == set(range(len(SMOLLM2_SLICE)))
+    for new, old in enumerate(SMOLLM2_SLICE):  # the same values, layer for layer, renumbered
+        assert torch.equal(sliced[f"model.layers.{new}.mlp.down_proj.weight"], whole[f"model.layers.{old}.mlp.down_proj.weight"])
+    assert all(torch.equal(v, whole[k]) for k, v in sliced.items() if not k.startswith("model.layers."))
+    model, tok = models.load_model("smollm2-135m-5l", device="cpu", quant="nf4", dtype="float32")
+    assert model.config.num_hidden_layers == 5
+    assert {"chat_template.jinja", "tokenizer.json", "generation_config.json"} <= {p.name for p in part.iterdir()}
+    from qlora_nb_utils import data as qdata
+    from qlora_nb_utils.training import TrainConfig, train
+
+    batches = qdata.build_batches(tok, batch_size=4, steps=12, max_len=128)
+    losses = list(train(model, batches, TrainConfig(steps=12, lr=2e-4, progress=False))["loss"])
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses  # LoRA on both ends: the loss falls
+
+
+def test_the_main_jobs_auto_model_follows_the_device():
+    from qlora_nb_utils.bench.main_job import AUTO_MODEL, validate_options
+
+    assert validate_options({"device": "cpu"})["model"] == AUTO_MODEL["cpu"] == "smollm2-135m-5l"
+    assert validate_options({"device": "cpu", "model": "tiny"})["model"] == "tiny"
+    assert AUTO_MODEL["cuda"] == "smollm2-135m"

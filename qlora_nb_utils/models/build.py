@@ -248,6 +248,40 @@ def _build_smollm2(cache: Path) -> Callable[[Path], None]:
     return build
 
 
+#: The decoder layers of smollm2-135m that ``smollm2-135m-5l`` keeps, in order: the first ones read the
+#: embedding, the last ones feed the final norm and the head, so the model keeps both of its ends
+#: (a loss that falls when LoRA trains; the first layers alone give a loss far above chance).
+SMOLLM2_SLICE = (0, 1, 27, 28, 29)
+
+
+def _build_smollm2_slice(cache: Path) -> Callable[[Path], None]:
+    def build(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        full = materialize("smollm2-135m", cache)
+        new_index = {old: new for new, old in enumerate(SMOLLM2_SLICE)}
+        sliced = {}
+        for key, value in load_file(str(full / "model.safetensors")).items():
+            if key.startswith("model.layers."):
+                old = int(key.split(".")[2])
+                if old not in new_index:
+                    continue
+                key = f"model.layers.{new_index[old]}." + key.split(".", 3)[3]
+            sliced[key] = value
+        save_file(sliced, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((full / "config.json").read_text())
+        config["num_hidden_layers"] = len(SMOLLM2_SLICE)
+        if isinstance(config.get("layer_types"), list):
+            config["layer_types"] = [config["layer_types"][i] for i in SMOLLM2_SLICE]
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for item in full.iterdir():  # tokenizer, chat template, generation config
+            if item.is_file() and item.name not in ("config.json", "model.safetensors", _MARKER):
+                shutil.copy2(item, folder / item.name)
+        _say(f"saved smollm2-135m-5l (layers {list(SMOLLM2_SLICE)} of smollm2-135m) to {folder.parent}")
+
+    return build
+
+
 def materialize(name: str, cache_dir: Union[str, Path, None] = None) -> Path:
     """Build a named model into the cache once and return its checkpoint folder.
 
@@ -273,5 +307,6 @@ def materialize(name: str, cache_dir: Union[str, Path, None] = None) -> Path:
             "(hub ids and local paths go straight to load_model)"
         )
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    builder = _build_smollm2(cache) if name == "smollm2-135m" else _build_random(name, cache)
+    builders = {"smollm2-135m": _build_smollm2, "smollm2-135m-5l": _build_smollm2_slice}
+    builder = builders.get(name, lambda c: _build_random(name, c))(cache)
     return _build_once(cache / name, builder)

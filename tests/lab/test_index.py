@@ -103,3 +103,10 @@ def _user_facing():
 def test_no_bookkeeping_numbers_where_users_read():
     found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in _user_facing() for m in BOOKKEEPING.finditer(p.read_text())]
     assert not found, found[:20]
+
+
+def test_every_notebook_opens_with_its_own_colab_badge():
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        first = json.loads(path.read_text())["cells"][0]
+        assert first["cell_type"] == "markdown", path.name
+        assert pages.colab_url(path.name) in "".join(first["source"]), path.name
