@@ -117,6 +117,52 @@ def test_the_masks_are_document_causal_and_skip_blocks_across_documents():
     assert doc_attention.varlen_available() == hasattr(torch.nn.attention, "varlen")
 
 
+def _packed_ids(rows: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Documents of random lengths in order along each row, then a padding tail (-1), as packing lays them."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        lengths = torch.randint(1, 200, (seq_len,), generator=gen)
+        row = torch.repeat_interleave(torch.arange(seq_len), lengths)[:seq_len].clone()
+        tail = int(torch.randint(0, seq_len // 3, (1,), generator=gen))
+        if tail:
+            row[-tail:] = -1
+        out.append(row)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("seq_len, block", [(512, 128), (256, 16), (1024, 64)])
+def test_the_block_mask_from_document_runs_is_create_block_masks(seq_len, block):
+    """Built from each block's first and last document (no seq_len^2 tensor), the mask is the one
+    create_block_mask makes from the same mask_mod: the same blocks, partial and whole."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ids = _packed_ids(3, seq_len, seed=seq_len + block)
+    ours = doc_attention.document_block_mask(ids, block)
+    ref = create_block_mask(doc_attention.document_mask_mod(ids), B=3, H=None, Q_LEN=seq_len, KV_LEN=seq_len,
+                            device="cpu", BLOCK_SIZE=block)
+    assert torch.equal(ours.kv_num_blocks, ref.kv_num_blocks)
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+
+
+def test_a_long_document_mask_needs_no_square_tensor(monkeypatch):
+    """64k tokens: the block lists come from the documents' runs; create_block_mask is not called."""
+    import torch.nn.attention.flex_attention as flex
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("create_block_mask builds seq_len x seq_len masks")
+
+    monkeypatch.setattr(flex, "create_block_mask", refuse)
+    ids = torch.repeat_interleave(torch.arange(40), 65536 // 40 + 1)[:65536][None]
+    mask = doc_attention.document_block_mask(ids)
+    assert mask.kv_num_blocks.shape == (1, 1, 512)
+    assert int((mask.kv_num_blocks + mask.full_kv_num_blocks).min()) >= 1  # every query block sees its own
+    # an id that comes back after another is not one run: the reference builder is used (refused here)
+    with pytest.raises(AssertionError, match="seq_len x seq_len"):
+        doc_attention.document_block_mask(torch.tensor([[0] * 128 + [1] * 128 + [0] * 256]))
+
+
 def _captured_ids(block):
     return next(c.cell_contents for c in block.mask_mod.__closure__ if torch.is_tensor(c.cell_contents))
 

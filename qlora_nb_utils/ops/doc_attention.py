@@ -116,6 +116,43 @@ def _stable_copy(document_ids: torch.Tensor) -> torch.Tensor:
     return buf.copy_(document_ids)
 
 
+def _contiguous_segments(document_ids: torch.Tensor) -> torch.Tensor | None:
+    """Each position's segment number along its row (0, 1, ...: a new one where the id changes),
+    or None when an id comes back after another one (a segment then is not a document)."""
+    change = torch.zeros_like(document_ids, dtype=torch.int32)
+    change[:, 1:] = (document_ids[:, 1:] != document_ids[:, :-1]).to(torch.int32)
+    segments = change.cumsum(dim=1, dtype=torch.int32)
+    distinct = torch.tensor([int(torch.unique(row).numel()) for row in document_ids], device=document_ids.device)
+    return segments if bool((segments[:, -1] + 1 == distinct).all()) else None
+
+
+def _kv_blocks_from_segments(segments: torch.Tensor, block_size: int):
+    """flex attention's block lists of the document-causal mask, from the segments' first and last
+    number in each block: memory of order (seq_len / block_size)^2, never seq_len^2.
+
+    A (query block i, key block j) pair is seen when j <= i and the key block's last segment
+    reaches the query block's first; it is whole (no mask_mod call) when j < i and both blocks
+    lie inside one segment; a seen pair that is not whole is partial.
+    """
+    rows, seq_len = segments.shape
+    n = seq_len // block_size
+    blocks = segments.view(rows, n, block_size)
+    first, last = blocks[..., 0], blocks[..., -1]  # segments never decrease along a row
+    i = torch.arange(n, device=segments.device)
+    below = (i[None, :] <= i[:, None])[None]  # (1, q, kv): key block at or before the query block
+    seen = below & (last[:, None, :] >= first[:, :, None])
+    one = (first == last)
+    whole = (i[None, :] < i[:, None])[None] & one[:, :, None] & one[:, None, :] & (first[:, :, None] == first[:, None, :])
+    partial = seen & ~whole
+
+    def lists(mask):
+        count = mask.sum(dim=-1, dtype=torch.int32)
+        order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # seen blocks first, in order
+        return count[:, None], order[:, None]
+
+    return (*lists(partial), *lists(whole))
+
+
 def document_block_mask(document_ids: torch.Tensor, block_size: int = 128, *, stable_ids: bool = False):
     """The document-causal ``BlockMask`` of a packed batch, built eagerly.
 
@@ -138,7 +175,7 @@ def document_block_mask(document_ids: torch.Tensor, block_size: int = 128, *, st
         ValueError: ``document_ids`` is not a 2-D integer tensor, or ``block_size`` < 1.
         RuntimeError: called while ``torch.compile`` traces.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     _outside_compile("document_block_mask")
     _check_document_ids(document_ids)
@@ -147,8 +184,14 @@ def document_block_mask(document_ids: torch.Tensor, block_size: int = 128, *, st
     rows, seq_len = document_ids.shape
     if stable_ids:
         document_ids = _stable_copy(document_ids)
-    return create_block_mask(document_mask_mod(document_ids), B=rows, H=None, Q_LEN=seq_len, KV_LEN=seq_len,
-                             device=document_ids.device, BLOCK_SIZE=block_size)
+    mask_mod = document_mask_mod(document_ids)
+    segments = _contiguous_segments(document_ids) if seq_len % block_size == 0 else None
+    if segments is None:
+        return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=seq_len, KV_LEN=seq_len,
+                                 device=document_ids.device, BLOCK_SIZE=block_size)
+    kv_num, kv_idx, full_num, full_idx = _kv_blocks_from_segments(segments, block_size)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=(seq_len, seq_len))
 
 
 def document_dense_mask(document_ids: torch.Tensor) -> torch.Tensor:
