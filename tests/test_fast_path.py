@@ -236,3 +236,26 @@ def test_cpu_batches_train_a_cuda_model():
         loss.backward()
     finally:
         opt.undo()
+
+
+def test_a_completion_from_regionally_compiled_layers_compiles_nothing(loaded):
+    """Generating through layers compiled for training must not compile them again per layer and
+    per decoding step (at 8B that hit Dynamo's recompile limit): complete() runs them eagerly."""
+    from qlora_nb_utils.training.evaluation import complete
+
+    model, tok = loaded
+    batches = _batches(tok)
+    opt = optimize(model, batches=batches, scope="regional", backend="eager")
+    try:
+        opt.forward(**batches[0]).loss.backward()
+        model.zero_grad(set_to_none=True)
+        before = opt.counter.compilations
+        assert before >= 1
+        text = complete(model, tok, "In the beginning", max_new_tokens=6)
+        assert isinstance(text, str)
+        assert opt.counter.compilations == before
+        opt.forward(**batches[1]).loss.backward()  # training goes on with its compiled layers
+        assert opt.counter.compilations == before
+    finally:
+        model.zero_grad(set_to_none=True)
+        opt.undo()

@@ -91,6 +91,13 @@ def evaluate(module: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]]
     return total / count
 
 
+def _eager_stance():
+    """Every compiled region runs eagerly inside (no compilation, no guard check); a no-op on a
+    torch without compiler stances."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 def complete(model: Any, tokenizer: Any, prompt_text: str, *, max_new_tokens: int = 32,
              autocast_dtype: torch.dtype | None = None, add_special_tokens: bool = False) -> str:
     """The greedy continuation of ``prompt_text`` (already rendered, e.g. with the chat template).
@@ -106,10 +113,15 @@ def complete(model: Any, tokenizer: Any, prompt_text: str, *, max_new_tokens: in
 
     Returns:
         The new text alone, special tokens dropped.
+
+    Generation runs eagerly (``torch.compiler.set_stance("force_eager")``): in a model whose
+    decoder layers are compiled for training (regional scope), each layer's KV-cache state is a
+    guard of the one shared layer code, so generating through them would compile it again per
+    layer until Dynamo's recompile limit stops the run. A few tokens do not need a graph.
     """
     device = next(model.parameters()).device
     enc = tokenizer(prompt_text, return_tensors="pt", add_special_tokens=add_special_tokens).to(device)
-    with _eval_mode(model), _autocast(device, autocast_dtype):
+    with _eval_mode(model), _autocast(device, autocast_dtype), _eager_stance():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
                              pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
