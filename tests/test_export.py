@@ -14,21 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from word_data import write_words
 
 from qlora_nb_utils import cli
 
 REPO = Path(__file__).resolve().parent.parent
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 PROMPT = "Continue: mu nu"
 
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "words.jsonl"
-    rows = [{"prompt": f"Continue: {WORDS[i % 13]} {WORDS[i % 13 + 1]}",
-             "response": " ".join(WORDS[i % 13 + 2:i % 13 + 2 + 1 + i % 2])} for i in range(40)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_words(tmp_path_factory.mktemp("data") / "words.jsonl", 40)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from word_data import write_words
 
 from qlora_nb_utils import cli
 
@@ -24,17 +25,12 @@ STEPS = 120  # tiny steps take milliseconds: enough of them that a signal lands 
 TRAIN = ["train", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--steps", str(STEPS),
          "--batch-size", "2", "--seq-len", "48", "--eval-every", "40", "--eval-size", "4", "--save-every", "1",
          "--lr", "1e-3", "--no-progress"]
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory) -> Path:
     """A small prompt/response JSONL whose rows fit in 48 tokens with the chat template."""
-    path = tmp_path_factory.mktemp("data") / "words.jsonl"
-    rows = [{"prompt": f"Continue: {WORDS[i % 13]} {WORDS[i % 13 + 1]}",
-             "response": " ".join(WORDS[i % 13 + 2:i % 13 + 2 + 1 + i % 2])} for i in range(60)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_words(tmp_path_factory.mktemp("data") / "words.jsonl", 60)
 
 
 @pytest.fixture(scope="module")
