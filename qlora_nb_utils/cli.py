@@ -184,20 +184,20 @@ def _add_use_parsers(sub) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .training.export import check_export, export_run
+    from .training.export import export_run
 
-    check_export(args.run_dir, args.out, base=args.base)  # before any model loads
+    # export_run checks the run and --out before any model loads
     export_run(args.run_dir, args.out, base=args.base, dtype=args.dtype, device=args.device,
                log=lambda line: print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout))
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .training.generate import check_source, load_trained, stream_completion
+    from .training.generate import load_trained, stream_completion
 
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    check_source(args.run_dir, merged=args.merged)  # before any model loads
+    # load_trained checks the run (or the exported folder) before any model loads
     model, tok = load_trained(args.run_dir, merged=args.merged, device=args.device)
     text = stream_completion(model, tok, args.prompt, max_new_tokens=args.max_new_tokens,
                              chat_template=not args.no_chat_template, temperature=args.temperature)
