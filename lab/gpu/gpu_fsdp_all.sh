@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Wrote: lab/results/fsdp/fsdp2_h200.json, lab/results/fsdp/fsdp2_h200_trainer_hf.json, lab/results/notebooks/07_fsdp2_qlora.h200x2.ipynb
+# Wrote: lab/results/fsdp/fsdp2_h200.json, lab/results/fsdp/fsdp2_h200_trainer_hf.json (and an executed notebook 07 over its runs, in $OUT only: the
+#   committed notebooks show their Colab rehearsal, lab/gpu/gpu_colab_rehearsal.sh)
 # Rerun: TORCHINDUCTOR_DETERMINISTIC=1 OUT=$OUT TOTAL=575 FSDP_BUDGET=360 SEQUENTIAL=1 FROZEN=replicate EXTRA_FROZEN=shard bash lab/gpu/gpu_fsdp_all.sh (nvidia-h200-x2; carry .nbwhl too)
 #   (on the lent GPU machine, from the repository root; carry .whl .gpucache)
 # Everything issue 5 needs from one 2-GPU call (nvidia-h200-x2, carry .whl .gpucache .nbwhl):
