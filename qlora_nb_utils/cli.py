@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -393,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `qlora-nb`.
 
     Returns:
-        The exit code (0 ok, 1 a `--strict` check failed, 2 bad arguments or input).
+        The exit code (0 ok, 1 a `--strict` check failed, 2 bad arguments or input, 3 the command
+        failed after its checks (the message names a file with the traceback), 130 interrupted).
     """
     args = build_parser().parse_args(argv)
     args.command_line = "qlora-nb " + shlex.join(sys.argv[1:] if argv is None else list(argv))
@@ -404,6 +406,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"qlora-nb {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"qlora-nb {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # a run that fails says what and where to look, not a screen of frames
+        if os.environ.get(DEBUG_ENV):
+            raise
+        return _failed(args, err)
+
+
+#: set to 1 to see a failed command's traceback on the terminal instead of in a file
+DEBUG_ENV = "QLORA_NB_DEBUG"
+
+
+def _failed(args: argparse.Namespace, err: BaseException) -> int:
+    """One message for a command that failed after its checks passed: what failed, a hint where one is
+    known (memory, compilation), and the file holding the traceback (the run's --out folder when it
+    exists, else the temporary folder). Exit code 3."""
+    import tempfile
+    import traceback
+
+    import torch
+
+    name = type(err).__name__
+    if isinstance(err, torch.OutOfMemoryError):
+        hint = ("the GPU ran out of memory: lower --batch-size or --seq-len, or give --max-memory-gib "
+                "so that optimize() checkpoints and offloads to fit")
+    elif type(err).__module__.startswith("torch._dynamo") or type(err).__module__.startswith("torch._inductor"):
+        hint = "torch.compile failed: --backend eager trains the same model without compiling"
+    else:
+        hint = ""
+    out = getattr(args, "out", None)
+    folder = Path(out) if out and Path(out).is_dir() else Path(tempfile.gettempdir())
+    log = folder / f"qlora-nb-{args.command}-error.txt"
+    try:
+        log.write_text(f"{getattr(args, 'command_line', 'qlora-nb')}\n\n" + "".join(traceback.format_exception(err)))
+        where = f"traceback in {log}"
+    except OSError:
+        where = f"set {DEBUG_ENV}=1 to see the traceback"
+    first = str(err).strip().splitlines()[0][:400] if str(err).strip() else ""
+    print(f"qlora-nb {args.command}: failed: {name}: {first}", file=sys.stderr)
+    if hint:
+        print(f"qlora-nb {args.command}: {hint}", file=sys.stderr)
+    print(f"qlora-nb {args.command}: {where} ({DEBUG_ENV}=1 shows it here)", file=sys.stderr)
+    return 3
 
 
 if __name__ == "__main__":

@@ -84,3 +84,41 @@ def test_bench_out_existing_file_exits_2_quickly_as_a_process(tmp_path):
                           capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
     assert proc.returncode == 2 and time.monotonic() - start < 20, proc.stderr
     assert "Traceback" not in proc.stderr and "is a file, not a folder" in proc.stderr
+
+
+@pytest.mark.parametrize("error, code, hint", [
+    (RuntimeError("kernel launch failed"), 3, None),
+    ("oom", 3, "--max-memory-gib"),
+    ("dynamo", 3, "--backend eager"),
+    (KeyboardInterrupt(), 130, None),
+])
+def test_a_command_that_fails_after_its_checks_says_what_and_where_without_a_traceback(
+        tmp_path, capsys, monkeypatch, error, code, hint):
+    import torch
+
+    if error == "oom":
+        error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    elif error == "dynamo":
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
+        error = FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
+
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr(cli, "_train", fail)
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    out = tmp_path / "run"
+    out.mkdir()
+    assert cli.main(["train", "--model", "tiny", "--out", str(out)]) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if code == 3:
+        assert f"failed: {type(error).__name__}" in err
+        log = out / "qlora-nb-train-error.txt"
+        assert log.is_file() and "Traceback" in log.read_text() and str(log) in err
+        assert (hint or "failed") in err
+    monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    if code == 3:
+        with pytest.raises(type(error)):
+            cli.main(["train", "--model", "tiny", "--out", str(out)])
