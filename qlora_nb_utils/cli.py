@@ -172,6 +172,9 @@ def _add_use_parsers(sub) -> None:
                         "unquantized base (not the model that was trained: a warning says so)")
     e.add_argument("--dtype", default="auto", help="the saved weights' dtype (auto: the run's compute dtype)")
     e.add_argument("--device", default="cpu", help="where to load and merge: cpu (default), cuda[:N] or auto")
+    e.add_argument("--gguf", choices=("f16", "q8_0"), default=None,
+                   help="write one GGUF file (llama.cpp, Ollama) of this type instead of the checkpoint folder "
+                        "(Llama family, Qwen2, Qwen3)")
     g = sub.add_parser("generate", help="a completion from a trained run (NF4 base + adapter, as trained), "
                        "streamed; greedy unless --temperature")
     g.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by qlora-nb train --out (with --merged: "
@@ -188,7 +191,7 @@ def _export(args: argparse.Namespace) -> int:
     from .training.export import export_run
 
     # export_run checks the run and --out before any model loads
-    export_run(args.run_dir, args.out, base=args.base, dtype=args.dtype, device=args.device,
+    export_run(args.run_dir, args.out, base=args.base, dtype=args.dtype, device=args.device, gguf=args.gguf,
                log=lambda line: print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout))
     return 0
 

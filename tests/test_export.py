@@ -92,6 +92,21 @@ def test_the_export_computes_what_the_trained_model_computed(exported, trained_l
     assert (merged - trained).abs().max() < 1e-4
 
 
+def test_a_gguf_export_is_one_file_that_computes_what_the_trained_model_computed(run, tmp_path, trained_logits,
+                                                                               held_out):
+    from transformers import AutoModelForCausalLM
+
+    trained, base_only = trained_logits
+    out = tmp_path / "gguf"
+    assert cli.main(["export", str(run), "--out", str(out), "--gguf", "f16"]) == 0
+    assert [p.name for p in out.rglob("*")] == [f"{run.name}-f16.gguf"]  # no merged folder left behind
+    model = AutoModelForCausalLM.from_pretrained(out, gguf_file=f"{run.name}-f16.gguf", dtype=torch.float32)
+    got = _logits(model, held_out)
+    # float16 weights: far closer to the trained model than the adapter's own effect
+    assert (got - trained).abs().max() < 0.1 * (trained - base_only).abs().max()
+    assert (got.argmax(-1) == trained.argmax(-1)).float().mean() > 0.99
+
+
 def test_the_original_base_export_is_another_model_and_says_so(exported, trained_logits, held_out, capsys):
     trained, _ = trained_logits
     diff = (_logits(_load(exported["original"]), held_out) - trained).abs().max().item()

@@ -9,6 +9,7 @@ install cell itself with pip replaced by a recorder.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import venv
@@ -110,3 +111,11 @@ def test_install_cell_takes_the_wheel_named_by_the_environment(tmp_path, monkeyp
 def test_install_cell_falls_back_to_the_git_url(tmp_path, monkeypatch):
     cmd = _run_install_cell(tmp_path, monkeypatch, {"QLORA_NB_REPO": "https://example.org/fork"})
     assert cmd[5] == "qlora-nb-utils[quant,smollm2,trl] @ git+https://example.org/fork"
+
+
+def test_install_cell_installs_from_the_repository_the_colab_badges_open():
+    from lab import pages
+
+    cmd_url = re.search(r'REPO = os\.environ\.get\("QLORA_NB_REPO", "([^"]+)"\)', install_cell(NOTEBOOKS[0]))
+    assert cmd_url and cmd_url.group(1) == f"https://github.com/{pages.REPOSITORY}"
+    assert f"/github/{pages.REPOSITORY}/" in pages.colab_url(NOTEBOOKS[0].name)

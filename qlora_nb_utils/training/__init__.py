@@ -21,7 +21,8 @@
   (``FinetuneInterrupted``); ``evaluation``: ``evaluate(module, batches)``, the held-out token
   mean every caller shares, and ``complete``, a greedy sample.
 - ``export``: ``export_run(run_dir, out)``, what ``qlora-nb export`` runs: the adapter merged into
-  the NF4 base dequantized, saved as a plain Hugging Face checkpoint; ``generate``: the run as
+  the NF4 base dequantized, saved as a plain Hugging Face checkpoint (or, ``gguf=``, one GGUF file:
+  ``gguf_export.write_gguf``); ``generate``: the run as
   trained (``load_trained``) and a streamed completion (``stream_completion``); ``run_folder``:
   a run folder read and checked before any model loads (``read_run``).
 """
@@ -49,6 +50,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     **dict.fromkeys(("evaluate", "complete"), "evaluation"),
     **dict.fromkeys(("FinetuneInterrupted", "save_checkpoint", "load_checkpoint"), "checkpoint"),
     "export_run": "export",
+    "write_gguf": "gguf_export",
     **dict.fromkeys(("load_trained", "stream_completion"), "generate"),
     "read_run": "run_folder",
 })

@@ -70,7 +70,7 @@ def _saved_quantized(model: str) -> bool:
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, base: str = "nf4", dtype: str = "auto",
-               device: str = "cpu", log: Callable[[str], None] = print) -> Path:
+               device: str = "cpu", gguf: str | None = None, log: Callable[[str], None] = print) -> Path:
     """Write the run's model, adapter merged, as a plain Hugging Face checkpoint in ``out``.
 
     Args:
@@ -81,11 +81,15 @@ def export_run(run_dir: str | Path, out: str | Path, *, base: str = "nf4", dtype
         dtype: the saved weights' dtype; ``"auto"``: the run's compute dtype. The base is always
             read (and NF4-quantized) in the run's dtype, as the run read it, then cast.
         device: where the model is loaded and merged (``"cpu"`` needs no GPU memory).
+        gguf: ``"f16"`` or ``"q8_0"``: write one GGUF file ``out/<run>-<gguf>.gguf`` (:mod:`.gguf_export`)
+            instead of the checkpoint folder, which is written to a temporary folder beside ``out`` and removed.
         log: where status lines (and the ``original`` warning) go.
 
     Returns:
         ``out``.
     """
+    if gguf is not None:
+        return _export_gguf(run_dir, out, base=base, dtype=dtype, device=device, qtype=gguf, log=log)
     import torch
     from peft import PeftModel
 
@@ -123,6 +127,27 @@ def export_run(run_dir: str | Path, out: str | Path, *, base: str = "nf4", dtype
     (out / "export_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"wrote {out}/ (load it with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return out
+
+
+def _export_gguf(run_dir: str | Path, out: str | Path, *, base: str, dtype: str, device: str, qtype: str,
+                 log: Callable[[str], None]) -> Path:
+    import shutil
+    import tempfile
+
+    from .gguf_export import GGUF_TYPES, write_gguf
+
+    if qtype not in GGUF_TYPES:  # before any model loads
+        raise ValueError(f"gguf must be one of {list(GGUF_TYPES)}, got {qtype!r}")
+    run = check_export(run_dir, out, base=base)
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    merged = Path(tempfile.mkdtemp(prefix=".merging-", dir=out))
+    try:
+        export_run(run_dir, merged, base=base, dtype=dtype, device=device, log=log)
+        return write_gguf(merged, out / f"{run.folder.name}-{qtype}.gguf", qtype=qtype, name=run.folder.name,
+                          log=log).parent
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
 
 
 def _ready_to_generate(model: Any, tok: Any) -> None:
