@@ -138,6 +138,10 @@ def _export_gguf(run_dir: str | Path, out: str | Path, *, base: str, dtype: str,
 
     if qtype not in GGUF_TYPES:  # before any model loads
         raise ValueError(f"gguf must be one of {list(GGUF_TYPES)}, got {qtype!r}")
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError("GGUF export needs the gguf package: pip install 'qlora-nb-utils[smollm2]' (it pins gguf)")
     run = check_export(run_dir, out, base=base)
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
