@@ -141,3 +141,21 @@ def test_what_gguf_export_does_not_write_fails_before_any_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         write_gguf(src, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_llama_cpp_itself_runs_the_file_as_the_checkpoint_runs(tmp_path, held_out):
+    """Where llama-cpp-python is installed (it builds llama.cpp: about 10 minutes on 2 cores, so setup.sh
+    leaves it out; lab/gguf_llamacpp.py records the same check on SmolLM2-135M's real weights)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    src = _checkpoint(tmp_path / "hf", "llama")
+    ref = _logits(src, held_out)
+    for qtype, top1 in (("f16", 0.99), ("q8_0", 0.9)):
+        out = write_gguf(src, tmp_path / f"m-{qtype}.gguf", qtype=qtype, log=lambda _: None)
+        llm = llama_cpp.Llama(model_path=str(out), n_ctx=128, logits_all=True, verbose=False, n_threads=1)
+        for row, r in zip(held_out.tolist(), ref):
+            llm.reset()
+            llm.eval(row)
+            got = torch.tensor(llm.scores[: len(row)])
+            assert (got.argmax(-1) == r.argmax(-1)).float().mean() >= top1, qtype
+            if qtype == "f16":
+                assert (got - r).abs().max() <= 2e-3 * r.abs().max()
