@@ -64,7 +64,8 @@ import sys, threading, time, nbformat
 from nbclient import NotebookClient
 path, budget, cell_timeout = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 nb = nbformat.read(path, as_version=4)
-client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", resources={"metadata": {"path": "."}})
+client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", record_timing=False,
+                        resources={"metadata": {"path": "."}})
 t0 = time.monotonic()
 timer = None
 ok = False
@@ -205,8 +206,10 @@ def _after_returns(line: str) -> str:
 
 
 def tidy(nb: dict, replacements: dict[str, str]) -> tuple[int, list[str]]:
-    """Coalesce streams and replace machine paths (given ones, then the temporary folder); returns the
-    number of paths replaced and the machine paths still left."""
+    """Drop the cells' execution timestamps, coalesce streams and replace machine paths (given ones, then
+    the temporary folder); returns the number of paths replaced and the machine paths still left."""
+    for cell in nb.get("cells", []):
+        cell.get("metadata", {}).pop("execution", None)
     coalesce_streams(nb)
     replaced = scrub_paths(nb, {**replacements, tempfile.gettempdir().rstrip("/") + "/": "<tmp>/"})
     return replaced, machine_paths(nb)

@@ -73,7 +73,9 @@ def test_machine_paths_are_replaced_and_what_is_left_is_found(tmp_path):
               "text": f"{folder}/run/log.txt\n/opt/torch/.venv/lib/python3.12/site-packages/torch/x.py:3: Warning\n"},
              {"output_type": "display_data", "data": {"image/png": "/tmp/not-a-path-in-base64",
                                                       "text/plain": "<Figure>"}})
+    nb["cells"][0]["metadata"] = {"execution": {"iopub.execute_input": "2026-11-27T08:15:30Z"}}
     replaced, left = cr.tidy(nb, {folder: "/content", "/opt/torch/.venv/lib/python3.12/site-packages": "<site-packages>"})
+    assert nb["cells"][0]["metadata"] == {}  # nbclient's timestamps are not kept
     text = nb["cells"][0]["outputs"][0]["text"]
     assert replaced == 2 and left == []
     assert text.startswith("/content/run/log.txt\n<site-packages>/torch/x.py")
