@@ -98,8 +98,11 @@ def notebook_list(folder: Path = ROOT / "notebooks") -> str:
         title = "".join(first).split("\n")[0].lstrip("# ").strip()
         title = title.split(" · ", 1)[1] if " · " in title else title  # "NN · Title": the number is in the name
         stamp = nb["metadata"].get("qlora_nb_run")  # the run whose outputs the notebook shows
-        shown = (f" (outputs: {stamp['gpus']} x {stamp['device']}" if stamp.get("gpus", 1) > 1 else f" (outputs: {stamp['device']}"
-                 ) + f", `{stamp['profile']}` profile)" if stamp else " (no GPU outputs yet)"
+        if stamp:
+            device = f"{stamp['gpus']} x {stamp['device']}" if stamp.get("gpus", 1) > 1 else stamp["device"]
+            shown = f" (outputs: {device}, `{stamp['profile']}` profile)"
+        else:
+            shown = " (no GPU outputs yet)"
         lines.append(f"- [![Open in Colab]({BADGE_SVG})]({colab_url(path.name)}) "
                      f"[`{path.name}`](notebooks/{path.name}): {title}{shown}")
     return "\n".join(lines) + "\n"

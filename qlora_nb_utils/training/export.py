@@ -90,13 +90,18 @@ def export_run(run_dir: str | Path, out: str | Path, *, base: str = "nf4", dtype
     """
     if gguf is not None:
         return _export_gguf(run_dir, out, base=base, dtype=dtype, device=device, qtype=gguf, log=log)
+    run = check_export(run_dir, out, base=base)
+    return _merge_and_save(run, Path(out).expanduser(), base=base, dtype=dtype, device=device, log=log)
+
+
+def _merge_and_save(run: TrainedRun, out: Path, *, base: str, dtype: str, device: str,
+                    log: Callable[[str], None]) -> Path:
+    """The merge and save of :func:`export_run`, for a run and ``out`` already checked."""
     import torch
     from peft import PeftModel
 
     from .. import env, models
 
-    run = check_export(run_dir, out, base=base)
-    out = Path(out).expanduser()
     dev, run_dtype = env.resolve_device_dtype(device, run.dtype)
     save_dtype = run_dtype if dtype in (None, "auto") else env.resolve_dtype(dtype, dev)
     if base == "original":
@@ -147,7 +152,7 @@ def _export_gguf(run_dir: str | Path, out: str | Path, *, base: str, dtype: str,
     out.mkdir(parents=True, exist_ok=True)
     merged = Path(tempfile.mkdtemp(prefix=".merging-", dir=out))
     try:
-        export_run(run_dir, merged, base=base, dtype=dtype, device=device, log=log)
+        _merge_and_save(run, merged, base=base, dtype=dtype, device=device, log=log)
         return write_gguf(merged, out / f"{run.folder.name}-{qtype}.gguf", qtype=qtype, name=run.folder.name,
                           log=log).parent
     finally:
