@@ -77,7 +77,7 @@ def _run_install_cell(tmp_path, monkeypatch, env: dict[str, str]) -> list[str]:
 
     calls = []
     monkeypatch.chdir(tmp_path)
-    for key in ("QLORA_NB_WHEEL", "QLORA_NB_REPO", "QLORA_NB_OFFLINE"):
+    for key in ("QLORA_NB_WHEEL", "QLORA_NB_REPO", "QLORA_NB_REF", "QLORA_NB_OFFLINE"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -108,9 +108,14 @@ def test_install_cell_takes_the_wheel_named_by_the_environment(tmp_path, monkeyp
         _run_install_cell(tmp_path, monkeypatch, {"QLORA_NB_WHEEL": str(tmp_path / "missing.whl")})
 
 
-def test_install_cell_falls_back_to_the_git_url(tmp_path, monkeypatch):
+def test_install_cell_falls_back_to_the_git_url_at_the_release_tag(tmp_path, monkeypatch):
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     cmd = _run_install_cell(tmp_path, monkeypatch, {"QLORA_NB_REPO": "https://example.org/fork"})
-    assert cmd[5] == "qlora-nb-utils[quant,smollm2,trl] @ git+https://example.org/fork"
+    assert cmd[5] == f"qlora-nb-utils[quant,smollm2,trl] @ git+https://example.org/fork@v{version}"
+    cmd = _run_install_cell(tmp_path, monkeypatch, {"QLORA_NB_REF": "main"})
+    assert cmd[5].endswith("/qlora-compile@main")
 
 
 def test_install_cell_installs_from_the_repository_the_colab_badges_open():
