@@ -1,9 +1,10 @@
 """Merge what lab/gpu/gpu_fsdp_launch.sh wrote into results/fsdp2_sharded_<gpu>.json: nothing typed in.
 
-Use: python lab/gpu/fsdp_launch_results.py OUT_DIR RESULTS_JSON CALL_NAME COMMAND
+Use: python lab/gpu/fsdp_launch_results.py OUT_DIR RESULTS_JSON CALL_NAME COMMAND [WHAT]
 OUT_DIR holds big_offload.json (when the 70B offload run finished), runs/ (unpacked from
 launch_logs.tgz), errors.txt when a step failed, gpus.txt. Fills ``big_model_offload`` from the
-measured record only, adds ``launch`` (the torchrun and accelerate runs) and ``calls[CALL_NAME]``.
+measured record only, adds ``launch`` (the torchrun and accelerate runs, the HF Trainer route as
+``trainer_hf``), ``adapter_one_gpu`` (the torchrun run's adapter on one GPU) and ``calls[CALL_NAME]``.
 """
 import json
 import sys
@@ -20,12 +21,16 @@ LAUNCH_KEEP = ("world_size", "backend", "model", "nf4", "quant_storage", "frozen
                "losses", "eval_loss", "tokens_per_s", "median_step_ms", "first_step_s", "peak_mem_gib_per_gpu",
                "command", "date")
 
+TRAINER_KEEP = ("world_size", "trainer", "model", "distributed_type", "fsdp_wrapped", "nf4", "quant_storage", "losses",
+                "train_runtime_s", "bytes_check", "device", "versions", "date")
+
 
 def load(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def main(out: str, dest: str, call: str, command: str) -> None:
+def main(out: str, dest: str, call: str, command: str,
+         what: str = "70B offload run and the torchrun / accelerate launches") -> None:
     out, dest = Path(out), Path(dest)
     rec = json.loads(dest.read_text())
     big = load(out / "big_offload.json") or load(out / "runs" / "big_offload.json")
@@ -40,27 +45,40 @@ def main(out: str, dest: str, call: str, command: str) -> None:
                                                  "when every GPU holds all NF4 weights before fully_shard moves its "
                                                  "shards to the CPU"}
         rec["missing_runs"] = [r for r in rec.get("missing_runs", []) if r != "big_offload"]
-    launch = {}
+    launch = {k: v for k, v in (rec.get("launch") or {}).items() if k not in ("same_losses", "same_eval_loss")}
     for name, launcher in (("launch_torchrun", "torchrun"), ("launch_accelerate", "accelerate launch")):
         summ = load(out / "runs" / name / "summary.json")
         cmd = (out / "runs" / f"{name}.cmd").read_text().strip() if (out / "runs" / f"{name}.cmd").is_file() else None
+        if summ is None and cmd is None:
+            continue  # the step was left out of this call (SKIP_*): an earlier call's record stays
         if summ is None:
-            launch[launcher] = {"ran": False, "launch_command": cmd}
+            launch[launcher] = {"ran": False, "call": call, "launch_command": cmd}
             continue
-        launch[launcher] = {"ran": True, "launch_command": cmd, **{k: summ.get(k) for k in LAUNCH_KEEP},
+        launch[launcher] = {"ran": True, "call": call, "launch_command": cmd, **{k: summ.get(k) for k in LAUNCH_KEEP},
                             "graph_breaks": summ["graph_breaks"]["total"],
                             "bytes_equal_after_allgather": (summ.get("bytes_check") or {}).get("equal"),
                             "bytes_check": summ.get("bytes_check")}
-    runs = [v for v in launch.values() if v["ran"]]
+    runs = [launch[k] for k in ("torchrun", "accelerate launch") if launch.get(k, {}).get("ran")]
     if len(runs) == 2:
-        launch["same_losses"] = runs[0]["losses"] == runs[1]["losses"]
-        launch["same_eval_loss"] = runs[0]["eval_loss"] == runs[1]["eval_loss"]
+        if runs[0].get("call") == runs[1].get("call"):  # the two launchers compared within one call only
+            launch["same_losses"] = runs[0]["losses"] == runs[1]["losses"]
+            launch["same_eval_loss"] = runs[0]["eval_loss"] == runs[1]["eval_loss"]
+    trainer = load(out / "runs" / "launch_trainer_hf" / "summary.json")
+    if trainer is not None or (out / "runs" / "launch_trainer_hf.cmd").is_file():
+        cmd = (out / "runs" / "launch_trainer_hf.cmd").read_text().strip()
+        launch["trainer_hf"] = {"ran": trainer is not None, "call": call, "launch_command": cmd, **{
+            k: (trainer or {}).get(k) for k in TRAINER_KEEP}}
+        if trainer is not None:
+            launch["trainer_hf"]["bytes_equal_after_allgather"] = (trainer.get("bytes_check") or {}).get("equal")
+    adapter = load(out / "runs" / "adapter_one_gpu.json")
+    if adapter is not None:
+        rec["adapter_one_gpu"] = {"call": call, **adapter}
     launch["call"] = call
     rec["launch"] = launch
     ref = big or next((load(out / "runs" / n / "summary.json") for n in ("launch_torchrun", "launch_accelerate")
                        if load(out / "runs" / n / "summary.json")), {}) or {}
     gpus = (out / "gpus.txt").read_text().strip() if (out / "gpus.txt").is_file() else None
-    rec.setdefault("calls", {})[call] = {"what": "70B offload run and the torchrun / accelerate launches",
+    rec.setdefault("calls", {})[call] = {"what": what,
                                         "command": command, "gpus": gpus, "device": ref.get("device"),
                                         "versions": ref.get("versions"), "date": ref.get("date"), "errors": errors}
     dest.write_text(json.dumps(rec, indent=1, default=str) + "\n")

@@ -9,6 +9,10 @@
 #   2. launch_torchrun: `torchrun --standalone --nproc-per-node 2 -m ...fsdp_train` on a small model.
 #   3. launch_accelerate: the same arguments through
 #      `accelerate launch --config_file configs/accelerate_fsdp2.yaml -m ...fsdp_train`.
+#   4. launch_trainer_hf: the HF Trainer route (`fsdp_train --trainer hf`, accelerate's FSDP2) with NF4
+#      sharded as float32 words and every packed byte compared after accelerate's all-gather.
+#   5. adapter_one_gpu: step 2's adapter loaded on one GPU (lab/gpu/adapter_one_gpu.py), its eval loss.
+# SKIP_BIG=1 / SKIP_ACCEL=1 leave step 1 / step 3 out (their results are kept in the results file).
 # DRY=1: the tiny model and llama-tiny on the CPU over gloo (accelerate launched with --cpu off:
 #   its config file starts 2 processes there too).
 set -uo pipefail
@@ -47,13 +51,22 @@ step() {  # step NAME LIMIT_S CMD...: its log in $OUT/runs/NAME.log, a failure i
   return 0
 }
 
-step big_offload "$LIM_BIG" $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+[ "${SKIP_BIG:-0}" = 1 ] || step big_offload "$LIM_BIG" $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
   -m qlora_nb_utils.distributed.big_model "${BIG[@]}" --fast-path --cpu-offload --out "$OUT/big_offload.json"
 cp "$OUT/big_offload.json" "$OUT/runs/" 2>/dev/null
 step launch_torchrun "$LIM_LAUNCH" $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
   -m qlora_nb_utils.distributed.fsdp_train "${SMALL[@]}" --out "$OUT/runs/launch_torchrun"
-step launch_accelerate "$LIM_LAUNCH" $PY -m accelerate.commands.launch --config_file configs/accelerate_fsdp2.yaml \
+[ "${SKIP_ACCEL:-0}" = 1 ] || step launch_accelerate "$LIM_LAUNCH" $PY -m accelerate.commands.launch --config_file configs/accelerate_fsdp2.yaml \
   --num_processes 2 -m qlora_nb_utils.distributed.fsdp_train "${SMALL[@]}" --out "$OUT/runs/launch_accelerate"
-rm -rf "$OUT"/runs/launch_*/adapter "$OUT"/runs/launch_*/ckpt
+TRAINER=()  # the same arguments but --fast-path and --eval: the Trainer compiles each layer itself (its callback)
+for a in "${SMALL[@]}"; do case $a in --fast-path|--eval) ;; *) TRAINER+=("$a") ;; esac; done
+step launch_trainer_hf "$LIM_LAUNCH" $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+  -m qlora_nb_utils.distributed.fsdp_train "${TRAINER[@]}" --trainer hf --out "$OUT/runs/launch_trainer_hf"
+if [ "${DRY:-0}" != 1 ]; then
+  first_gpu=${CUDA_VISIBLE_DEVICES:-0}
+  step adapter_one_gpu "$LIM_LAUNCH" env CUDA_VISIBLE_DEVICES="${first_gpu%%,*}" $PY lab/gpu/adapter_one_gpu.py \
+    "$OUT/runs/launch_torchrun" --out "$OUT/runs/adapter_one_gpu.json"
+fi
+rm -rf "$OUT"/runs/launch_*/adapter "$OUT"/runs/launch_*/ckpt "$OUT"/runs/launch_*/trainer
 tar czf "$OUT/launch_logs.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"  # few files come back from a call
 echo "[launch] finished in $(( $(date +%s) - T0 )) s"

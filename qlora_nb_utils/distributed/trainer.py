@@ -74,8 +74,15 @@ def run_trainer(args: argparse.Namespace) -> dict | None:
                             seed=args.seed)
     batches = make_global_batches(tok, args)
     rows = [{k: v[i] for k, v in b.items()} for b in batches for i in range(len(b["input_ids"]))]
-    trainer = _build_trainer(args, info, model, tok, rows, dtype, out)
+    snapshot = None
+    if args.check_bytes and nf4 == "shard":  # every packed byte, compared once accelerate has sharded
+        from .packed_words import snapshot_packed
+
+        snapshot = snapshot_packed(model)
+    trainer = _build_trainer(args, info, model, tok, rows, dtype, out, snapshot)
     result = trainer.train()
+    bytes_check = next(c.bytes_check for c in trainer.callback_handler.callbacks
+                       if isinstance(c, _RegionalCompileCallback))
     logs = [h for h in trainer.state.log_history if "loss" in h]
     from torch.distributed.fsdp import FSDPModule
 
@@ -91,6 +98,7 @@ def run_trainer(args: argparse.Namespace) -> dict | None:
                    "distributed_type": distributed_type, "fsdp_wrapped": fsdp_wrapped,
                    "losses": [float(h["loss"]) for h in logs], "train_runtime_s": result.metrics.get("train_runtime"),
                    "fsdp_version": 2, "quant_storage": str(storage).replace("torch.", ""), "nf4": nf4,
+                   "bytes_check": bytes_check,
                    "device": env.device_info(info.device), "versions": env.versions(),
                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +111,7 @@ def run_trainer(args: argparse.Namespace) -> dict | None:
     return summary
 
 
-def _build_trainer(args, info, model, tok, rows, dtype, out: Path):
+def _build_trainer(args, info, model, tok, rows, dtype, out: Path, snapshot: dict | None = None):
     from transformers import Trainer, TrainingArguments
 
     local = args.global_batch_size // info.world_size
@@ -128,7 +136,7 @@ def _build_trainer(args, info, model, tok, rows, dtype, out: Path):
     from datasets import Dataset
 
     ds = Dataset.from_list([{"input_ids": r["input_ids"].tolist(), "labels": r["labels"].tolist()} for r in rows])
-    callbacks = [_RegionalCompileCallback(args.backend, args.fullgraph, args.compile)]
+    callbacks = [_RegionalCompileCallback(args.backend, args.fullgraph, args.compile, snapshot)]
     if args.trainer == "trl":
         from trl import SFTConfig, SFTTrainer
 
@@ -147,10 +155,13 @@ def _regional_callback_base():
 
 class _RegionalCompileCallback(_regional_callback_base()):
     """Once training starts: give sharded 4-bit weights their quant state (as ``apply_fsdp2``
-    does, so bitsandbytes never re-creates the parameter) and compile each decoder layer."""
+    does, so bitsandbytes never re-creates the parameter), with ``snapshot`` compare every packed
+    byte after accelerate's all-gather with the bytes before sharding (``bytes_check``; None where
+    accelerate did not shard them), and compile each decoder layer."""
 
-    def __init__(self, backend: str, fullgraph: bool, compile_layers: bool = True):
+    def __init__(self, backend: str, fullgraph: bool, compile_layers: bool = True, snapshot: dict | None = None):
         self.backend, self.fullgraph, self.compile_layers, self.prepared = backend, fullgraph, compile_layers, None
+        self.snapshot, self.bytes_check = snapshot, None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from torch.distributed.tensor import DTensor
@@ -160,7 +171,9 @@ class _RegionalCompileCallback(_regional_callback_base()):
 
         if model is not None and _fsdp_modules(model) and any(
                 isinstance(m.weight, DTensor) for m in _linear4bit_modules(model)):
-            _attach_quant_states(model)  # accelerate sharded the float32-stored 4-bit weights
+            # accelerate sharded the float32-stored 4-bit weights
+            self.bytes_check = _attach_quant_states(model, snapshot=self.snapshot)
+            self.snapshot = None
         if model is not None and self.compile_layers and self.prepared is None:
             self.prepared = prepare_for_compile(model, grad_ckpt=None, scope="regional",
                                                 backend=self.backend, fullgraph=self.fullgraph)
