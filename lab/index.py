@@ -30,10 +30,10 @@ COLUMNS = ("topic", "source", "device", "date", "commit", "versions", "configura
 #: compilations and breaks, speed-ups. Anything else (seeds, sizes, settings) is configuration.
 METRIC = re.compile(
     r"(_ms|_s|_gib|_gb|_mib|tokens_per_s|tok_s|tok_per_s|mfu|speedup|_x|loss|loss_diff|_diff|compilations|"
-    r"graph_breaks|recompilations|tflops|_ratio|_share|_fraction|waste)$|^(speedup|vs_[a-z_]+)$")
+    r"graph_breaks|recompilations|tflops|_ratio|_share|_fraction|waste|max_seq_len)$|^(speedup|vs_[a-z_]+)$")
 #: numbers that match METRIC but are settings or listings, not results: targets and memory limits
-#: asked for, the device's total memory, and cProfile's per-function listing of an import
-NOT_METRIC = re.compile(r"^(target|max_memory|total_mem|budget)|^(self_s|cumulative_s)$")
+#: asked for, memory caps set, the device's total memory, and cProfile's per-function listing of an import
+NOT_METRIC = re.compile(r"^(target|max_memory|total_mem|budget|cap_)|^(self_s|cumulative_s)$")
 #: keys whose value names a container in a configuration path
 #: containers of per-step or per-kernel listings: their numbers are in the file, not in the table
 LISTINGS = {"history", "timeline", "steps", "losses", "top_self_cuda", "top_self_cpu", "kernels", "top"}

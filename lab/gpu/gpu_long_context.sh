@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Wrote: nothing yet; writes $OUT/long_context_<gpu>.json (copy to lab/results/long_context/), one
+#   $OUT/<peer>_<card>.json per driver, $OUT/tries.tgz (each try's record and log), $OUT/long_context_log.txt
+# Rerun: OUT=$OUT DEADLINE_S=520 bash lab/gpu/gpu_long_context.sh   (on a lent 4-GPU machine, from the
+#   repository root; carry .whl .gpucache .unsloth; build .unsloth/usite.tar.gz first: lab/gpu/unsloth_bundle.sh)
+# The longest sequence that trains llama-3.1-8b-shape QLoRA under a smaller card's memory, ours and
+# Unsloth (lab/long_context.py says how): one `python -m lab.long_context bisect` driver per
+# (peer, card) pair, each on a GPU of its own, all at once; then `merge`.
+#
+# env: OUT (required), DEADLINE_S (520: the whole call, merge included), PAIRS (the pairs in GPU order,
+#   "ours:24 ours:40 unsloth:24 unsloth:40"), CAP_24 / CAP_40 (22.0 / 38.5 GiB, lab.long_context.CAP_NOTE),
+#   PROBES_24 / PROBES_40 (16384,32768 / 32768,65536: lengths where every layer is already checkpointed,
+#   so the linear fit is of the regime the edge is in), MODEL (llama-3.1-8b-shape).
+# Unsloth reads a checkpoint folder: the 16 GB bf16 random-weight checkpoint is built once, under /tmp,
+# on the first Unsloth pair's GPU while ours' drivers already run; Unsloth's drivers start when it is done.
+set -uo pipefail
+: "${OUT:?set OUT to the output folder}"
+DEADLINE_S=${DEADLINE_S:-520}
+PAIRS=${PAIRS:-ours:24 ours:40 unsloth:24 unsloth:40}
+CAP_24=${CAP_24:-22.0}; CAP_40=${CAP_40:-38.5}
+PROBES_24=${PROBES_24:-16384,32768}; PROBES_40=${PROBES_40:-32768,65536}
+MODEL=${MODEL:-llama-3.1-8b-shape}
+start=$(date +%s)
+left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/long_context_log.txt") 2>&1
+source "$(dirname "$0")/gpu_env.sh"
+unsloth_site
+models_outside_tree
+export QLORA_NB_LONG_CONTEXT_CMD="OUT=\$OUT DEADLINE_S=$DEADLINE_S PAIRS='$PAIRS' bash lab/gpu/gpu_long_context.sh"
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$(( $(nproc) / 4 ))}
+nvidia-smi -L
+echo "[gpu_long_context] setup done at $(( $(date +%s) - start )) s; unsloth site: ${QLORA_NB_UNSLOTH_SITE:-none}"
+
+driver() {  # GPU PEER CARD: one bisect driver in the background, its deadline what is left less the merge
+  local gpu=$1 peer=$2 card=$3 cap probes
+  eval "cap=\$CAP_$card; probes=\$PROBES_$card"
+  local budget=$(( $(left) - 20 ))
+  echo "[gpu_long_context] GPU $gpu: $peer @ $card GB (cap $cap GiB), deadline $budget s, probes $probes"
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 $(( budget + 10 )) python3 -m lab.long_context bisect --peer "$peer" \
+    --cap-gib "$cap" --card-gb "$card" --model "$MODEL" --probe "$probes" --deadline-s "$budget" \
+    --out "$OUT/${peer}_${card}.json" --work "/tmp/long_context/${peer}_${card}" > "$OUT/${peer}_${card}.log" 2>&1 &
+  pids+=($!)
+}
+
+i=0; build_gpu=""; later=(); pids=()
+for pair in $PAIRS; do
+  peer=${pair%%:*}; card=${pair#*:}
+  if [ "$peer" = unsloth ]; then later+=("$i $peer $card"); [ -z "$build_gpu" ] && build_gpu=$i
+  else driver "$i" "$peer" "$card"; fi
+  i=$(( i + 1 ))
+done
+if [ ${#later[@]} -gt 0 ]; then
+  t=$(date +%s)
+  CUDA_VISIBLE_DEVICES=$build_gpu python3 -c "from qlora_nb_utils import models; print(models.materialize('$MODEL'))" \
+    || echo "[gpu_long_context] building the $MODEL checkpoint failed: Unsloth's tries will say why"
+  echo "[gpu_long_context] Unsloth's checkpoint ready after $(( $(date +%s) - t )) s"
+  for item in "${later[@]}"; do driver $item; done
+fi
+# the drivers only: a bare `wait` also waits for the `tee` of the log's process substitution, which
+# ends only when this script does (a call that used it hung here until its time limit)
+wait "${pids[@]}"
+echo "[gpu_long_context] drivers done at $(( $(date +%s) - start )) s"
+for f in "$OUT"/*_24.log "$OUT"/*_40.log; do [ -f "$f" ] && grep -h "^\[long_context\]" "$f"; done
+tar -czf "$OUT/tries.tgz" -C /tmp/long_context --exclude=inductor . 2>/dev/null
+shopt -s nullglob
+files=("$OUT"/ours_*.json "$OUT"/unsloth_*.json)
+python3 -m lab.long_context merge "${files[@]}" --out-dir "$OUT"
+echo "[gpu_long_context] done at $(( $(date +%s) - start )) s"

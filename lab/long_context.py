@@ -1,0 +1,563 @@
+"""The longest sequence that trains on a smaller card: ours against Unsloth, under one memory cap.
+
+Wrote: nothing yet; a run writes lab/results/long_context/long_context_<gpu>.json (``merge``)
+Rerun: OUT=$OUT DEADLINE_S=520 bash lab/gpu/gpu_long_context.sh   (on a lent 4-GPU machine, from the
+  repository root; carry .whl .gpucache .unsloth); one (peer, cap) driver per GPU.
+
+Why: "how long a document can I fine-tune on my 24 GB card" is the question a long-context user
+asks, and it is answered by a length, not by a step time at a fixed shape. The lent machines have
+80 GB cards, so each try caps its process's caching allocator to the smaller card's memory
+(``torch.cuda.set_per_process_memory_fraction``, set before anything is allocated; the note in
+:data:`CAP_NOTE` says what that cap leaves out). One try trains ``--steps`` optimizer steps of
+Llama-3.1-8B-shape QLoRA (NF4, LoRA r 32 on every linear layer of the decoder) on one row of L
+tokens, one document with full causal attention: ours through
+``qlora_nb_utils.optimize(model, batches=[row], max_memory_gib=cap)``, Unsloth with its own
+long-context setup (``use_gradient_checkpointing="unsloth"``, offloaded checkpointing). Each try
+is a process of its own: an out-of-memory error can leave a process's allocator (and Unsloth's
+patches) in a state no later try should inherit, and a peak is then that try's alone. Ours is
+built by the product's layer-wise builder (``distributed.big_model.build_named_qlora``: NF4 with
+double quantization made on the GPU from the meta device, LoRA on every linear layer), the format
+``models.load_model`` gives, in seconds and without a 16 GB checkpoint; Unsloth loads a checkpoint
+folder, the named model's random bf16 one (``models.materialize``, built once for the call). The
+two peers' random weights differ, which changes neither memory nor time.
+
+The driver (``bisect``) first probes a few lengths, fits the measured peak as ``a + b * L`` on the
+tries that ran in the same regime as the longest one (the same checkpointing and offload choices:
+the fit is linear within a regime, not across them), tries the predicted edge and its neighbour,
+and bisects what is left down to :data:`STEP` tokens, never starting a try the deadline cannot
+hold. It rewrites its file after every try, so a killed call keeps what it measured.
+
+    python -m lab.long_context try --peer ours --seq-len 32768 --cap-gib 22 --out try.json
+    python -m lab.long_context bisect --peer ours --cap-gib 22 --out ours_22.json --deadline-s 500
+    python -m lab.long_context merge OUT/ours_22.json OUT/unsloth_22.json ... --out-dir OUT
+
+The random weights make the loss meaningless; memory and time are those of the real shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import resource
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from lab.peers.unsloth import TARGET_MODULES, error_record, package_versions, write_json
+
+PEERS = ("ours", "unsloth")
+#: the resolution of the search, in tokens
+STEP = 1024
+#: the card each cap stands for: label (GB, as sold) -> cap in GiB (see CAP_NOTE)
+CARDS = {24: 22.0, 40: 38.5}
+CAP_NOTE = (
+    "set_per_process_memory_fraction(cap * 2**30 / total) caps PyTorch's caching allocator only: the CUDA context "
+    "(~0.5 GiB), cuBLAS/cuDNN handles and loaded kernel modules live outside it and are not counted. So each cap "
+    "is a real card's memory as torch reports it minus ~0.5 GiB: a '24 GB' card is taken as the tightest of the "
+    "24 GB class, an L4 or A10G (about 22.5 GiB total, 22.0 GiB usable; an RTX 4090 reports about 24.0 GiB and "
+    "has ~1.5 GiB more), cap 22.0 GiB; a '40 GB' card as an A100-40GB (about 39.4 GiB total, ~38.9 usable), cap "
+    "38.5 GiB (0.4 GiB kept for what else lives outside the allocator). The card totals are as commonly listed "
+    "by nvidia-smi / torch, not measured in this run. The cap binds on reserved memory (an allocation that would "
+    "take the reserved pool over it raises out-of-memory), so reserved_gib is the figure compared with the cap."
+)
+_GIB = 2**30
+_OOM_TEXT = ("out of memory", "outofmemoryerror")
+
+
+# ---------------------------------------------------------------- one try (this process)
+
+
+def make_row(seq_len: int, vocab: int, seed: int = 0, attention_mask: bool = True) -> dict:
+    """One document of exactly ``seq_len`` random token ids (ids 3.. below ``vocab``), labels = ids."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (1, seq_len), generator=gen)
+    row = {"input_ids": ids, "labels": ids.clone()}
+    if attention_mask:
+        row["attention_mask"] = torch.ones_like(ids)
+    return row
+
+
+def cap_memory(cap_gib: float) -> dict:
+    """Cap this process's CUDA caching allocator at ``cap_gib`` (call before anything is allocated).
+
+    It imports torch, which is fine before ``import unsloth`` (transformers is what must not come first).
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"cap_applied": False, "why": "no CUDA device: the cap is ignored"}
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = cap_gib * _GIB / total
+    if not 0 < fraction <= 1:
+        raise ValueError(f"cap {cap_gib} GiB is not within the device's {total / _GIB:.2f} GiB")
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    return {"cap_applied": True, "fraction": fraction, "device_total_gib": total / _GIB}
+
+
+def _cuda_peaks() -> tuple[float | None, float | None]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, None
+    return torch.cuda.max_memory_allocated() / _GIB, torch.cuda.max_memory_reserved() / _GIB
+
+
+def _graph_breaks() -> int | None:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(sum(counters["graph_break"].values()))
+    except Exception:  # private counters moved: unknown
+        return None
+
+
+def _times(step_s: list[float], seq_len: int) -> dict:
+    steady = step_s[1:] or step_s  # the first step compiles
+    med = statistics.median(steady)
+    return {"step_s": med, "first_step_s": step_s[0], "tokens_per_s": seq_len / med, "steps_s": step_s}
+
+
+def try_ours(args, record: dict) -> None:
+    """Build the shape as NF4 + LoRA, ``optimize(..., max_memory_gib=cap)``, train; fills ``record``."""
+    import torch
+
+    from qlora_nb_utils import env, models
+    from qlora_nb_utils.compile.fast_path import optimize
+    from qlora_nb_utils.distributed.big_model import build_named_qlora
+    from qlora_nb_utils.training.loop import TrainConfig, train
+
+    device, dtype = env.resolve_device_dtype("auto", "auto")
+    record["device"], record["versions"] = env.device_info(device), env.versions()
+    t0 = time.perf_counter()
+    # NF4 made layer by layer from meta (no bf16 copy, no checkpoint on disk), LoRA on every linear layer
+    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, quant_storage=torch.uint8,
+                                 lora_r=args.lora_r, lora_alpha=2 * args.lora_r, seed=0)
+    record["load_s"] = time.perf_counter() - t0
+    row = make_row(args.seq_len, min(models.model_config(args.model).vocab_size, 49152))
+    breaks0 = _graph_breaks()
+    knobs = {"backend": args.backend} if args.backend else {}
+    opt = optimize(model, batches=[row], max_memory_gib=args.cap_gib, **knobs)
+    record["choices"] = {k: str(v) for k, v in opt.choices.items()}
+    record["optimize"] = opt.description
+    reserved: list[float] = []
+
+    def on_step(step, hist_row):  # train() resets the peaks at each step's start: this is the step's
+        if device.type == "cuda":
+            reserved.append(torch.cuda.max_memory_reserved(device) / _GIB)
+
+    try:
+        hist = train(model, [row], TrainConfig(steps=args.steps, lr=2e-4, seed=0, progress=False),
+                     forward=opt.forward, label=f"L{args.seq_len}", on_step=on_step)
+    finally:
+        counts = opt.counter.to_dict()
+        record["compilations"] = counts["compilations"]
+        record["compile_s"] = counts["compile_s"]
+        after = _graph_breaks()
+        record["graph_breaks"] = None if after is None or breaks0 is None else after - breaks0
+        opt.undo()
+    losses = [float(x) for x in hist["loss"]]
+    if not all(math.isfinite(x) for x in losses):
+        raise FloatingPointError(f"loss not finite: {losses}")
+    record.update(_times([float(x) / 1e3 for x in hist["step_ms"]], args.seq_len), losses=losses)
+    if device.type == "cuda":
+        record["peak_mem_gib"] = max(float(x) for x in hist["step_peak_mem_gib"])
+        record["reserved_gib"] = max(reserved)
+
+
+def try_unsloth(args, record: dict) -> None:
+    """Unsloth's ``FastLanguageModel`` at ``max_seq_length = L``, offloaded checkpointing; fills ``record``."""
+    from lab.peers.unsloth import import_unsloth
+
+    FastLanguageModel = import_unsloth()  # before transformers: it patches it
+    import torch
+
+    if not args.model_dir:
+        raise ValueError("--model-dir is needed for unsloth (a checkpoint folder; the driver passes one)")
+    t0 = time.perf_counter()
+    model, _ = FastLanguageModel.from_pretrained(model_name=str(args.model_dir), max_seq_length=args.seq_len,
+                                                 dtype=torch.bfloat16, load_in_4bit=True)
+    model = FastLanguageModel.get_peft_model(model, r=args.lora_r, lora_alpha=2 * args.lora_r,
+                                             target_modules=TARGET_MODULES, lora_dropout=0, bias="none",
+                                             use_gradient_checkpointing="unsloth", random_state=0)
+    record["load_s"] = time.perf_counter() - t0
+    record["device"], record["versions"] = torch.cuda.get_device_name(0), package_versions()
+    record["choices"] = {"use_gradient_checkpointing": "unsloth", "load_in_4bit": True, "dtype": "bfloat16",
+                         "max_seq_length": args.seq_len, "attention_mask": "none (one unpadded row)"}
+    model.train()
+    vocab = min(model.config.vocab_size, 49152)
+    # no attention_mask: one unpadded document needs none, and Unsloth drops it in training anyway
+    row = {k: v.cuda() for k, v in make_row(args.seq_len, vocab, attention_mask=False).items()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    adam = torch.optim.AdamW(params, lr=2e-4, weight_decay=0.0)
+    torch.cuda.reset_peak_memory_stats()
+    step_s, losses = [], []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = model(**row).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # as training.train clips ours
+        adam.step()
+        adam.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        step_s.append(time.perf_counter() - t)
+        losses.append(float(loss.detach()))
+    if not all(math.isfinite(x) for x in losses):
+        raise FloatingPointError(f"loss not finite: {losses}")
+    record.update(_times(step_s, args.seq_len), losses=losses, graph_breaks=None, compilations=None)
+    record["peak_mem_gib"], record["reserved_gib"] = _cuda_peaks()
+
+
+def is_oom(text: str | None) -> bool:
+    return bool(text) and any(t in text.lower() for t in _OOM_TEXT)
+
+
+def run_try(args) -> dict:
+    """One attempt in this process; never raises: a failure (OOM included) is ``ok: false`` with its error."""
+    record: dict[str, Any] = {"peer": args.peer, "seq_len": args.seq_len, "cap_gib": args.cap_gib,
+                              "model": args.model, "steps": args.steps, "lora_r": args.lora_r, "ok": False,
+                              "peak_mem_gib": None, "reserved_gib": None}
+    t0 = time.perf_counter()
+    try:
+        if args.peer == "unsloth":
+            from lab.peers.unsloth import set_offline_env
+
+            set_offline_env()
+        record["cap"] = cap_memory(args.cap_gib)
+        (try_unsloth if args.peer == "unsloth" else try_ours)(args, record)
+        record["ok"] = True
+    except BaseException as exc:  # recorded: the driver reads ok / oom from the file
+        err = error_record(exc, tail_chars=2000, name=args.peer)
+        record["error"], record["traceback_tail"] = err["error"][:1000], err["traceback_tail"]
+        torch_mod = sys.modules.get("torch")
+        oom_type = getattr(getattr(torch_mod, "cuda", None), "OutOfMemoryError", ())
+        record["oom"] = is_oom(err["error"]) or isinstance(exc, oom_type)
+        alloc, res = _cuda_peaks() if torch_mod is not None else (None, None)
+        record["peak_mem_gib_at_failure"], record["reserved_gib_at_failure"] = alloc, res
+    record["wall_s"] = time.perf_counter() - t0
+    record["cpu_ram_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return record
+
+
+# ---------------------------------------------------------------- the search (pure: tested with a fake try)
+
+
+def fit_line(points: list[tuple[int, float]]) -> dict | None:
+    """Least squares ``peak = a + b * L`` over ``(L, peak)``; None with fewer than two lengths."""
+    if len({L for L, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx, my = sum(L for L, _ in points) / n, sum(p for _, p in points) / n
+    b = sum((L - mx) * (p - my) for L, p in points) / sum((L - mx) ** 2 for L, _ in points)
+    a = my - b * mx
+    return {"a_gib": a, "b_gib_per_token": b, "points": sorted(points),
+            "residuals_gib": [p - (a + b * L) for L, p in sorted(points)]}
+
+
+def _regime(run: dict) -> tuple:
+    c = run.get("choices") or {}
+    return tuple(str(c.get(k)) for k in ("ckpt_layers", "offload", "scope"))
+
+
+def predict(runs: list[dict], cap_gib: float, step: int = STEP) -> dict | None:
+    """The longest length whose fitted peak stays under ``cap_gib``, floored to ``step``.
+
+    The fit uses the figure the cap binds on (``reserved_gib``; ``peak_mem_gib`` where a run has
+    none) of the ok runs in the same regime (:func:`_regime`) as the longest ok run, or of every
+    ok run when that regime has fewer than two lengths.
+    """
+    ok = [r for r in runs if r.get("ok")]
+    if not ok:
+        return None
+    key = "reserved_gib" if all(r.get("reserved_gib") is not None for r in ok) else "peak_mem_gib"
+    if any(r.get(key) is None for r in ok):
+        return None
+    top = max(ok, key=lambda r: r["seq_len"])
+    same = [r for r in ok if _regime(r) == _regime(top)]
+    used = same if len({r["seq_len"] for r in same}) >= 2 else ok
+    fit = fit_line([(r["seq_len"], r[key]) for r in used])
+    if fit is None or fit["b_gib_per_token"] <= 0:
+        return None
+    edge = (cap_gib - fit["a_gib"]) / fit["b_gib_per_token"]
+    return {**fit, "of": key, "regime": "same" if used is same else "all ok runs", "cap_gib": cap_gib,
+            "edge_tokens": edge, "max_seq_len": max(0, int(edge // step) * step)}
+
+
+def bracket(runs: list[dict]) -> tuple[int, int | None]:
+    """(longest ok length or 0, shortest failed length above it or None); timeouts bound nothing."""
+    lo = max((r["seq_len"] for r in runs if r.get("ok")), default=0)
+    fails = [r["seq_len"] for r in runs if not r.get("ok") and not r.get("timeout") and r["seq_len"] > lo]
+    return lo, min(fails, default=None)
+
+
+def next_length(runs: list[dict], cap_gib: float, step: int = STEP, edge_tries: int = 0) -> int | None:
+    """The next length to try after the probes, or None when the edge is known to ``step``.
+
+    The predicted edge first, then its neighbour on the side the first's result points to
+    (``edge_tries``: the tries made after the probes), then plain bisection of the bracket; with
+    no failure yet, the prediction but at least 25% more than the longest ok length (twice it
+    without a prediction).
+    """
+    lo, hi = bracket(runs)
+    tried = {r["seq_len"] for r in runs if not r.get("timeout")}
+    if hi is not None and hi - lo <= step:
+        return None
+    pred = predict(runs, cap_gib, step)
+    p = pred["max_seq_len"] if pred else None
+    if lo == 0:  # nothing trained: halve below the shortest failure
+        cand = (hi // 2) // step * step if hi else None
+        return cand if cand and cand >= step and cand not in tried else None
+    if edge_tries < 2 and p is not None:
+        if edge_tries == 0:
+            cand = p if p > lo else lo + step
+        else:  # the neighbour of the predicted edge, on the side its result points to
+            cand = runs[-1]["seq_len"] + (step if runs[-1].get("ok") else -step)
+        if cand not in tried and cand > lo and (hi is None or cand < hi):
+            return cand
+    if hi is None:
+        return max(p or 0, lo + step, (lo * 5 // 4) // step * step if p else 2 * lo)
+    return max(lo + step, ((lo + hi) // 2) // step * step)
+
+
+def search(try_fn: Callable[[int, float], dict], *, cap_gib: float, probes: list[int], deadline_s: float,
+           step: int = STEP, clock: Callable[[], float] = time.monotonic, margin_s: float = 5.0,
+           on_run: Callable[[list[dict], dict | None], None] | None = None) -> dict:
+    """Probe, predict, bisect; ``try_fn(seq_len, timeout_s)`` returns a try's record.
+
+    A try starts only when the time left is at least ``margin_s`` plus the longest wall time of
+    any earlier try at a length not above it (a longer row never trains faster); its timeout is
+    the time left less ``margin_s``.
+
+    Returns:
+        ``{"max_seq_len", "edge_found", "stopped", "runs", "prediction"}``.
+    """
+    t0 = clock()
+    runs: list[dict] = []
+    stopped = "edge found"
+
+    def attempt(L: int) -> bool:
+        left = deadline_s - (clock() - t0)
+        need = max((r.get("wall_s", 0.0) for r in runs if r["seq_len"] <= L), default=0.0)
+        if left - margin_s < max(need, 1.0):
+            return False
+        run = dict(try_fn(L, left - margin_s))
+        run.setdefault("seq_len", L)
+        runs.append(run)
+        if on_run is not None:
+            on_run(runs, predict(runs, cap_gib, step))
+        return True
+
+    for L in sorted(set(probes)):
+        if not attempt(L):
+            stopped = "deadline"
+            break
+        if not runs[-1].get("ok") and not runs[-1].get("timeout"):
+            break  # longer probes would fail too
+    if runs and not any(r.get("ok") for r in runs) and not any(r.get("oom") or r.get("timeout") for r in runs):
+        stopped = "setup error (no try trained, and none ran out of memory)"
+    edge_tries = 0
+    while stopped == "edge found":
+        L = next_length(runs, cap_gib, step, edge_tries)
+        if L is None:
+            break
+        if not attempt(L):
+            stopped = "deadline"
+            break
+        if runs[-1].get("timeout"):
+            stopped = "a try timed out"
+            break
+        edge_tries += 1
+    lo, hi = bracket(runs)
+    if not runs:
+        stopped = "deadline" if probes else "nothing to try (no probe)"
+    return {"max_seq_len": lo or None, "edge_found": hi is not None and hi - lo <= step and lo > 0,
+            "bracket": [lo, hi], "stopped": stopped if not (hi is not None and hi - lo <= step) else "edge found",
+            "runs": runs, "prediction": predict(runs, cap_gib, step)}
+
+
+# ---------------------------------------------------------------- the driver (a try per process)
+
+
+def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: str | None) -> dict:
+    """``python -m lab.long_context try ...`` in its own process group; its record, or why none came back."""
+    from lab.peers.process import _child_env, _run_child
+
+    tag = f"{args.peer}_{args.cap_gib:g}_{seq_len}"
+    out, log = work / f"{tag}.json", work / f"{tag}.log"
+    cmd = [sys.executable, "-m", "lab.long_context", "try", "--peer", args.peer, "--seq-len", str(seq_len),
+           "--cap-gib", str(args.cap_gib), "--model", args.model, "--steps", str(args.steps),
+           "--lora-r", str(args.lora_r), "--out", str(out)]
+    if model_dir:
+        cmd += ["--model-dir", model_dir]
+    if args.backend:
+        cmd += ["--backend", args.backend]
+    # one Inductor cache per driver: later tries reuse what earlier ones compiled (compile time only);
+    # Unsloth's generated modules in a folder of this driver's too, not one shared with the other driver
+    child_env = _child_env(args.peer, work / "inductor")
+    child_env["UNSLOTH_COMPILE_LOCATION"] = str(work / "unsloth_compiled_cache")
+    t0 = time.perf_counter()
+    code, tail = _run_child(cmd, child_env, timeout_s, log)
+    wall = time.perf_counter() - t0
+    if out.is_file():
+        run = json.loads(out.read_text())
+    else:
+        text = log.read_text(errors="replace")[-4000:] if log.is_file() else ""
+        why = f"timed out after {timeout_s:.0f} s" if code is None else f"exit code {code}, no record"
+        run = {"seq_len": seq_len, "ok": False, "error": f"{why}: {tail}", "timeout": code is None,
+               "oom": is_oom(text), "log_tail": text[-1500:]}
+    if "wall_s" in run:
+        run["try_wall_s"] = run["wall_s"]  # the try's own, from its start in the process
+    run["wall_s"], run["exit_code"] = wall, code  # the search plans with the whole process's time
+    return run
+
+
+def _stamp() -> dict:
+    """Date and command; under lab/gpu/gpu_long_context.sh the command is the wrapper's (it sets the variable)."""
+    cmd = "python -m lab.long_context " + shlex.join(sys.argv[1:])
+    wrapper = os.environ.get("QLORA_NB_LONG_CONTEXT_CMD")
+    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": f"{wrapper} (this step: {cmd})" if wrapper else cmd}
+
+
+def run_bisect(args) -> dict:
+    out = Path(args.out)
+    work = Path(args.work or tempfile.mkdtemp(prefix=f"long_context_{args.peer}_"))
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = None
+    if args.peer == "unsloth":
+        from lab.peers.common import _model_dir
+
+        model_dir = args.model_dir or _model_dir(args.model)  # built once (the wrapper builds it first)
+    probes = sorted({int(x) for x in args.probe.split(",") if x} | ({args.start} if args.start else set()))
+    base = {"peer": args.peer, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
+            "model": args.model,
+            "steps": args.steps, "lora_r": args.lora_r, "step_tokens": STEP, "deadline_s": args.deadline_s,
+            "probes": probes, **_stamp()}
+
+    def write(runs, prediction, extra=None):
+        ok = [r for r in runs if r.get("ok")]
+        first = ok[0] if ok else (runs[0] if runs else {})
+        write_json(out, {**base, "max_seq_len": bracket(runs)[0] or None, "runs": runs, "prediction": prediction,
+                         "device": first.get("device"), "versions": first.get("versions"), **(extra or {})})
+
+    result = search(lambda L, t: subprocess_try(args, L, t, work, model_dir), cap_gib=args.cap_gib, probes=probes,
+                    deadline_s=args.deadline_s, on_run=write)
+    write(result["runs"], result["prediction"], {k: result[k] for k in ("edge_found", "bracket", "stopped")})
+    print(f"[long_context] {args.peer} @ {args.cap_gib:g} GiB: max_seq_len {result['max_seq_len']} "
+          f"({result['stopped']}; bracket {result['bracket']}; {len(result['runs'])} tries)", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------- merge
+
+
+#: every merged run has these (None where a failed try has none); the extras where the try wrote them
+RUN_FIELDS = ("seq_len", "ok", "peak_mem_gib", "reserved_gib", "step_s", "tokens_per_s", "first_step_s", "cpu_ram_gib",
+              "graph_breaks", "compilations")
+RUN_EXTRAS = ("oom", "timeout", "error", "load_s", "wall_s", "compile_s", "choices", "peak_mem_gib_at_failure",
+              "reserved_gib_at_failure")
+
+
+def gpu_tag(device: Any) -> str:
+    name = device.get("name", "") if isinstance(device, dict) else str(device or "")
+    return next((t.lower() for t in ("H200", "H100", "A100", "L4") if t in name), "gpu")
+
+
+def merge(files: list[Path]) -> dict:
+    """The per-(peer, cap) files as one record with a ``budgets`` list, one entry per cap."""
+    recs = [json.loads(Path(f).read_text()) for f in files]
+    caps = sorted({r["cap_gib"] for r in recs})
+    budgets = []
+    for cap in caps:
+        by = {r["peer"]: r for r in recs if r["cap_gib"] == cap}
+        card = next((r.get("card") for r in by.values() if r.get("card")), None)
+        entry: dict[str, Any] = {"label": f"{card or '?'} card, cap {cap:g} GiB", "card": card, "cap_gib": cap}
+        for peer in PEERS:
+            r = by.get(peer, {})
+            runs = sorted(r.get("runs", []), key=lambda x: x["seq_len"])
+            entry[f"{peer}_max_seq_len"] = r.get("max_seq_len")
+            entry[f"{peer}_edge_found"] = r.get("edge_found")
+            entry[f"{peer}_bracket"] = r.get("bracket")
+            entry[f"{peer}_stopped"] = r.get("stopped")
+            entry[f"{peer}_prediction"] = r.get("prediction")
+            entry[f"{peer}_runs"] = [{**{k: x.get(k) for k in RUN_FIELDS}, **{k: x[k] for k in RUN_EXTRAS if k in x}}
+                                     for x in runs]
+        ours_ok = [x for x in entry["ours_runs"] if x.get("ok")]
+        last = max(ours_ok, key=lambda x: x["seq_len"], default={})
+        entry["graph_breaks"], entry["compilations"] = last.get("graph_breaks"), last.get("compilations")
+        budgets.append(entry)
+    device = next((r["device"] for r in recs if r.get("device")), None)
+    # ours' process (env.versions) at the top level; Unsloth's own process (its bundle's trl) apart
+    versions: dict[str, Any] = dict(next((r["versions"] for r in recs if r["peer"] == "ours" and r.get("versions")),
+                                         {}))
+    theirs = next((r["versions"] for r in recs if r["peer"] == "unsloth" and r.get("versions")), None)
+    if theirs:
+        versions.update({k: theirs.get(k) for k in ("unsloth", "unsloth_zoo")}, unsloth_process=theirs)
+    return {"kind": "long_context",
+            "what": "longest one-document sequence (batch 1, full causal attention) that trains 2 optimizer steps "
+                    "of llama-3.1-8b-shape QLoRA (NF4, LoRA r 32 on every linear layer) under a memory cap, ours "
+                    "(optimize(max_memory_gib=cap)) against Unsloth (offloaded checkpointing); one process per try",
+            "cap_note": CAP_NOTE, "budgets": budgets, "device": device, "versions": versions,
+            "sources": [Path(f).name for f in files], **_stamp()}
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lab.long_context", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--peer", required=True, choices=PEERS)
+    common.add_argument("--cap-gib", required=True, type=float)
+    common.add_argument("--out", required=True)
+    common.add_argument("--model", default="llama-3.1-8b-shape")
+    common.add_argument("--steps", type=int, default=2)
+    common.add_argument("--lora-r", type=int, default=32)
+    common.add_argument("--model-dir", help="unsloth: the checkpoint folder (default: the named model, built)")
+    common.add_argument("--backend", help="ours: optimize()'s Dynamo backend (default: its own; tests use eager)")
+    t = sub.add_parser("try", parents=[common], help="one attempt in this process")
+    t.add_argument("--seq-len", required=True, type=int)
+    b = sub.add_parser("bisect", parents=[common], help="the driver: one process per try")
+    b.add_argument("--deadline-s", required=True, type=float)
+    b.add_argument("--start", type=int, help="a first length, added to the probes")
+    b.add_argument("--probe", default="8192,16384,32768", help="comma-separated lengths to probe first")
+    b.add_argument("--card-gb", type=int, help="the card the cap stands for (24, 40): recorded only")
+    b.add_argument("--work", help="folder for the tries' files and logs (default: a temporary one)")
+    m = sub.add_parser("merge", help="the per-(peer, cap) files as long_context_<gpu>.json")
+    m.add_argument("files", nargs="+", type=Path)
+    m.add_argument("--out-dir", required=True, type=Path)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "try":
+        record = run_try(args)
+        write_json(Path(args.out), {**record, **_stamp()})
+        print(f"[long_context try] {args.peer} L={args.seq_len}: ok={record['ok']} "
+              f"peak={record.get('peak_mem_gib')} reserved={record.get('reserved_gib')} {record.get('error', '')}",
+              flush=True)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)  # skip teardown (pinned buffers, compile workers): the record is written
+    if args.cmd == "bisect":
+        run_bisect(args)
+        return 0
+    merged = merge(args.files)
+    out = args.out_dir / f"long_context_{gpu_tag(merged['device'])}.json"
+    write_json(out, merged)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

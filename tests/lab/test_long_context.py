@@ -1,0 +1,179 @@
+"""lab.long_context: the search finds the edge to 1024 tokens in few tries and within its deadline,
+the linear prediction, the merged file's fields, and one real try (tiny model, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab import long_context as lc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeTry:
+    """A try whose reserved peak is ``a + b * L`` GiB; it fails (OOM) above ``cap``; each takes ``secs``."""
+
+    def __init__(self, cap=22.0, a=7.0, b=15.0 / 61_000, secs=60.0, clock=None):
+        self.cap, self.a, self.b, self.secs, self.clock, self.calls = cap, a, b, secs, clock, []
+
+    def __call__(self, L, timeout_s):
+        self.calls.append((L, timeout_s))
+        if self.clock is not None:
+            self.clock.t += self.secs
+        peak = self.a + self.b * L
+        if peak > self.cap:
+            return {"seq_len": L, "ok": False, "oom": True, "error": "OutOfMemoryError: CUDA out of memory",
+                    "wall_s": self.secs}
+        return {"seq_len": L, "ok": True, "peak_mem_gib": peak - 0.5, "reserved_gib": peak, "wall_s": self.secs,
+                "choices": {"ckpt_layers": "32/32", "offload": "True", "scope": "regional"}}
+
+    def edge(self, step=lc.STEP):
+        return int((self.cap - self.a) / self.b) // step * step
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_the_linear_fit_and_its_prediction():
+    runs = [{"seq_len": L, "ok": True, "reserved_gib": 3.0 + 1e-4 * L} for L in (8192, 16384, 32768)]
+    pred = lc.predict(runs, cap_gib=10.0)
+    assert pred["a_gib"] == pytest.approx(3.0) and pred["b_gib_per_token"] == pytest.approx(1e-4)
+    assert pred["edge_tokens"] == pytest.approx(70_000) and pred["max_seq_len"] == 68 * 1024
+    assert max(map(abs, pred["residuals_gib"])) < 1e-9 and pred["of"] == "reserved_gib"
+    assert lc.fit_line([(8192, 1.0)]) is None and lc.predict(runs[:1], 10.0) is None
+
+
+def test_the_fit_keeps_to_the_regime_of_the_longest_try():
+    # a short try without checkpointing has a steeper slope: it must not bend the line at the edge
+    runs = [{"seq_len": 4096, "ok": True, "reserved_gib": 20.0, "choices": {"ckpt_layers": "0/32"}}]
+    runs += [{"seq_len": L, "ok": True, "reserved_gib": 3.0 + 1e-4 * L, "choices": {"ckpt_layers": "32/32"}}
+             for L in (16384, 32768)]
+    pred = lc.predict(runs, cap_gib=10.0)
+    assert pred["regime"] == "same" and pred["b_gib_per_token"] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("cap,b", [(22.0, 15.0 / 61_000), (38.5, 31.5 / 150_000), (22.0, 15.0 / 20_500)])
+def test_the_search_finds_the_edge_to_1024_in_few_tries(cap, b):
+    clock = Clock()
+    fake = FakeTry(cap=cap, b=b, clock=clock)
+    written = []
+    res = lc.search(fake, cap_gib=cap, probes=[8192, 16384, 32768], deadline_s=10_000, clock=clock,
+                    on_run=lambda runs, pred: written.append(len(runs)))
+    assert res["edge_found"] and res["stopped"] == "edge found"
+    assert res["max_seq_len"] == fake.edge()
+    assert any(r["seq_len"] == fake.edge() + lc.STEP and not r["ok"] for r in res["runs"])
+    assert len(fake.calls) <= 6  # a linear peak: probes, the predicted edge, its neighbour
+    assert written == list(range(1, len(res["runs"]) + 1))  # the file is rewritten after every try
+    assert [r for r in res["runs"] if not r["ok"]] and all(r["oom"] for r in res["runs"] if not r["ok"])
+
+
+def test_a_curved_peak_is_bisected_and_still_found():
+    class Curved(FakeTry):
+        def __call__(self, L, timeout_s):
+            run = super().__call__(L, timeout_s)
+            if run["ok"]:  # the fit from the probes overshoots: the edge is lower than it predicts
+                run["reserved_gib"] = self.a + self.b * L + 2e-10 * L * L
+            if self.a + self.b * L + 2e-10 * L * L > self.cap:
+                run = {"seq_len": L, "ok": False, "oom": True, "error": "CUDA out of memory", "wall_s": 1.0}
+            return run
+
+    fake = Curved()
+    res = lc.search(fake, cap_gib=22.0, probes=[8192, 16384], deadline_s=10_000, clock=Clock())
+    edge = max(L for L in range(1024, 200_000, 1024) if fake.a + fake.b * L + 2e-10 * L * L <= fake.cap)
+    assert res["edge_found"] and res["max_seq_len"] == edge and len(fake.calls) <= 12
+
+
+def test_the_search_respects_its_deadline_and_records_what_it_had():
+    clock = Clock()
+    fake = FakeTry(secs=100.0, clock=clock)
+    res = lc.search(fake, cap_gib=22.0, probes=[8192, 16384, 32768], deadline_s=350, clock=clock)
+    assert clock.t <= 350 and len(fake.calls) == 3  # a fourth 100 s try would not fit the 50 s left
+    assert res["stopped"] == "deadline" and not res["edge_found"] and res["max_seq_len"] == 32768
+    assert all(timeout <= 350 - 5 - done * 100 for done, (_, timeout) in enumerate(fake.calls))
+
+
+def test_failures_bound_the_search_and_a_setup_error_stops_it():
+    runs = [{"seq_len": 8192, "ok": True}, {"seq_len": 16384, "ok": False, "timeout": True},
+            {"seq_len": 32768, "ok": False, "oom": True}]
+    assert lc.bracket(runs) == (8192, 32768)  # a timeout bounds nothing
+    broken = lambda L, t: {"seq_len": L, "ok": False, "error": "ImportError: no bitsandbytes", "wall_s": 1}  # noqa: E731
+    res = lc.search(broken, cap_gib=22.0, probes=[8192, 16384], deadline_s=1000, clock=Clock())
+    assert res["stopped"].startswith("setup error") and len(res["runs"]) == 1 and res["max_seq_len"] is None
+    # all probes out of memory: it halves below the shortest failure
+    fake = FakeTry(b=15.0 / 3000)
+    res = lc.search(fake, cap_gib=22.0, probes=[8192], deadline_s=10_000, clock=Clock())
+    assert res["edge_found"] and res["max_seq_len"] == fake.edge()
+
+
+def _driver_file(tmp_path, peer, cap, card, max_len):
+    runs = [{"seq_len": 16384, "ok": True, "peak_mem_gib": 10.0, "reserved_gib": 10.5, "step_s": 2.0,
+             "tokens_per_s": 8192.0, "first_step_s": 30.0, "cpu_ram_gib": 40.0, "graph_breaks": 0 if peer == "ours"
+             else None, "compilations": 2 if peer == "ours" else None, "choices": {"ckpt_layers": "32/32"}},
+            {"seq_len": max_len + 1024, "ok": False, "oom": True, "error": "OutOfMemoryError: CUDA out of memory",
+             "peak_mem_gib": None}]
+    rec = {"peer": peer, "cap_gib": cap, "card": f"{card} GB", "max_seq_len": max_len, "runs": runs, "prediction": None,
+           "edge_found": True, "bracket": [max_len, max_len + 1024], "stopped": "edge found",
+           "device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"},
+           "versions": {"torch": "2.11.0", **({"unsloth": "2026.10.9"} if peer == "unsloth" else {})},
+           "date": "2026-11-27T00:00:00+00:00", "command": "x"}
+    path = tmp_path / f"{peer}_{cap}.json"
+    path.write_text(json.dumps(rec))
+    return path
+
+
+def test_merge_writes_every_field_the_results_file_needs(tmp_path):
+    files = [_driver_file(tmp_path, p, cap, card, n) for p, cap, card, n in
+             [("ours", 22.0, 24, 60_416), ("unsloth", 22.0, 24, 50_176), ("ours", 38.5, 40, 130_048),
+              ("unsloth", 38.5, 40, 120_832)]]
+    assert lc.main(["merge", *map(str, files), "--out-dir", str(tmp_path / "out")]) == 0
+    rec = json.loads((tmp_path / "out" / "long_context_h100.json").read_text())
+    for key in ("device", "versions", "date", "command", "cap_note", "budgets"):
+        assert rec[key], key
+    assert "22.0" in rec["cap_note"] and "38.5" in rec["cap_note"] and rec["versions"]["unsloth"] == "2026.10.9"
+    assert rec["versions"]["torch"] == "2.11.0" and rec["versions"]["unsloth_process"]["torch"] == "2.11.0"
+    first = rec["budgets"][0]
+    assert [b["cap_gib"] for b in rec["budgets"]] == [22.0, 38.5] and first["card"] == "24 GB"
+    assert (first["ours_max_seq_len"], first["unsloth_max_seq_len"]) == (60_416, 50_176)
+    assert first["graph_breaks"] == 0 and first["compilations"] == 2
+    for run in first["ours_runs"] + first["unsloth_runs"]:
+        assert {"seq_len", "ok", "peak_mem_gib", "step_s", "tokens_per_s"} <= set(run)
+    # the lab's index reads the lengths as results and the cap as a setting
+    from lab import index
+
+    dest = tmp_path / "lab" / "results" / "long_context"
+    dest.mkdir(parents=True)
+    (dest / "long_context_h100.json").write_text(json.dumps(rec))
+    old = index.ROOT
+    try:
+        index.ROOT = tmp_path
+        metrics = {r["metric"] for r in index.rows_of(dest / "long_context_h100.json")}
+    finally:
+        index.ROOT = old
+    assert {"ours_max_seq_len", "unsloth_max_seq_len", "tokens_per_s", "reserved_gib"} <= metrics
+    assert not metrics & {"cap_gib", "card"}
+
+
+def test_one_real_try_trains_two_steps_on_the_cpu(tmp_path):
+    out = tmp_path / "try.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    # aot_eager: the whole optimize() path short of Inductor's code generation, which takes ~40 s here
+    cmd = [sys.executable, "-m", "lab.long_context", "try", "--peer", "ours", "--model", "tiny", "--seq-len", "256",
+           "--cap-gib", "22", "--backend", "aot_eager", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["ok"] is True, rec.get("error")
+    assert rec["seq_len"] == 256 and len(rec["losses"]) == 2 and rec["step_s"] > 0
+    assert rec["tokens_per_s"] == pytest.approx(256 / rec["step_s"])
+    assert rec["cpu_ram_gib"] > 0 and rec["peak_mem_gib"] is None and rec["cap"]["cap_applied"] is False
+    assert rec["compilations"] >= 1 and rec["graph_breaks"] == 0 and rec["choices"]["ckpt_layers"]
