@@ -5,10 +5,13 @@
 #   TORCH_CHANNEL=nightly bash setup.sh    # the one torch nightly of requirements-nightly.txt
 #   PYTHON=python3.12 bash setup.sh        # build .venv with another interpreter
 #   bash setup.sh --dry-run                # check Python and print the plan, install nothing
+#   bash setup.sh --with-llama-cpp         # also llama.cpp's Python binding (requirements-llama.txt):
+#                                          # built once (~10 min on 2 cores), its wheel kept in the cache
 #
 # Environment: PYTHON (default python3), TORCH_CHANNEL (stable|nightly), TORCH_INDEX_URL
 # (a wheel index for torch only, e.g. https://download.pytorch.org/whl/cpu on a CPU-only
-# machine), TORCH_NIGHTLY_CUDA (default cu130: the nightly variant used when nvidia-smi works).
+# machine), TORCH_NIGHTLY_CUDA (default cu130: the nightly variant used when nvidia-smi works),
+# QLORA_NB_WHEEL_CACHE (default ~/.cache/qlora_nb/wheels: where --with-llama-cpp keeps its wheel).
 #
 # Order: torch first, then requirements.txt with torch held by a constraints file (so nothing
 # can replace it), then requirements-nodeps.txt with --no-deps, then `pip install -e .`, then
@@ -32,11 +35,13 @@ die() { printf 'setup.sh: error: %s\n' "$*" >&2; exit 1; }
 trap 'rc=$?; printf "setup.sh: FAILED (exit %s) during step: %s\n" "$rc" "$STEP" >&2; exit "$rc"' ERR
 
 DRY_RUN=0
+LLAMA_CPP=0
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY_RUN=1 ;;
-        -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) die "unknown argument '$arg' (use --dry-run or --help)" ;;
+        --with-llama-cpp) LLAMA_CPP=1 ;;
+        -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown argument '$arg' (use --dry-run, --with-llama-cpp or --help)" ;;
     esac
 done
 
@@ -72,6 +77,13 @@ for f in requirements.txt requirements-nodeps.txt "$TORCH_FILE" pyproject.toml; 
     [[ -f $f ]] || die "$ROOT/$f is missing"
 done
 TORCH_REQ=$(read_pin torch "$TORCH_FILE") || die "$TORCH_FILE has no 'torch==VERSION' line"
+LLAMA_REQ=""
+if (( LLAMA_CPP )); then
+    [[ -f requirements-llama.txt ]] || die "$ROOT/requirements-llama.txt is missing"
+    LLAMA_REQ=$(read_pin llama-cpp-python requirements-llama.txt) \
+        || die "requirements-llama.txt has no 'llama-cpp-python==VERSION' line"
+fi
+WHEEL_CACHE=${QLORA_NB_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/qlora_nb/wheels}
 [[ $TORCH_REQ =~ ^torch==[0-9][0-9A-Za-z.+!]*$ ]] || die "$TORCH_FILE: '$TORCH_REQ' is not an exact pin"
 
 # --- 2. which Python: an existing .venv is kept unless PYTHON asks for another version
@@ -105,6 +117,7 @@ if (( DRY_RUN )); then
     torch index:  ${TORCH_INDEX:-pip default (PyPI and pip.conf)}
     then:         requirements.txt (torch constrained), --no-deps requirements-nodeps.txt, -e .
     kernel:       $KERNEL_NAME ("$KERNEL_DISPLAY"), --user
+    llama.cpp:    ${LLAMA_REQ:-no (--with-llama-cpp adds it)}${LLAMA_REQ:+ (its wheel built once into $WHEEL_CACHE)}
 EOF
     exit 0
 fi
@@ -214,6 +227,29 @@ sys.exit(1 if problems else 0)
 EOF
 }
 
+# install_llama_cpp: llama.cpp's Python binding, pinned in requirements-llama.txt. pip builds llama.cpp
+# from source for it (about 10 minutes on 2 cores): the wheel is built once into $WHEEL_CACHE and a later
+# setup (a new .venv, another checkout on this machine) installs it from there in seconds. The other pins
+# hold its dependencies where they overlap.
+install_llama_cpp() {
+    local version=${LLAMA_REQ#*==}
+    step "llama.cpp's Python binding: $LLAMA_REQ (--with-llama-cpp)"
+    if "$VPY" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '$version')" 2>/dev/null; then
+        echo "    already installed"
+        return
+    fi
+    mkdir -p "$WHEEL_CACHE"
+    if ! compgen -G "$WHEEL_CACHE/llama_cpp_python-$version-*.whl" >/dev/null; then
+        echo "    building its wheel once into $WHEEL_CACHE (this compiles llama.cpp: about 10 minutes on 2 cores)"
+        "$VPY" -m pip wheel --no-deps -w "$WHEEL_CACHE" "$LLAMA_REQ"
+    else
+        echo "    its wheel is in $WHEEL_CACHE: no build"
+    fi
+    "$VPY" -m pip install --find-links "$WHEEL_CACHE" "$LLAMA_REQ" \
+        -c "$STATE/constraints.txt" -c "$STATE/requirements-without-torch.txt"
+    "$VPY" -c "import llama_cpp" || die "llama_cpp does not import after installing $LLAMA_REQ"
+}
+
 next_steps() {
     local torch_version
     torch_version=$("$VPY" -c 'import importlib.metadata as m; print(m.version("torch"))')
@@ -234,6 +270,7 @@ if [[ -f $STATE/stamp && $(<"$STATE/stamp") == "$HASH" ]]; then
     step "checking the installed pins against the stamp"
     if verify; then
         echo "    up to date: requirements unchanged and every pin verified; nothing installed"
+        if (( LLAMA_CPP )); then install_llama_cpp; fi
         next_steps
         exit 0
     fi
@@ -266,4 +303,5 @@ verify
 TORCH_NOW=$("$VPY" -c 'import importlib.metadata as m; print(m.version("torch"))')
 [[ $TORCH_NOW == "$TORCH_INSTALLED" ]] || die "torch changed from $TORCH_INSTALLED to $TORCH_NOW during the install"
 printf '%s\n' "$HASH" >"$STATE/stamp"
+if (( LLAMA_CPP )); then install_llama_cpp; fi
 next_steps

@@ -59,6 +59,7 @@ def pin_map(name):
 def all_pins():
     pins = pin_map("requirements.txt")
     pins.update(pin_map("requirements-nodeps.txt"))
+    pins.update(pin_map("requirements-llama.txt"))
     return pins
 
 
@@ -191,7 +192,7 @@ def test_python_range_matches_pyproject():
 def sandbox(tmp_path):
     """A copy of setup.sh and the files it reads, plus a bin/ for fake programs."""
     for name in ("setup.sh", "requirements.txt", "requirements-nodeps.txt",
-                 "requirements-nightly.txt", "pyproject.toml"):
+                 "requirements-nightly.txt", "requirements-llama.txt", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
     (tmp_path / "bin").mkdir()
     return tmp_path
@@ -256,12 +257,23 @@ def test_setup_rejects_unknown_arguments(sandbox):
     assert result.returncode != 0 and "unknown argument" in result.stderr
 
 
-def dry_run(sandbox, **env):
+def dry_run(sandbox, *args, **env):
     fake = fake_program(sandbox, "fakepython", 'echo 3.11.7')
-    result = run_setup(sandbox, "--dry-run", PYTHON=str(fake), **env)
+    result = run_setup(sandbox, "--dry-run", *args, PYTHON=str(fake), **env)
     assert result.returncode == 0, result.stderr
     assert not (sandbox / ".venv").exists(), "--dry-run created .venv"
-    return dict(re.findall(r"^\s+(torch(?: index)?):\s+(.*)$", result.stdout, re.MULTILINE))
+    return dict(re.findall(r"^\s+(torch(?: index)?|llama\.cpp):\s+(.*)$", result.stdout, re.MULTILINE))
+
+
+def test_setup_adds_llama_cpp_only_when_asked_with_its_pin_and_wheel_cache(sandbox, tmp_path):
+    assert dry_run(sandbox)["llama.cpp"].startswith("no")
+    plan = dry_run(sandbox, "--with-llama-cpp", QLORA_NB_WHEEL_CACHE=str(tmp_path / "wheels"))
+    pin = pin_map("requirements-llama.txt")["llama-cpp-python"]
+    assert plan["llama.cpp"] == f"llama-cpp-python=={pin} (its wheel built once into {tmp_path / 'wheels'})"
+    (sandbox / "requirements-llama.txt").write_text("# nothing pinned\n")
+    fake = fake_program(sandbox, "fakepython", 'echo 3.11.7')
+    result = run_setup(sandbox, "--dry-run", "--with-llama-cpp", PYTHON=str(fake))
+    assert result.returncode != 0 and "requirements-llama.txt has no 'llama-cpp-python==VERSION' line" in result.stderr
 
 
 def test_setup_takes_the_torch_pin_from_requirements_txt(sandbox):
