@@ -213,3 +213,27 @@ def test_prepare_fast_refuses_offload_in_whole_scope_and_a_reentrant_checkpoint(
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match="non-reentrant"):
         offload.apply(model)
+
+
+def test_a_memory_target_keeps_each_loss_piece_to_a_fixed_number_of_rows(tiny_dir):
+    """With a memory target the chunked loss takes pieces of at most TARGET_CHUNK_ROWS rows, so its
+    transient (one piece of logits) stays the same at any length; without one it keeps ce_chunks
+    pieces. The estimate the target is planned with counts the smaller piece."""
+    from qlora_nb_utils.compile.plan import TARGET_CHUNK_ROWS, target_chunks
+
+    assert target_chunks(4, 2048) == 4 and target_chunks(4, 4 * TARGET_CHUNK_ROWS + 1) == 5
+    assert target_chunks(4, 64 * TARGET_CHUNK_ROWS) == 64 and target_chunks(0, 10**6) == 0
+    model = build(tiny_dir, quant=True, how=None)
+    long = batch(seq=4 * TARGET_CHUNK_ROWS)  # 2 rows: 8 pieces' worth of tokens
+    chunks = {}
+    for target in (None, 100.0):
+        opt = optimize(model, batches=[long], max_memory_gib=target, backend="eager")
+        try:
+            chunks[target] = opt.choices["loss"]
+            reason = opt.reasons["loss"]
+        finally:
+            opt.undo()
+    assert chunks == {None: "chunked CE x4", 100.0: "chunked CE x8"}
+    assert f"pieces of at most {TARGET_CHUNK_ROWS} rows under the memory target" in reason
+    four, eight = (estimate_terms(model, 2, 4 * TARGET_CHUNK_ROWS, ce_chunks=n)["logits_gib"] for n in (4, 8))
+    assert eight == pytest.approx(four / 2)

@@ -111,7 +111,9 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
         batches: the training batches, or a sample of them; their shapes decide CUDA graphs,
             dynamic lengths and the attention path (None: decided without them, conservatively).
         grad_ckpt: ``"auto"`` (off, or the fewest layers that fit ``max_memory_gib``), True or False.
-        max_memory_gib: a peak-memory target in GiB for ``grad_ckpt="auto"`` (needs ``batches``).
+        max_memory_gib: a peak-memory target in GiB for ``grad_ckpt="auto"`` (needs ``batches``); it
+            also keeps each piece of the chunked loss to at most ``plan.TARGET_CHUNK_ROWS`` rows (more
+            than ``ce_chunks`` pieces at long sequences), so the loss's transient does not grow with the length.
         mode: ``"auto"``, or an Inductor mode (``"default"``/None, ``"reduce-overhead"``, ...).
         attention: ``"auto"``, ``"causal"`` (causal-only SDPA; right-padded batches) or ``"mask"``;
             packed batches (with ``document_ids``) always get the per-document mask.

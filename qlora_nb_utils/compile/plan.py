@@ -167,12 +167,31 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
     p.autocast = p.record("autocast", table.choose_autocast(opts.autocast, p.dtype))
     p.chunk_rows = table.chunk_rows(p.ce_chunks, p.scope, opts.ce_min_rows)
     p.record("loss", table.choose_loss(p.ce_chunks, p.head is not None, p.chunk_rows))
+    if p.ce_chunks > opts.ce_chunks:
+        p.reasons["loss"] += f"; pieces of at most {TARGET_CHUNK_ROWS} rows under the memory target"
     p.record("loss_rows", table.choose_loss_rows_scope(p.loss_rows_choice, p.scope))
     p.eager_numerics = p.record("eager_numerics", table.choose_eager_numerics(opts.eager_numerics, p.dtype,
                                                                               opts.backend))
     if opts.memory_budget is not None:
         p.record("memory_budget", table.Choice(opts.memory_budget, "asked for"))
     return p
+
+
+#: Under a memory target, the most rows one piece of the chunked loss holds: a piece's logits
+#: (rows x vocabulary, in the compute dtype and fp32 while its gradient is formed) are the loss's
+#: transient, and a fixed number of pieces lets that transient grow with the sequence (at a long
+#: sequence and a 128k vocabulary, gigabytes). A fixed piece size keeps it constant in the length;
+#: each piece is still a large matmul (rows x hidden x vocabulary).
+TARGET_CHUNK_ROWS = 1024
+
+
+def target_chunks(ce_chunks: int, rows: int) -> int:
+    """The chunked loss's pieces under a memory target: at least ``ce_chunks``, and enough that
+    none holds more than :data:`TARGET_CHUNK_ROWS` of the ``rows`` the loss reads (0 stays 0: the
+    model's own loss)."""
+    if not ce_chunks:
+        return 0
+    return max(ce_chunks, -(-rows // TARGET_CHUNK_ROWS))
 
 
 def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, shapes: Any) -> None:
@@ -186,6 +205,7 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
     est, at = None, ""
     if opts.max_memory_gib is not None:
         b, s = max(shapes, key=lambda x: x[0] * x[1])
+        p.ce_chunks = target_chunks(p.ce_chunks, p.head_rows or b * s)
         terms = estimate_terms(model, b, s, ce_chunks=p.ce_chunks, act_bytes=torch.finfo(p.dtype).bits // 8,
                                cast_dtype=p.dtype if opts.cast else None, head_rows=p.head_rows,
                                recompute=p.recompute, lora_in_place=lora_addmm_expected(model, opts.lora_addmm))
