@@ -41,6 +41,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import resource
 import shlex
 import statistics
@@ -223,7 +224,8 @@ def is_oom(text: str | None) -> bool:
 
 def run_try(args) -> dict:
     """One attempt in this process; never raises: a failure (OOM included) is ``ok: false`` with its error."""
-    record: dict[str, Any] = {"peer": args.peer, "seq_len": args.seq_len, "cap_gib": args.cap_gib,
+    record: dict[str, Any] = {"peer": args.peer, "alloc_conf": args.alloc_conf, "seq_len": args.seq_len,
+                              "cap_gib": args.cap_gib,
                               "model": args.model, "steps": args.steps, "lora_r": args.lora_r, "ok": False,
                               "peak_mem_gib": None, "reserved_gib": None}
     t0 = time.perf_counter()
@@ -400,10 +402,14 @@ def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: 
         cmd += ["--model-dir", model_dir]
     if args.backend:
         cmd += ["--backend", args.backend]
+    if args.alloc_conf:
+        cmd += ["--alloc-conf", args.alloc_conf]
     # one Inductor cache per driver: later tries reuse what earlier ones compiled (compile time only);
     # Unsloth's generated modules in a folder of this driver's too, not one shared with the other driver
     child_env = _child_env(args.peer, work / "inductor")
     child_env["UNSLOTH_COMPILE_LOCATION"] = str(work / "unsloth_compiled_cache")
+    if args.alloc_conf:  # read by the allocator when the child first allocates
+        child_env["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
     t0 = time.perf_counter()
     code, tail = _run_child(cmd, child_env, timeout_s, log)
     wall = time.perf_counter() - t0
@@ -438,7 +444,7 @@ def run_bisect(args) -> dict:
 
         model_dir = args.model_dir or _model_dir(args.model)  # built once (the wrapper builds it first)
     probes = sorted({int(x) for x in args.probe.split(",") if x} | ({args.start} if args.start else set()))
-    base = {"peer": args.peer, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
+    base = {"peer": args.peer, "alloc_conf": args.alloc_conf, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
             "model": args.model,
             "steps": args.steps, "lora_r": args.lora_r, "step_tokens": STEP, "deadline_s": args.deadline_s,
             "probes": probes, **_stamp()}
@@ -472,17 +478,28 @@ def gpu_tag(device: Any) -> str:
     return next((t.lower() for t in ("H200", "H100", "A100", "L4") if t in name), "gpu")
 
 
+def variant_key(rec: dict) -> str:
+    """A bisection file's key in the merged record: its peer (``ours``, ``unsloth``), or the peer and the
+    allocator setting it ran under (``ours_expandable_segments`` for ``expandable_segments:True``)."""
+    conf = rec.get("alloc_conf")
+    if not conf:
+        return rec["peer"]
+    return f"{rec['peer']}_" + re.sub(r"[^a-z0-9]+", "_", conf.split(":")[0].lower()).strip("_")
+
+
 def merge(files: list[Path]) -> dict:
     """The per-(peer, cap) files as one record with a ``budgets`` list, one entry per cap."""
     recs = [json.loads(Path(f).read_text()) for f in files]
     caps = sorted({r["cap_gib"] for r in recs})
     budgets = []
     for cap in caps:
-        by = {r["peer"]: r for r in recs if r["cap_gib"] == cap}
+        by = {variant_key(r): r for r in recs if r["cap_gib"] == cap}
         card = next((r.get("card") for r in by.values() if r.get("card")), None)
         entry: dict[str, Any] = {"label": f"{card or '?'} card, cap {cap:g} GiB", "card": card, "cap_gib": cap}
-        for peer in PEERS:
+        for peer in [*PEERS, *sorted(k for k in by if k not in PEERS)]:
             r = by.get(peer, {})
+            if r.get("alloc_conf"):
+                entry[f"{peer}_alloc_conf"] = r["alloc_conf"]
             runs = sorted(r.get("runs", []), key=lambda x: x["seq_len"])
             entry[f"{peer}_max_seq_len"] = r.get("max_seq_len")
             entry[f"{peer}_edge_found"] = r.get("edge_found")
@@ -525,6 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--lora-r", type=int, default=32)
     common.add_argument("--model-dir", help="unsloth: the checkpoint folder (default: the named model, built)")
     common.add_argument("--backend", help="ours: optimize()'s Dynamo backend (default: its own; tests use eager)")
+    common.add_argument("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for the tries (e.g. expandable_segments:True): "
+                                             "a variant of the peer, merged under its own key (variant_key)")
     t = sub.add_parser("try", parents=[common], help="one attempt in this process")
     t.add_argument("--seq-len", required=True, type=int)
     b = sub.add_parser("bisect", parents=[common], help="the driver: one process per try")

@@ -8,7 +8,8 @@
 # (peer, card) pair, each on a GPU of its own, all at once; then `merge`.
 #
 # env: OUT (required), DEADLINE_S (520: the whole call, merge included), PAIRS (the pairs in GPU order,
-#   "ours:24 ours:40 unsloth:24 unsloth:40"), CAP_24 / CAP_40 (22.0 / 38.5 GiB, lab.long_context.CAP_NOTE),
+#   "ours:24 ours:40 unsloth:24 unsloth:40"; a name ending in -xs runs that peer with
+#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, e.g. "ours:24 ours-xs:24 unsloth:24 unsloth-xs:24"), CAP_24 / CAP_40 (22.0 / 38.5 GiB, lab.long_context.CAP_NOTE),
 #   PROBES_24 / PROBES_40 (16384,32768 / 32768,65536: lengths where every layer is already checkpointed,
 #   so the linear fit is of the regime the edge is in), MODEL (llama-3.1-8b-shape).
 # Unsloth reads a checkpoint folder: the 16 GB bf16 random-weight checkpoint is built once, under /tmp,
@@ -32,21 +33,23 @@ export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$(( $(npro
 nvidia-smi -L
 echo "[gpu_long_context] setup done at $(( $(date +%s) - start )) s; unsloth site: ${QLORA_NB_UNSLOTH_SITE:-none}"
 
-driver() {  # GPU PEER CARD: one bisect driver in the background, its deadline what is left less the merge
-  local gpu=$1 peer=$2 card=$3 cap probes
+driver() {  # GPU NAME CARD: one bisect driver in the background, its deadline what is left less the merge
+  local gpu=$1 name=$2 card=$3 cap probes extra=()
+  local peer=${name%%-*}
+  [ "$name" = "$peer-xs" ] && extra=(--alloc-conf expandable_segments:True)
   eval "cap=\$CAP_$card; probes=\$PROBES_$card"
   local budget=$(( $(left) - 20 ))
-  echo "[gpu_long_context] GPU $gpu: $peer @ $card GB (cap $cap GiB), deadline $budget s, probes $probes"
+  echo "[gpu_long_context] GPU $gpu: $name @ $card GB (cap $cap GiB), deadline $budget s, probes $probes"
   CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 $(( budget + 10 )) python3 -m lab.long_context bisect --peer "$peer" \
-    --cap-gib "$cap" --card-gb "$card" --model "$MODEL" --probe "$probes" --deadline-s "$budget" \
-    --out "$OUT/${peer}_${card}.json" --work "/tmp/long_context/${peer}_${card}" > "$OUT/${peer}_${card}.log" 2>&1 &
+    --cap-gib "$cap" --card-gb "$card" --model "$MODEL" --probe "$probes" --deadline-s "$budget" "${extra[@]}" \
+    --out "$OUT/${name}_${card}.json" --work "/tmp/long_context/${name}_${card}" > "$OUT/${name}_${card}.log" 2>&1 &
   pids+=($!)
 }
 
 i=0; build_gpu=""; later=(); pids=()
 for pair in $PAIRS; do
   peer=${pair%%:*}; card=${pair#*:}
-  if [ "$peer" = unsloth ]; then later+=("$i $peer $card"); [ -z "$build_gpu" ] && build_gpu=$i
+  if [ "${peer%%-*}" = unsloth ]; then later+=("$i $peer $card"); [ -z "$build_gpu" ] && build_gpu=$i
   else driver "$i" "$peer" "$card"; fi
   i=$(( i + 1 ))
 done
@@ -64,6 +67,6 @@ echo "[gpu_long_context] drivers done at $(( $(date +%s) - start )) s"
 for f in "$OUT"/*_24.log "$OUT"/*_40.log; do [ -f "$f" ] && grep -h "^\[long_context\]" "$f"; done
 tar -czf "$OUT/tries.tgz" -C /tmp/long_context --exclude=inductor . 2>/dev/null
 shopt -s nullglob
-files=("$OUT"/ours_*.json "$OUT"/unsloth_*.json)
+files=("$OUT"/ours_*.json "$OUT"/ours-*_*.json "$OUT"/unsloth_*.json "$OUT"/unsloth-*_*.json)
 python3 -m lab.long_context merge "${files[@]}" --out-dir "$OUT"
 echo "[gpu_long_context] done at $(( $(date +%s) - start )) s"

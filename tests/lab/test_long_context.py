@@ -177,3 +177,21 @@ def test_one_real_try_trains_two_steps_on_the_cpu(tmp_path):
     assert rec["tokens_per_s"] == pytest.approx(256 / rec["step_s"])
     assert rec["cpu_ram_gib"] > 0 and rec["peak_mem_gib"] is None and rec["cap"]["cap_applied"] is False
     assert rec["compilations"] >= 1 and rec["graph_breaks"] == 0 and rec["choices"]["ckpt_layers"]
+
+
+def test_an_allocator_variant_is_merged_under_its_own_key(tmp_path):
+    rec = json.loads(_driver_file(tmp_path, "ours", 22.0, 24, 40_960).read_text())
+    rec["alloc_conf"] = "expandable_segments:True"
+    variant = tmp_path / "ours-xs_22.0.json"
+    variant.write_text(json.dumps(rec))
+    plain = _driver_file(tmp_path, "ours", 22.0, 24, 33_792)  # ours_22.0.json, written again
+    assert lc.variant_key(rec) == "ours_expandable_segments" and lc.variant_key({"peer": "ours"}) == "ours"
+    merged = lc.merge([plain, variant, _driver_file(tmp_path, "unsloth", 22.0, 24, 51_200)])
+    (entry,) = merged["budgets"]
+    assert (entry["ours_max_seq_len"], entry["ours_expandable_segments_max_seq_len"],
+            entry["unsloth_max_seq_len"]) == (33_792, 40_960, 51_200)
+    assert entry["ours_expandable_segments_alloc_conf"] == "expandable_segments:True"
+    assert "ours_alloc_conf" not in entry
+    args = lc.build_parser().parse_args(["try", "--peer", "ours", "--cap-gib", "22", "--out", "x.json", "--seq-len",
+                                         "1024", "--alloc-conf", "expandable_segments:True"])
+    assert args.alloc_conf == "expandable_segments:True"
