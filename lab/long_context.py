@@ -149,6 +149,12 @@ def try_ours(args, record: dict) -> None:
     opt = optimize(model, batches=[row], max_memory_gib=args.cap_gib, **knobs)
     record["choices"] = {k: str(v) for k, v in opt.choices.items()}
     record["optimize"] = opt.description
+    tiles = None
+    if args.tile_mlp:  # each layer's MLP in checkpointed pieces along the sequence (compile.patches.tiled_mlp)
+        from qlora_nb_utils.compile.patches import tiled_mlp
+
+        tiles = tiled_mlp.apply(model, tile_rows=args.tile_mlp)
+        record["tile_mlp"] = args.tile_mlp
     reserved: list[float] = []
 
     def on_step(step, hist_row):  # train() resets the peaks at each step's start: this is the step's
@@ -164,6 +170,8 @@ def try_ours(args, record: dict) -> None:
         record["compile_s"] = counts["compile_s"]
         after = _graph_breaks()
         record["graph_breaks"] = None if after is None or breaks0 is None else after - breaks0
+        if tiles is not None:
+            tiles.undo()
         opt.undo()
     losses = [float(x) for x in hist["loss"]]
     if not all(math.isfinite(x) for x in losses):
@@ -224,7 +232,7 @@ def is_oom(text: str | None) -> bool:
 
 def run_try(args) -> dict:
     """One attempt in this process; never raises: a failure (OOM included) is ``ok: false`` with its error."""
-    record: dict[str, Any] = {"peer": args.peer, "alloc_conf": args.alloc_conf, "seq_len": args.seq_len,
+    record: dict[str, Any] = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "seq_len": args.seq_len,
                               "cap_gib": args.cap_gib,
                               "model": args.model, "steps": args.steps, "lora_r": args.lora_r, "ok": False,
                               "peak_mem_gib": None, "reserved_gib": None}
@@ -404,6 +412,8 @@ def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: 
         cmd += ["--backend", args.backend]
     if args.alloc_conf:
         cmd += ["--alloc-conf", args.alloc_conf]
+    if args.tile_mlp:
+        cmd += ["--tile-mlp", str(args.tile_mlp)]
     # one Inductor cache per driver: later tries reuse what earlier ones compiled (compile time only);
     # Unsloth's generated modules in a folder of this driver's too, not one shared with the other driver
     child_env = _child_env(args.peer, work / "inductor")
@@ -444,7 +454,7 @@ def run_bisect(args) -> dict:
 
         model_dir = args.model_dir or _model_dir(args.model)  # built once (the wrapper builds it first)
     probes = sorted({int(x) for x in args.probe.split(",") if x} | ({args.start} if args.start else set()))
-    base = {"peer": args.peer, "alloc_conf": args.alloc_conf, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
+    base = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
             "model": args.model,
             "steps": args.steps, "lora_r": args.lora_r, "step_tokens": STEP, "deadline_s": args.deadline_s,
             "probes": probes, **_stamp()}
@@ -479,12 +489,15 @@ def gpu_tag(device: Any) -> str:
 
 
 def variant_key(rec: dict) -> str:
-    """A bisection file's key in the merged record: its peer (``ours``, ``unsloth``), or the peer and the
-    allocator setting it ran under (``ours_expandable_segments`` for ``expandable_segments:True``)."""
-    conf = rec.get("alloc_conf")
-    if not conf:
-        return rec["peer"]
-    return f"{rec['peer']}_" + re.sub(r"[^a-z0-9]+", "_", conf.split(":")[0].lower()).strip("_")
+    """A bisection file's key in the merged record: its peer (``ours``, ``unsloth``), then what it ran with
+    besides: the MLP in pieces (``_tile4096``), an allocator setting (``_expandable_segments`` for
+    ``expandable_segments:True``)."""
+    key = rec["peer"]
+    if rec.get("tile_mlp"):
+        key += f"_tile{rec['tile_mlp']}"
+    if rec.get("alloc_conf"):
+        key += "_" + re.sub(r"[^a-z0-9]+", "_", rec["alloc_conf"].split(":")[0].lower()).strip("_")
+    return key
 
 
 def merge(files: list[Path]) -> dict:
@@ -498,8 +511,9 @@ def merge(files: list[Path]) -> dict:
         entry: dict[str, Any] = {"label": f"{card or '?'} card, cap {cap:g} GiB", "card": card, "cap_gib": cap}
         for peer in [*PEERS, *sorted(k for k in by if k not in PEERS)]:
             r = by.get(peer, {})
-            if r.get("alloc_conf"):
-                entry[f"{peer}_alloc_conf"] = r["alloc_conf"]
+            for knob in ("alloc_conf", "tile_mlp"):
+                if r.get(knob):
+                    entry[f"{peer}_{knob}"] = r[knob]
             runs = sorted(r.get("runs", []), key=lambda x: x["seq_len"])
             entry[f"{peer}_max_seq_len"] = r.get("max_seq_len")
             entry[f"{peer}_edge_found"] = r.get("edge_found")
@@ -542,6 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--lora-r", type=int, default=32)
     common.add_argument("--model-dir", help="unsloth: the checkpoint folder (default: the named model, built)")
     common.add_argument("--backend", help="ours: optimize()'s Dynamo backend (default: its own; tests use eager)")
+    common.add_argument("--tile-mlp", type=int, help="ours: run each layer's MLP in pieces of this many positions "
+                                                     "(compile.patches.tiled_mlp); merged under its own key")
     common.add_argument("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for the tries (e.g. expandable_segments:True): "
                                              "a variant of the peer, merged under its own key (variant_key)")
     t = sub.add_parser("try", parents=[common], help="one attempt in this process")

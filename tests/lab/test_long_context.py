@@ -168,7 +168,7 @@ def test_one_real_try_trains_two_steps_on_the_cpu(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     # aot_eager: the whole optimize() path short of Inductor's code generation, which takes ~40 s here
     cmd = [sys.executable, "-m", "lab.long_context", "try", "--peer", "ours", "--model", "tiny", "--seq-len", "256",
-           "--cap-gib", "22", "--backend", "aot_eager", "--out", str(out)]
+           "--cap-gib", "22", "--backend", "aot_eager", "--tile-mlp", "96", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rec = json.loads(out.read_text())
@@ -177,6 +177,7 @@ def test_one_real_try_trains_two_steps_on_the_cpu(tmp_path):
     assert rec["tokens_per_s"] == pytest.approx(256 / rec["step_s"])
     assert rec["cpu_ram_gib"] > 0 and rec["peak_mem_gib"] is None and rec["cap"]["cap_applied"] is False
     assert rec["compilations"] >= 1 and rec["graph_breaks"] == 0 and rec["choices"]["ckpt_layers"]
+    assert rec["tile_mlp"] == 96  # the MLP in pieces of 96 positions (256: three pieces), still no graph break
 
 
 def test_an_allocator_variant_is_merged_under_its_own_key(tmp_path):
@@ -195,3 +196,5 @@ def test_an_allocator_variant_is_merged_under_its_own_key(tmp_path):
     args = lc.build_parser().parse_args(["try", "--peer", "ours", "--cap-gib", "22", "--out", "x.json", "--seq-len",
                                          "1024", "--alloc-conf", "expandable_segments:True"])
     assert args.alloc_conf == "expandable_segments:True"
+    assert lc.variant_key({"peer": "ours", "tile_mlp": 4096, "alloc_conf": "expandable_segments:True"}) \
+        == "ours_tile4096_expandable_segments"

@@ -16,11 +16,13 @@ which training loses gradients; ``training.evaluation`` and ``training.finetunin
 :mod:`.nf4_dequant` (a speed change, applied by ``optimize()`` on CUDA) routes bitsandbytes' NF4
 ``matmul_4bit`` / ``dequantize_4bit`` to the one-pass op of ``ops.nf4_triton``.
 :mod:`.lora_addmm` (a memory change, applied by ``optimize()``) adds each LoRA update into its
-base output with one ``addmm``, on the model's PEFT LoRA layers.
+base output with one ``addmm``, on the model's PEFT LoRA layers. :mod:`.tiled_mlp` (a memory change
+for long sequences, applied by hand for now) runs each layer's MLP in checkpointed pieces along the
+sequence.
 """
 
 from ...reversible import PatchHandle
-from . import input_require_grads, lora_addmm, nf4_dequant, use_cache_warning
+from . import input_require_grads, lora_addmm, nf4_dequant, tiled_mlp, use_cache_warning
 
 #: Every patch, by name (the names ``compile.prepare_for_compile(patches=...)`` accepts).
 PATCHES = {
@@ -28,4 +30,5 @@ PATCHES = {
     "use_cache_warning": use_cache_warning,
 }
 
-__all__ = ["PATCHES", "PatchHandle", "input_require_grads", "lora_addmm", "nf4_dequant", "use_cache_warning"]
+__all__ = ["PATCHES", "PatchHandle", "input_require_grads", "lora_addmm", "nf4_dequant", "tiled_mlp",
+           "use_cache_warning"]

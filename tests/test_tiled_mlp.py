@@ -1,0 +1,95 @@
+"""compile.patches.tiled_mlp: each decoder layer's MLP in checkpointed pieces along the sequence.
+
+The MLP acts on each position alone, so the pieces give the untiled loss, and the gradients up to
+summation order (fp32 on a CPU: 1e-5). Checked eagerly on a QLoRA model, after ``optimize()`` (whose
+LoRA patches reach the MLP's projections), compiled whole with ``fullgraph=True`` (a graph break
+would raise), and that ``undo()`` gives each MLP its forward back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_lora import batch, build, save_tiny_llama
+
+from qlora_nb_utils import optimize
+from qlora_nb_utils.compile.patches import tiled_mlp
+
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_tiled"), layers=LAYERS)
+
+
+def loss_and_grads(model, forward, b):
+    model.zero_grad(set_to_none=True)
+    loss = forward(**b).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(got, want):
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert got[1].keys() == want[1].keys() and got[1]
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_tiled_mlp_gives_the_untiled_loss_and_grads_and_undoes(tiny_dir):
+    model = build(tiny_dir, quant=True, how=None)
+    b = batch(seq=64)
+    mlps = tiled_mlp.find_mlps(model)
+    assert len(mlps) == LAYERS
+    before = [vars(m).get("forward") for m in mlps]
+    want = loss_and_grads(model, model, b)
+    calls = []
+    handle = tiled_mlp.apply(model, tile_rows=24)  # 64 positions: pieces of 24, 24 and 16
+    try:
+        assert all(m.forward.__wrapped__ is not None for m in mlps)
+        hook = mlps[0].down_proj.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[-2]))
+        got = loss_and_grads(model, model, b)
+        hook.remove()
+    finally:
+        handle.undo()
+    assert calls[:3] == [24, 24, 16]  # forward: one call per piece (the backward recomputes them again)
+    assert_same(got, want)
+    assert [vars(m).get("forward") for m in mlps] == before
+    assert_same(loss_and_grads(model, model, b), want)
+    short = tiled_mlp.apply(model, tile_rows=64)  # no longer than a piece: the MLP's own forward
+    try:
+        assert_same(loss_and_grads(model, model, b), want)
+    finally:
+        short.undo()
+
+
+def test_tiled_mlp_under_optimize_and_compiled_whole_without_a_graph_break(tiny_dir):
+    model = build(tiny_dir, quant=True, how="kbit")
+    b = batch(seq=64)
+    opt = optimize(model, batches=[b], backend="aot_eager")
+    try:
+        want = loss_and_grads(model, opt.eager, b)
+        handle = tiled_mlp.apply(model, tile_rows=16)
+        try:
+            eager = loss_and_grads(model, opt.eager, b)
+            compiled = loss_and_grads(model, opt.forward, b)  # fullgraph=True: a break would raise
+            assert opt.counter.compilations == 1
+        finally:
+            handle.undo()
+    finally:
+        opt.undo()
+    assert_same(eager, want)
+    assert_same(compiled, want)
+
+
+@pytest.mark.parametrize("rows", [0, -3, 2.5, True])
+def test_tile_rows_must_be_a_positive_integer(tiny_dir, rows):
+    model = build(tiny_dir, quant=False, how=None)
+    with pytest.raises(ValueError, match="tile_rows must be an integer >= 1"):
+        tiled_mlp.apply(model, tile_rows=rows)
+
+
+def test_a_model_without_a_gated_mlp_is_refused():
+    with pytest.raises(ValueError, match="no decoder layer with a gated MLP"):
+        tiled_mlp.apply(torch.nn.Linear(4, 4), tile_rows=8)
