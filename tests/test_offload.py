@@ -11,33 +11,18 @@ saved tensor back at the backward's start, which is why offloading switches to r
 
 import pytest
 import torch
-from tiny_lora import batch, build, save_tiny_llama
+from tiny_lora import assert_same, batch, build, loss_and_grads, save_tiny_llama
 
 from qlora_nb_utils import optimize
 from qlora_nb_utils.compile import decoder_layers, offload, prepare_for_compile, recipe
 from qlora_nb_utils.compile.memory_estimate import estimate_terms, peak_from_terms
 
 LAYERS = 3
-TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32: the same ops in the same order, up to reduction order
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_offload"), layers=LAYERS)
-
-
-def loss_and_grads(model, forward, b):
-    model.zero_grad(set_to_none=True)
-    loss = forward(**b).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def assert_same(got, want):
-    torch.testing.assert_close(got[0], want[0], **TOL)
-    assert got[1].keys() == want[1].keys() and got[1]
-    for name in want[1]:
-        torch.testing.assert_close(got[1][name], want[1][name], **TOL, msg=name)
 
 
 def assert_offloaded(stats, steps):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_lora import batch, build, save_tiny_llama
+from tiny_lora import assert_same, batch, build, loss_and_grads, save_tiny_llama
 
 from qlora_nb_utils import optimize
 from qlora_nb_utils.compile.patches import tiled_mlp
@@ -21,20 +21,6 @@ LAYERS = 2
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_tiled"), layers=LAYERS)
-
-
-def loss_and_grads(model, forward, b):
-    model.zero_grad(set_to_none=True)
-    loss = forward(**b).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same(got, want):
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
-    assert got[1].keys() == want[1].keys() and got[1]
-    for name in want[1]:
-        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_tiled_mlp_gives_the_untiled_loss_and_grads_and_undoes(tiny_dir):

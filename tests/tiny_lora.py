@@ -47,3 +47,23 @@ def build(folder, *, quant: bool, how: str | None, use_cache: bool = False):
 def batch(seq: int = 16, seed: int = 3):
     ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+#: fp32 on a CPU: the same ops in the same order, up to reduction order
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def loss_and_grads(model, forward, b):
+    """The loss of ``forward(**b)`` and the gradients of ``model``'s trainable parameters."""
+    model.zero_grad(set_to_none=True)
+    loss = forward(**b).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same(got, want):
+    """Two :func:`loss_and_grads` results equal within :data:`TOL`, with gradients to compare."""
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    assert got[1].keys() == want[1].keys() and got[1]
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], **TOL, msg=name)

@@ -131,7 +131,7 @@ def _driver_file(tmp_path, peer, cap, card, max_len):
     return path
 
 
-def test_merge_writes_every_field_the_results_file_needs(tmp_path):
+def test_merge_writes_every_field_the_results_file_needs(tmp_path, monkeypatch):
     files = [_driver_file(tmp_path, p, cap, card, n) for p, cap, card, n in
              [("ours", 22.0, 24, 60_416), ("unsloth", 22.0, 24, 50_176), ("ours", 38.5, 40, 130_048),
               ("unsloth", 38.5, 40, 120_832)]]
@@ -150,15 +150,11 @@ def test_merge_writes_every_field_the_results_file_needs(tmp_path):
     # the lab's index reads the lengths as results and the cap as a setting
     from lab import index
 
-    dest = tmp_path / "lab" / "results" / "long_context"
-    dest.mkdir(parents=True)
-    (dest / "long_context_h100.json").write_text(json.dumps(rec))
-    old = index.ROOT
-    try:
-        index.ROOT = tmp_path
-        metrics = {r["metric"] for r in index.rows_of(dest / "long_context_h100.json")}
-    finally:
-        index.ROOT = old
+    dest = tmp_path / "lab" / "results" / "long_context" / "long_context_h100.json"
+    dest.parent.mkdir(parents=True)
+    dest.write_text(json.dumps(rec))
+    monkeypatch.setattr(index, "ROOT", tmp_path)
+    metrics = {r["metric"] for r in index.rows_of(dest)}
     assert {"ours_max_seq_len", "unsloth_max_seq_len", "tokens_per_s", "reserved_gib"} <= metrics
     assert not metrics & {"cap_gib", "card"}
 
