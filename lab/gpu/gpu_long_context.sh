@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Wrote: nothing yet; writes $OUT/long_context_<gpu>.json (copy to lab/results/long_context/), one
-#   $OUT/<peer>_<card>.json per driver, $OUT/tries.tgz (each try's record and log), $OUT/long_context_log.txt
+# Wrote: lab/results/long_context/long_context_h200.json (from $OUT/<peer>_<card>.json, one per driver; also
+#   $OUT/long_context_<gpu>.json, $OUT/tries.tgz (each try's record and log), $OUT/long_context_log.txt)
 # Rerun: OUT=$OUT DEADLINE_S=520 bash lab/gpu/gpu_long_context.sh   (on a lent 4-GPU machine, from the
 #   repository root; carry .whl .gpucache .unsloth; build .unsloth/usite.tar.gz first: lab/gpu/unsloth_bundle.sh)
 # The longest sequence that trains llama-3.1-8b-shape QLoRA under a smaller card's memory, ours and
