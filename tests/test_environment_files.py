@@ -59,7 +59,6 @@ def pin_map(name):
 def all_pins():
     pins = pin_map("requirements.txt")
     pins.update(pin_map("requirements-nodeps.txt"))
-    pins.update(pin_map("requirements-llama.txt"))
     return pins
 
 
@@ -171,7 +170,7 @@ def test_setup_sh_parses():
 
 def test_setup_sh_hard_codes_no_version():
     text = (ROOT / "setup.sh").read_text()
-    for dist, version in {**all_pins(), **pin_map("requirements-nightly.txt")}.items():
+    for dist, version in {**all_pins(), **pin_map("requirements-nightly.txt"), **pin_map("requirements-llama.txt")}.items():
         assert f"=={version}" not in text, f"setup.sh hard-codes {dist}=={version}"
     assert not re.search(r"torch==\d", text), "setup.sh hard-codes a torch version"
     assert "read_pin torch" in text
@@ -476,7 +475,7 @@ def project_sources():
 
 def test_every_third_party_import_is_pinned():
     providers = md.packages_distributions()
-    pinned = set(all_pins())
+    pinned = set(all_pins()) | set(pin_map("requirements-llama.txt"))  # setup.sh --with-llama-cpp pins that one
     missing = {}
     for path, source in project_sources():
         for module in imported_modules(source):

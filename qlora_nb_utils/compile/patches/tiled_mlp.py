@@ -38,11 +38,10 @@ NAME = "tiled_mlp"
 
 
 def find_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Each decoder layer's ``mlp`` (a module with ``gate_proj``, ``up_proj`` and ``down_proj``)."""
-    from ..checkpointing import decoder_layers
-
-    return [layer.mlp for layer in decoder_layers(model)
-            if all(hasattr(getattr(layer, "mlp", None), n) for n in ("gate_proj", "up_proj", "down_proj"))]
+    """Each decoder layer's ``mlp``: a submodule named ``mlp`` with ``gate_proj``, ``up_proj`` and
+    ``down_proj`` (found by name, so that this patch imports nothing of ``compile`` above it)."""
+    return [m for name, m in model.named_modules()
+            if name.rsplit(".", 1)[-1] == "mlp" and all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))]
 
 
 def tiled(forward: Callable[[torch.Tensor], torch.Tensor], tile_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
