@@ -54,12 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     opts = argparse.Namespace(**{k: o[k] for k in ("steps", "global_batch_size", "seq_len", "pack", "seed",
                                                    "permute_rows")})
     if o.get("build") == "layerwise":  # the same seeded random NF4 weights, built the same way on one GPU
-        from qlora_nb_utils.distributed.big_model import build_nf4_model
+        from qlora_nb_utils.distributed.big_model import build_named_base
 
-        config = models.model_config(o["model"])
-        config.use_cache, config._attn_implementation = False, "sdpa"
-        base = build_nf4_model(config, device=torch.device("cuda"), compute_dtype=torch.bfloat16,
-                               quant_storage=getattr(torch, summary["quant_storage"]), seed=o["seed"])
+        base = build_named_base(o["model"], device="cuda", quant_storage=getattr(torch, summary["quant_storage"]),
+                                seed=o["seed"])
         tok = models.load_tokenizer(o["model"])
     else:
         base, tok = models.load_model(o["model"], quant="nf4", dtype="bfloat16", device="cuda", lora=False)

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["SHAPES", "LINEARS", "llama_config", "build_nf4_model", "build_named_qlora", "extrapolate",
+__all__ = ["SHAPES", "LINEARS", "llama_config", "build_nf4_model", "build_named_base", "build_named_qlora", "extrapolate",
            "cpu_ram_gib", "main"]
 
 #: Llama-3.1-70B's published config (hidden 8192, 80 layers, GQA 64/8, vocab 128256).
@@ -118,6 +118,19 @@ def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype
     return model.train()
 
 
+def build_named_base(name: str, *, device, dtype: torch.dtype = torch.bfloat16,
+                     quant_storage: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """The NF4 base of :func:`build_named_qlora` alone (the same seeded weights, no LoRA): the
+    base a run's saved adapter loads onto."""
+    from .. import models
+
+    config = models.model_config(name)
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    return build_nf4_model(config, device=torch.device(device), compute_dtype=dtype, quant_storage=quant_storage,
+                           seed=seed)
+
+
 def build_named_qlora(name: str, *, device, dtype: torch.dtype = torch.bfloat16,
                       quant_storage: torch.dtype = torch.float32, lora_r: int = 16, lora_alpha: float = 32,
                       seed: int = 0):
@@ -132,11 +145,8 @@ def build_named_qlora(name: str, *, device, dtype: torch.dtype = torch.bfloat16,
 
     from .. import models
 
-    config = models.model_config(name)
-    config.use_cache = False
-    config._attn_implementation = "sdpa"
     device = torch.device(device)
-    base = build_nf4_model(config, device=device, compute_dtype=dtype, quant_storage=quant_storage, seed=seed)
+    base = build_named_base(name, device=device, dtype=dtype, quant_storage=quant_storage, seed=seed)
     lora = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=[n.split(".")[-1] for n in LINEARS])
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
