@@ -16,6 +16,7 @@ from tiny_lora import assert_same, batch, build, loss_and_grads, save_tiny_llama
 from qlora_nb_utils import optimize
 from qlora_nb_utils.compile import decoder_layers, offload, prepare_for_compile, recipe
 from qlora_nb_utils.compile.memory_estimate import estimate_terms, peak_from_terms
+from qlora_nb_utils.compile.plan import MEMORY_HEADROOM, planning_target
 
 LAYERS = 3
 
@@ -137,21 +138,26 @@ def test_a_memory_target_picks_offload_only_when_checkpointing_every_layer_is_no
     all_ckpt, all_off = peak_from_terms(terms, LAYERS), peak_from_terms(terms, LAYERS, offload=True)
     assert all_off < all_ckpt
     between = (all_ckpt + all_off) / 2
-    opt = optimize(model, batches=batches, max_memory_gib=between, backend="eager")
+    target = between / (1 - MEMORY_HEADROOM)  # the plan fits its estimate under the target less the headroom
+    assert planning_target(target) == pytest.approx(between)
+    assert target > all_ckpt  # without the headroom, checkpointing every layer would have been taken as enough
+    opt = optimize(model, batches=batches, max_memory_gib=target, backend="eager")
     try:
         c, r = opt.choices, opt.reasons
         assert c["offload"] is True and c["scope"] == "regional"
         assert int(c["ckpt_layers"].split("/")[0]) >= 1
-        assert f"checkpointing every layer is estimated at {all_ckpt:.2f} GiB > {between} GiB" in r["offload"]
+        assert f"checkpointing every layer is estimated at {all_ckpt:.2f} GiB > {between:.4g} GiB" in r["offload"]
+        assert f"the target {target} GiB less 10% headroom" in r["offload"]
         assert "offload=True" in opt.description
     finally:
         opt.undo()
-    opt = optimize(model, batches=batches, max_memory_gib=all_ckpt + 1, backend="eager")
+    opt = optimize(model, batches=batches, max_memory_gib=(all_ckpt + 1) / (1 - MEMORY_HEADROOM), backend="eager")
     try:
         assert opt.choices["offload"] is False and opt.choices["scope"] == "whole"
+        assert opt.reasons["offload"].startswith("not needed: the estimate fits the target without it")
     finally:
         opt.undo()
-    opt = optimize(model, batches=batches, max_memory_gib=between, offload=False, backend="eager")
+    opt = optimize(model, batches=batches, max_memory_gib=target, offload=False, backend="eager")
     try:
         assert opt.choices["offload"] is False and opt.choices["ckpt_layers"] == f"{LAYERS}/{LAYERS}"
         assert "even with every layer checkpointed" in opt.reasons["ckpt_layers"]

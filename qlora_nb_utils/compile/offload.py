@@ -269,7 +269,8 @@ def plan(n_layers: int, *, grad_ckpt: Any, ckpt_layers: int | None, max_memory_g
         ValueError: a bad ``offload``, or ``offload=True`` without checkpointing.
     """
     _check_options(grad_ckpt, ckpt_layers, offload)
-    off, off_why = False, "no memory target" if offload == "auto" else "asked for"
+    off, off_why = False, ("asked for" if offload != "auto" else "no memory target" if max_memory_gib is None
+                           else "not needed: the estimate fits the target without it")
     if grad_ckpt is True or ckpt_layers is not None:
         ckpt = n_layers if ckpt_layers is None else min(ckpt_layers, n_layers)
         why = "asked for"
@@ -278,8 +279,8 @@ def plan(n_layers: int, *, grad_ckpt: Any, ckpt_layers: int | None, max_memory_g
         elif offload == "auto" and max_memory_gib is not None and ckpt:
             est = estimate(ckpt, False)
             off = est > max_memory_gib
-            off_why = (f"estimated peak {est:.2f} GiB > {max_memory_gib} GiB without it" if off
-                       else f"estimated peak {est:.2f} GiB fits {max_memory_gib} GiB without it")
+            off_why = (f"estimated peak {est:.2f} GiB > {max_memory_gib:.4g} GiB without it" if off
+                       else f"estimated peak {est:.2f} GiB fits {max_memory_gib:.4g} GiB without it")
     elif grad_ckpt is False:
         ckpt, why = 0, "asked for"
     elif max_memory_gib is None:
@@ -290,13 +291,13 @@ def plan(n_layers: int, *, grad_ckpt: Any, ckpt_layers: int | None, max_memory_g
                 for n in range(0 if o is False else 1, n_layers + 1) if estimate(n, o) <= max_memory_gib]
         if fits:
             ckpt, off = fits[0]
-            why = f"estimated peak {estimate(ckpt, off):.2f} GiB <= {max_memory_gib} GiB at {shape}"
+            why = f"estimated peak {estimate(ckpt, off):.2f} GiB <= {max_memory_gib:.4g} GiB at {shape}"
             if off and offload == "auto":
                 off_why = (f"checkpointing every layer is estimated at {estimate(n_layers, False):.2f} GiB "
-                           f"> {max_memory_gib} GiB")
+                           f"> {max_memory_gib:.4g} GiB")
         else:
             ckpt, off = n_layers, offload is not False
-            why = (f"estimated peak above {max_memory_gib} GiB even with every layer checkpointed"
+            why = (f"estimated peak above {max_memory_gib:.4g} GiB even with every layer checkpointed"
                    + (" and offloaded" if off else ""))
             if off and offload == "auto":
                 off_why = "the target is not met without it either"

@@ -185,6 +185,20 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
 TARGET_CHUNK_ROWS = 1024
 
 
+#: The share of a memory target ``optimize()`` keeps free of its estimate. The estimate's activation
+#: terms were fitted on peaks of up to 8k tokens (:mod:`.memory_estimate`); at 8k and 16k tokens of an
+#: 8B model, under a 22 GiB cap, the choices it placed just under the target (estimates 0.1 to 0.4 GiB
+#: below it) ran out of memory in the first step, whose autotuning copies a loss piece's logits. The
+#: headroom turns such a near miss into more checkpointing (or offload), which costs step time, not
+#: the run.
+MEMORY_HEADROOM = 0.10
+
+
+def planning_target(max_memory_gib: float | None) -> float | None:
+    """The peak the plan fits its estimate under: ``max_memory_gib`` less :data:`MEMORY_HEADROOM`."""
+    return None if max_memory_gib is None else max_memory_gib * (1 - MEMORY_HEADROOM)
+
+
 def target_chunks(ce_chunks: int, rows: int) -> int:
     """The chunked loss's pieces under a memory target: at least ``ce_chunks``, and enough that
     none holds more than :data:`TARGET_CHUNK_ROWS` of the ``rows`` the loss reads (0 stays 0: the
@@ -210,11 +224,16 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
                                cast_dtype=p.dtype if opts.cast else None, head_rows=p.head_rows,
                                recompute=p.recompute, lora_in_place=lora_addmm_expected(model, opts.lora_addmm))
         est, at = functools.partial(peak_from_terms, terms), f"{b} x {s}"
+    planned = planning_target(opts.max_memory_gib)
     ck = checkpoint_plan(n_layers, grad_ckpt=opts.grad_ckpt, ckpt_layers=opts.ckpt_layers,
-                         max_memory_gib=opts.max_memory_gib, offload=opts.offload, scope=p.scope, estimate=est,
+                         max_memory_gib=planned, offload=opts.offload, scope=p.scope, estimate=est,
                          shape=at)
+    if planned is not None and planned != opts.max_memory_gib:
+        note = f" (the target {opts.max_memory_gib} GiB less {MEMORY_HEADROOM:.0%} headroom)"
+        ck.ckpt_why += note if ck.ckpt_why.startswith("estimated") else ""
+        ck.offload_why += note if "estimated" in ck.offload_why else ""
     p.ckpt_layers, p.scope, p.offload = ck.ckpt_layers, ck.scope, ck.offload
-    p.over_target = est is not None and est(ck.ckpt_layers, ck.offload) > opts.max_memory_gib
+    p.over_target = est is not None and est(ck.ckpt_layers, ck.offload) > planned
     p.record("ckpt_layers", table.Choice(f"{ck.ckpt_layers}/{n_layers}", ck.ckpt_why))
     p.record("offload", table.Choice(ck.offload, ck.offload_why))
     if ck.scope_why:
