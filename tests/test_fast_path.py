@@ -7,7 +7,7 @@ from qlora_nb_utils import data as qdata
 from qlora_nb_utils import models, optimize
 from qlora_nb_utils.compile.fast_path import estimate_peak_gib, pad_batch
 from qlora_nb_utils.compile.patches import bnb_cpu_packing
-from qlora_nb_utils.compile.plan import MEMORY_HEADROOM
+from qlora_nb_utils.compile.plan import MEMORY_HEADROOM, REGIONAL_UNDER_TARGET_WHY
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +91,7 @@ def test_the_memory_target_picks_the_fewest_checkpointed_layers_that_fit(loaded)
     assert estimate_peak_gib(model, 2 * b, s, 0, act_bytes=4) > est[0]
     # the weights the recipe will cast are counted at their cast size
     assert estimate_peak_gib(model, b, s, 0, act_bytes=4, cast_dtype=torch.bfloat16) < est[0]
+    regional_for_target = 0
     for planned in (max(est) + 1, (est[0] + est[2]) / 2, min(est) / 2):
         target = planned / (1 - MEMORY_HEADROOM)  # the estimate must fit the target less the headroom
         want = next((n for n in range(3) if est[n] <= planned), None)
@@ -99,6 +100,11 @@ def test_the_memory_target_picks_the_fewest_checkpointed_layers_that_fit(loaded)
                        recompute=True)
         try:
             assert opt.choices["ckpt_layers"] == f"{2 if want is None else want}/2", (target, est)
+            # checkpointing under a target runs around each compiled layer, where the estimate holds
+            assert opt.choices["scope"] == ("whole" if want == 0 else "regional")
+            if want != 0 and opt.choices["offload"] is False:
+                assert opt.reasons["scope"] == REGIONAL_UNDER_TARGET_WHY
+                regional_for_target += 1
             if want is None:
                 assert "even with every layer checkpointed" in opt.reasons["ckpt_layers"]
             else:
@@ -106,6 +112,7 @@ def test_the_memory_target_picks_the_fewest_checkpointed_layers_that_fit(loaded)
                 assert f"(the target {target} GiB less 10% headroom)" in opt.reasons["ckpt_layers"]
         finally:
             opt.undo()
+    assert regional_for_target >= 1
 
 
 def test_pad_batch_masks_and_ignores_what_it_adds():

@@ -186,12 +186,19 @@ TARGET_CHUNK_ROWS = 1024
 
 
 #: The share of a memory target ``optimize()`` keeps free of its estimate. The estimate's activation
-#: terms were fitted on peaks of up to 8k tokens (:mod:`.memory_estimate`); at 8k and 16k tokens of an
-#: 8B model, under a 22 GiB cap, the choices it placed just under the target (estimates 0.1 to 0.4 GiB
-#: below it) ran out of memory in the first step, whose autotuning copies a loss piece's logits. The
-#: headroom turns such a near miss into more checkpointing (or offload), which costs step time, not
-#: the run.
+#: terms were fitted on short sequences (:mod:`.memory_estimate`), and its error grows with the
+#: length; a choice placed just under the target can run out of memory in its first step (whose
+#: autotuning copies a loss piece's logits). The headroom turns such a near miss into more
+#: checkpointing (or offload), which costs step time, not the run. The lab's long-context runs
+#: (``lab/results/long_context/``) hold the cases.
 MEMORY_HEADROOM = 0.10
+
+#: Why a memory target that needs checkpointing makes the scope regional: there each checkpoint runs
+#: eagerly around a compiled layer, so what a layer keeps is what the estimate's per-layer terms
+#: count; in one whole graph the partitioner decides what the backward saves and when the loss
+#: pieces die, and long-sequence whole-scope choices well under their estimate ran out of memory.
+REGIONAL_UNDER_TARGET_WHY = ("a memory target that needs checkpointing: the checkpoints run around each "
+                             "compiled layer, where the estimate holds")
 
 
 def planning_target(max_memory_gib: float | None) -> float | None:
@@ -232,6 +239,8 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
         note = f" (the target {opts.max_memory_gib} GiB less {MEMORY_HEADROOM:.0%} headroom)"
         ck.ckpt_why += note if ck.ckpt_why.startswith("estimated") else ""
         ck.offload_why += note if "estimated" in ck.offload_why else ""
+    if planned is not None and ck.ckpt_layers and ck.scope == "whole":
+        ck.scope, ck.scope_why = "regional", REGIONAL_UNDER_TARGET_WHY
     p.ckpt_layers, p.scope, p.offload = ck.ckpt_layers, ck.scope, ck.offload
     p.over_target = est is not None and est(ck.ckpt_layers, ck.offload) > planned
     p.record("ckpt_layers", table.Choice(f"{ck.ckpt_layers}/{n_layers}", ck.ckpt_why))
