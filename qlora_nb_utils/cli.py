@@ -249,6 +249,10 @@ def _train(args: argparse.Namespace) -> int:
 
     opts = _train_options(args)
     check_options(out=args.out, resume=args.resume, overwrite=args.overwrite, **opts)  # before any model loads
+    if args.max_memory_gib is not None:  # before CUDA starts: the allocator reads its settings once
+        from .env import prefer_expandable_segments
+
+        print(f"qlora-nb train: allocator: {prefer_expandable_segments()[1]}", file=sys.stderr)
     try:
         finetune(out=args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
                           command=args.command_line, **opts)

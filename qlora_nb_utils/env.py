@@ -323,3 +323,31 @@ def resolve_device_dtype(device: Any = "auto", dtype: Any = "auto") -> tuple[tor
     """
     dev = resolve_device(device)
     return dev, resolve_dtype(default_dtype(dev) if dtype in (None, "auto") else dtype, dev)
+
+
+#: The allocator setting a memory target asks for. A long sequence's step frees and allocates
+#: blocks of many sizes (each layer's input copied back, loss pieces, attention workspaces); with
+#: fixed-size segments the cached free blocks stop fitting the next large request, and a step can
+#: run out of memory with gigabytes reserved but unallocated. Expandable segments grow and shrink
+#: one mapping instead. The lab's long-context runs (``lab/results/long_context/``) hold a case.
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+_ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def prefer_expandable_segments() -> Tuple[bool, str]:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` for this process when nothing has
+    chosen an allocator setting yet and CUDA is not yet initialized (the allocator reads it once).
+
+    The command line calls it for a run with a memory target; a Python user sets the variable
+    before the first CUDA call instead.
+
+    Returns:
+        ``(set, why)``: whether this call set it, and why (or why not).
+    """
+    for name in _ALLOC_ENV:
+        if os.environ.get(name):
+            return False, f"{name}={os.environ[name]} is already set: left as it is"
+    if torch.cuda.is_initialized():
+        return False, "CUDA is already initialized: the allocator has read its settings"
+    os.environ[_ALLOC_ENV[0]] = EXPANDABLE_SEGMENTS
+    return True, f"{_ALLOC_ENV[0]}={EXPANDABLE_SEGMENTS} (fewer stranded cached blocks under a memory target)"

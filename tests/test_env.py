@@ -1,6 +1,7 @@
 """Tests for qlora_nb_utils.env: versions, device and dtype checks, the bitsandbytes probe."""
 
 import importlib.metadata
+import os
 import sys
 from types import SimpleNamespace
 
@@ -178,3 +179,39 @@ def test_bitsandbytes_cpu_kernel_note_is_one_quiet_line(caplog):
     assert other.levelno == logging.WARNING and other.getMessage() == "something else: 1"
     env.quiet_bnb_cpu_kernel_note()
     assert len(logger.filters) == 1  # idempotent
+
+
+def test_prefer_expandable_segments_sets_it_only_when_nothing_chose(monkeypatch):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # set, then removed: put back as it was after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    done, why = env.prefer_expandable_segments()
+    assert done and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True", why
+    # a setting already made (by the user or by this call) is left as it is
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    done, why = env.prefer_expandable_segments()
+    assert not done and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128" and "already set" in why
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late: the allocator has read it
+    done, why = env.prefer_expandable_segments()
+    assert not done and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "already initialized" in why
+
+
+def test_train_with_a_memory_target_asks_for_expandable_segments_before_training(tmp_path, monkeypatch, capsys):
+    from qlora_nb_utils import cli
+    from qlora_nb_utils.training import finetuning
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # set, then removed: put back as it was after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    seen = {}
+    monkeypatch.setattr(finetuning, "finetune", lambda **kw: seen.update(conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    monkeypatch.setattr(finetuning, "check_options", lambda **kw: None)
+    assert cli.main(["train", "--model", "tiny", "--out", str(tmp_path / "r"), "--max-memory-gib", "22"]) == 0
+    assert seen["conf"] == "expandable_segments:True"
+    assert "allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in capsys.readouterr().err
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert cli.main(["train", "--model", "tiny", "--out", str(tmp_path / "r2")]) == 0  # no target: left alone
+    assert seen["conf"] is None
