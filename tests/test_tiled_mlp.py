@@ -79,3 +79,27 @@ def test_tile_rows_must_be_a_positive_integer(tiny_dir, rows):
 def test_a_model_without_a_gated_mlp_is_refused():
     with pytest.raises(ValueError, match="no decoder layer with a gated MLP"):
         tiled_mlp.apply(torch.nn.Linear(4, 4), tile_rows=8)
+
+
+@pytest.mark.parametrize("grad_ckpt", [False, True], ids=["no_ckpt", "ckpt"])
+def test_tiled_mlp_with_grouped_lora_layers_compiled_regionally(tiny_dir, grad_ckpt):
+    """The fused NF4 route groups sibling LoRA layers (gate and up read one input): the first call
+    leaves its outputs on the group for the second. Inside a checkpointed tile that is a side
+    effect Dynamo refuses, so a tiled MLP's projections run ungrouped (and grouped again on undo)."""
+    model = build(tiny_dir, quant=True, how="kbit")
+    b = batch(seq=64)
+    opt = optimize(model, batches=[b], backend="aot_eager", scope="regional", nf4_dequant=True, grad_ckpt=grad_ckpt)
+    try:
+        assert int(opt.choices["lora_groups"]) > 0, opt.reasons["lora_groups"]
+        want = loss_and_grads(model, opt.eager, b)
+        handle = tiled_mlp.apply(model, tile_rows=16)
+        try:
+            assert handle.details["ungrouped"] == LAYERS  # each MLP's gate/up group
+            compiled = loss_and_grads(model, opt.forward, b)  # fullgraph=True: a break would raise
+        finally:
+            handle.undo()
+        again = loss_and_grads(model, opt.forward, b)  # grouped again, as before the tiles
+    finally:
+        opt.undo()
+    assert_same(compiled, want)
+    assert_same(again, want)

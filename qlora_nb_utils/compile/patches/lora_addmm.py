@@ -116,12 +116,19 @@ def _fused_args(layer: Any, x: torch.Tensor, route: Callable[[Any, torch.Tensor]
     return lora_A.weight.to(x.dtype), lora_B.weight.to(x.dtype), layer.scaling[name], weight_args
 
 
+#: The attribute through which a grouped LoRA layer names its :class:`_Group` (while patched).
+GROUP_ATTR = "_qlora_lora_group"
+
+
 class _Group:
     """Sibling layers that read the same input, and what the first one called left for the others."""
 
     def __init__(self, layers: list, wide: bool = False) -> None:
         self.layers = layers
         self.wide = wide
+        #: False: each member runs on its own (a caller that runs the members inside a checkpointed
+        #: region, where leaving outputs on the group is a side effect Dynamo refuses, turns it off)
+        self.active = True
         self.x: torch.Tensor | None = None
         self.outs: tuple | None = None
         self.pending = (False,) * len(layers)
@@ -155,7 +162,7 @@ def _forward(self: Any, x: torch.Tensor, *args: Any, in_place: bool = True,
     name = _plain(self, x, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
-    if group is not None and route is not None:
+    if group is not None and group.active and route is not None:
         out = _grouped(group, index, x, route)
         if out is not None:
             return out
@@ -248,6 +255,8 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
     for layer in layers:
         forward = _make_forward(bool(in_place), route, *place.get(id(layer), (None, 0)))
         set_attribute(handle, layer, "forward", types.MethodType(forward, layer))
+        if id(layer) in place:  # its group, for a patch that must run the members apart
+            set_attribute(handle, layer, GROUP_ATTR, place[id(layer)][0])
     for g in groups:
         handle.add_undo(g.clear)  # nothing left on a group's state after undo
     return handle

@@ -20,7 +20,10 @@ break); the number of pieces follows the length, so each length is its own graph
 without tiling.
 
 Apply it after ``optimize()`` (whose LoRA patches the MLP's projections keep) and before the first
-step; ``undo()`` restores each MLP's forward.
+step; ``undo()`` restores each MLP's forward. Where ``optimize()`` grouped the MLP's gate and up
+projections into one fused call (the first call leaves the second one's output on the group), the
+tiles run them apart: inside a checkpointed piece that hand-over is a side effect Dynamo refuses
+(a graph break). ``undo()`` groups them again.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...reversible import PatchHandle, set_attribute
+from .lora_addmm import GROUP_ATTR
 
 __all__ = ["apply", "find_mlps", "tiled"]
 
@@ -70,10 +74,15 @@ def apply(model: torch.nn.Module, tile_rows: int) -> PatchHandle:
     mlps = find_mlps(model)
     if not mlps:
         raise ValueError("no decoder layer with a gated MLP (gate_proj, up_proj, down_proj) to tile")
-    handle = PatchHandle(NAME, {"mlps": len(mlps), "tile_rows": tile_rows})
+    handle = PatchHandle(NAME, {"mlps": len(mlps), "tile_rows": tile_rows, "ungrouped": 0})
     try:
         for mlp in mlps:
             set_attribute(handle, mlp, "forward", tiled(mlp.forward, tile_rows))
+            for group in {id(g): g for g in (getattr(getattr(mlp, n), GROUP_ATTR, None)
+                                             for n in ("gate_proj", "up_proj", "down_proj")) if g is not None}.values():
+                if group.active:
+                    set_attribute(handle, group, "active", False)
+                    handle.details["ungrouped"] += 1
     except BaseException:
         handle.undo()
         raise
