@@ -103,3 +103,45 @@ def test_tiled_mlp_with_grouped_lora_layers_compiled_regionally(tiny_dir, grad_c
         opt.undo()
     assert_same(compiled, want)
     assert_same(again, want)
+
+
+def test_optimize_tiles_the_mlp_only_when_every_layer_checkpointed_and_offloaded_is_not_enough(tiny_dir, monkeypatch):
+    """``tile_mlp="auto"``: pieces only past what checkpointing and offload reach (their estimate
+    counted), with the same loss and gradients compiled; an integer asks for them; bad values refused."""
+    from qlora_nb_utils.compile import plan
+    from qlora_nb_utils.compile.memory_estimate import estimate_terms, peak_from_terms
+
+    monkeypatch.setattr(plan, "TILE_ROWS", 16)  # the tiny model's 64 positions: 4 pieces
+    model = build(tiny_dir, quant=True, how="kbit")
+    b = batch(seq=64)
+    opt = optimize(model, batches=[b], backend="aot_eager", scope="regional", nf4_dequant=True)
+    want = loss_and_grads(model, opt.eager, b)  # untiled
+    opt.undo()
+    terms = estimate_terms(model, 2, 64, act_bytes=4, cast_dtype=torch.float32, recompute=True, lora_in_place=True)
+    whole, tiled = peak_from_terms(terms, LAYERS, offload=True), peak_from_terms(terms, LAYERS, True, 16)
+    assert tiled < whole
+    # a target whose planned share lies between the two; a larger one needs no tiles
+    for planned, pieces in (((whole + tiled) / 2, 16), (whole * 1.01, 0)):
+        opt = optimize(model, batches=[b], backend="aot_eager", nf4_dequant=True,
+                       max_memory_gib=planned / (1 - plan.MEMORY_HEADROOM))
+        try:
+            assert opt.choices["tile_mlp"] == pieces, opt.reasons["tile_mlp"]
+            if pieces:
+                assert opt.choices["offload"] is True and opt.choices["ckpt_layers"] == f"{LAYERS}/{LAYERS}"
+                assert f"each MLP in pieces of 16 positions: {tiled:.2f} GiB" in opt.reasons["tile_mlp"]
+                assert "tile_mlp=16" in opt.description
+                assert_same(loss_and_grads(model, opt.forward, b), want)  # compiled, fullgraph, tiled
+            else:
+                assert opt.reasons["tile_mlp"] == "not needed: the estimate fits the target without it"
+        finally:
+            opt.undo()
+    assert all("forward" not in vars(m) for m in tiled_mlp.find_mlps(model))  # undone
+    opt = optimize(model, batches=[b], backend="aot_eager", tile_mlp=16)
+    try:
+        assert opt.choices["tile_mlp"] == 16 and opt.reasons["tile_mlp"] == "asked for"
+        assert_same(loss_and_grads(model, opt.forward, b), want)
+    finally:
+        opt.undo()
+    for bad in (0, -1, True, "yes", 2.5):
+        with pytest.raises(ValueError, match="tile_mlp must be 'auto', False or an integer >= 1"):
+            optimize(model, batches=[b], backend="aot_eager", tile_mlp=bad)

@@ -141,6 +141,10 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
         offload: keep checkpointed layers' inputs in pinned CPU memory (:mod:`.offload`):
             ``"auto"`` (only when ``max_memory_gib`` is not met by checkpointing every layer),
             True or False. Offloading compiles in regional scope.
+        tile_mlp: run each decoder layer's MLP in checkpointed pieces of this many positions
+            (:mod:`.patches.tiled_mlp`; the same loss, gradients up to summation order):
+            ``"auto"`` (pieces of :data:`.plan.TILE_ROWS` only when ``max_memory_gib`` is not met
+            with every layer checkpointed and offloaded), an integer, or False.
         loss_rows: the LM head and the chunked loss over the labelled target rows only
             (:func:`~qlora_nb_utils.ops.losses.labelled_rows`, counted before each step):
             ``"auto"`` (when the batches shown ignore at least
@@ -212,6 +216,10 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
         # every saving taken and still over the target: the LoRA update out of place (one tensor fewer)
         extra += use_lora_addmm(model, opts.lora_addmm, choices, reasons, not plan.over_target, LORA_OUT_OF_PLACE_WHY,
                                 nf4, group=plan.lora_groups, no_group_why=LORA_NO_GROUP_WHY)
+        if plan.tile_rows:  # after the LoRA patches: the tiles run the MLP's grouped projections apart
+            from .patches import tiled_mlp
+
+            extra.append(tiled_mlp.apply(model, plan.tile_rows))
     except BaseException:  # refused when asked for: leave the model as it was given, but for the cast
         for handle in [*extra, fast]:
             handle.undo()

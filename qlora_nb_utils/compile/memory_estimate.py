@@ -35,6 +35,10 @@ and the one prefetched): ``offload_transient_gib``. That term is counted, not fi
 measured offload peak has calibrated it. The pinned CPU memory it takes instead is
 ``ckpt_layers * kept_per_layer_gib``.
 
+With each MLP run in pieces along the sequence (``compile.patches.tiled_mlp``), the recomputed
+layer holds one piece's share of the intermediate-sized activations (and of the in-place LoRA
+update's tensor) instead of the whole sequence's; counted, not fitted.
+
 One model at two token counts fitted four numbers, so it is an estimate for choosing, not a
 measurement: the run's ``peak_mem_gib`` is the fact. :func:`estimate_terms` gives the terms
 apart, so the calibration script can refit them.
@@ -100,8 +104,11 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
     if recompute:
         per_h, per_i = per_h - _ACT_RECOMPUTED[0], per_i - _ACT_RECOMPUTED[1]
     per_layer = tokens * (per_h * hidden + per_i * inter) * act_bytes / _GIB
-    return {"layers": len(decoder_layers(model)), "tokens": tokens, "hidden": hidden, "intermediate": inter,
+    per_layer_intermediate = tokens * per_i * inter * act_bytes / _GIB  # the MLP's share, what tiles shrink
+    return {"layers": len(decoder_layers(model)), "tokens": tokens, "seq_len": seq_len, "hidden": hidden,
+            "intermediate": inter,
             "vocab": vocab, "act_bytes": act_bytes, "static_gib": static / _GIB, "per_layer_gib": per_layer,
+            "per_layer_intermediate_gib": per_layer_intermediate,
             "kept_per_layer_gib": tokens * hidden * act_bytes / _GIB,
             "ckpt_transient_gib": _CKPT_TRANSIENT_LAYERS * per_layer,
             "offload_transient_gib": _OFFLOAD_RELOADED * tokens * hidden * act_bytes / _GIB,
@@ -111,14 +118,23 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
             "overhead_gib": _OVERHEAD_GIB}
 
 
-def peak_from_terms(terms: dict[str, Any], ckpt_layers: int, offload: bool = False) -> float:
+def peak_from_terms(terms: dict[str, Any], ckpt_layers: int, offload: bool = False,
+                    tile_rows: int | None = None) -> float:
     """The estimated peak (GiB) with the first ``ckpt_layers`` layers checkpointed (their inputs
-    offloaded to CPU memory with ``offload``)."""
+    offloaded to CPU memory with ``offload``), each MLP run in pieces of ``tile_rows`` positions
+    (``compile.patches.tiled_mlp``) when given.
+
+    With every layer checkpointed, the tiles shrink what the recomputed layer holds of its MLP
+    (the intermediate-sized share of the layer's activations, and the in-place LoRA update's
+    tensor) to one piece's worth; an un-checkpointed layer still saves every piece's."""
     n = max(0, min(ckpt_layers, terms["layers"]))
     kept = terms["offload_transient_gib"] if offload and n else n * terms["kept_per_layer_gib"]
+    share = 1.0 if not tile_rows else min(1.0, tile_rows / max(terms["seq_len"], 1))  # pieces along the sequence
+    per_i = terms.get("per_layer_intermediate_gib", 0.0)
+    transient = terms["ckpt_transient_gib"] - (1 - share) * _CKPT_TRANSIENT_LAYERS * per_i
     return (terms["static_gib"] + kept + (terms["layers"] - n) * terms["per_layer_gib"]
-            + (terms["ckpt_transient_gib"] if n else 0.0) + terms["logits_gib"] + terms["overhead_gib"]
-            + terms.get("lora_in_place_gib", 0.0))
+            + (transient if n else 0.0) + terms["logits_gib"] + terms["overhead_gib"]
+            + terms.get("lora_in_place_gib", 0.0) * share)
 
 
 def estimate_peak_gib(model: torch.nn.Module, batch_size: int, seq_len: int, ckpt_layers: int, *,

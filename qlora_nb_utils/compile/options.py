@@ -85,6 +85,7 @@ class OptimizeOptions:
     nf4_dequant: bool | str = "auto"
     warm_cache: bool | str = "auto"
     ce_min_rows: int | str = "auto"
+    tile_mlp: bool | int | str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))
@@ -99,6 +100,8 @@ class OptimizeOptions:
                for name, valid in _ONE_OF.items() if getattr(self, name) not in valid]
         if self.ce_min_rows != "auto" and not (_is_int(self.ce_min_rows) and self.ce_min_rows >= 0):
             out.append(f"ce_min_rows must be 'auto' or an integer >= 0, got {self.ce_min_rows!r}")
+        if not (self.tile_mlp is False or self.tile_mlp == "auto" or (_is_int(self.tile_mlp) and self.tile_mlp >= 1)):
+            out.append(f"tile_mlp must be 'auto', False or an integer >= 1 (positions per piece), got {self.tile_mlp!r}")
         if not (_is_int(self.ce_chunks) and self.ce_chunks >= 0):
             out.append(f"ce_chunks must be an integer >= 0, got {self.ce_chunks!r}")
         elif self.loss_rows is True and not self.ce_chunks:

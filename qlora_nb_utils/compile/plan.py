@@ -25,6 +25,7 @@ from .model_patches import lora_addmm_expected
 from .offload import plan as checkpoint_plan
 from .options import OptimizeOptions, RecipeOptions
 from .packed import choose_doc_kernel, packed_batches
+from .patches.tiled_mlp import find_mlps
 from .step_inputs import batch_shapes, choose_loss_rows
 
 __all__ = ["Plan", "decide", "compute_dtype"]
@@ -68,6 +69,7 @@ class Plan:
     ckpt_layers: int = 0
     offload: bool = False
     over_target: bool = False  # every saving taken and still over the memory target
+    tile_rows: int = 0  # each MLP in pieces of this many positions (0: whole)
     packed: bool = False
     attention: str = "mask"
     mode: str | None = None
@@ -223,14 +225,14 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
     n_layers = len(decoder_layers(model))
     *rows, p.head_rows = choose_loss_rows(opts.loss_rows, p.ce_chunks, batches, opts.pad_multiple)
     p.loss_rows_choice = tuple(rows)
-    est, at = None, ""
+    est, at, seq = None, "", 0
     if opts.max_memory_gib is not None:
         b, s = max(shapes, key=lambda x: x[0] * x[1])
         p.ce_chunks = target_chunks(p.ce_chunks, p.head_rows or b * s)
         terms = estimate_terms(model, b, s, ce_chunks=p.ce_chunks, act_bytes=torch.finfo(p.dtype).bits // 8,
                                cast_dtype=p.dtype if opts.cast else None, head_rows=p.head_rows,
                                recompute=p.recompute, lora_in_place=lora_addmm_expected(model, opts.lora_addmm))
-        est, at = functools.partial(peak_from_terms, terms), f"{b} x {s}"
+        est, at, seq = functools.partial(peak_from_terms, terms), f"{b} x {s}", s
     planned = planning_target(opts.max_memory_gib)
     ck = checkpoint_plan(n_layers, grad_ckpt=opts.grad_ckpt, ckpt_layers=opts.ckpt_layers,
                          max_memory_gib=planned, offload=opts.offload, scope=p.scope, estimate=est,
@@ -242,8 +244,41 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
     if planned is not None and ck.ckpt_layers and ck.scope == "whole":
         ck.scope, ck.scope_why = "regional", REGIONAL_UNDER_TARGET_WHY
     p.ckpt_layers, p.scope, p.offload = ck.ckpt_layers, ck.scope, ck.offload
-    p.over_target = est is not None and est(ck.ckpt_layers, ck.offload) > planned
+    p.tile_rows, tile_why = _tiles(opts.tile_mlp, model, est, planned, ck, n_layers, at, seq)
+    p.over_target = est is not None and est(ck.ckpt_layers, ck.offload, p.tile_rows) > planned
     p.record("ckpt_layers", table.Choice(f"{ck.ckpt_layers}/{n_layers}", ck.ckpt_why))
     p.record("offload", table.Choice(ck.offload, ck.offload_why))
     if ck.scope_why:
         p.record("scope", table.Choice(ck.scope, ck.scope_why))
+    p.record("tile_mlp", table.Choice(p.tile_rows, tile_why))
+
+
+#: Under a memory target that every layer checkpointed and offloaded does not meet, the positions
+#: per piece of each MLP (:mod:`.patches.tiled_mlp`): large enough that each piece's matmuls stay
+#: large, small enough that a piece's intermediates are a fraction of a long sequence's.
+TILE_ROWS = 4096
+
+
+def _tiles(asked: Any, model: torch.nn.Module, est: Any, planned: float | None, ck: Any, n_layers: int,
+           shape: str, seq_len: int) -> tuple[int, str]:
+    """The MLP tiles (positions per piece, 0: none) and why."""
+    if asked is False:
+        return 0, "asked for"
+    if not find_mlps(model):
+        if asked != "auto":
+            raise ValueError("tile_mlp: the model has no decoder layer with a gated MLP (gate_proj, up_proj, "
+                             "down_proj) to run in pieces")
+        return 0, "no gated MLP"
+    if asked != "auto":
+        return int(asked), "asked for"
+    if planned is None:
+        return 0, "no memory target"
+    if est(ck.ckpt_layers, ck.offload) <= planned:
+        return 0, "not needed: the estimate fits the target without it"
+    if ck.ckpt_layers < n_layers or seq_len <= TILE_ROWS:
+        return 0, "would not help: " + ("not every layer is checkpointed" if ck.ckpt_layers < n_layers
+                                        else f"a {seq_len}-position sequence is no longer than a piece ({TILE_ROWS})")
+    before, after = est(ck.ckpt_layers, ck.offload), est(ck.ckpt_layers, ck.offload, TILE_ROWS)
+    return TILE_ROWS, (f"every layer checkpointed{' and offloaded' if ck.offload else ''} is estimated at "
+                       f"{before:.2f} GiB > {planned:.4g} GiB; each MLP in pieces of {TILE_ROWS} positions: "
+                       f"{after:.2f} GiB")
