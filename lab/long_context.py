@@ -146,15 +146,11 @@ def try_ours(args, record: dict) -> None:
     row = make_row(args.seq_len, min(models.model_config(args.model).vocab_size, 49152))
     breaks0 = _graph_breaks()
     knobs = {"backend": args.backend} if args.backend else {}
+    if args.tile_mlp:  # each layer's MLP in checkpointed pieces along the sequence, at any length
+        knobs["tile_mlp"] = args.tile_mlp
     opt = optimize(model, batches=[row], max_memory_gib=args.cap_gib, **knobs)
     record["choices"] = {k: str(v) for k, v in opt.choices.items()}
     record["optimize"] = opt.description
-    tiles = None
-    if args.tile_mlp:  # each layer's MLP in checkpointed pieces along the sequence (compile.patches.tiled_mlp)
-        from qlora_nb_utils.compile.patches import tiled_mlp
-
-        tiles = tiled_mlp.apply(model, tile_rows=args.tile_mlp)
-        record["tile_mlp"] = args.tile_mlp
     reserved: list[float] = []
 
     def on_step(step, hist_row):  # train() resets the peaks at each step's start: this is the step's
@@ -170,8 +166,6 @@ def try_ours(args, record: dict) -> None:
         record["compile_s"] = counts["compile_s"]
         after = _graph_breaks()
         record["graph_breaks"] = None if after is None or breaks0 is None else after - breaks0
-        if tiles is not None:
-            tiles.undo()
         opt.undo()
     losses = [float(x) for x in hist["loss"]]
     if not all(math.isfinite(x) for x in losses):
@@ -556,8 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--lora-r", type=int, default=32)
     common.add_argument("--model-dir", help="unsloth: the checkpoint folder (default: the named model, built)")
     common.add_argument("--backend", help="ours: optimize()'s Dynamo backend (default: its own; tests use eager)")
-    common.add_argument("--tile-mlp", type=int, help="ours: run each layer's MLP in pieces of this many positions "
-                                                     "(compile.patches.tiled_mlp); merged under its own key")
+    common.add_argument("--tile-mlp", type=int, help="ours: optimize(tile_mlp=N), each layer's MLP in pieces of N "
+                                                     "positions at any length; merged under its own key")
     common.add_argument("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for the tries (e.g. expandable_segments:True): "
                                              "a variant of the peer, merged under its own key (variant_key)")
     t = sub.add_parser("try", parents=[common], help="one attempt in this process")

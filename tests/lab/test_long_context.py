@@ -173,7 +173,7 @@ def test_one_real_try_trains_two_steps_on_the_cpu(tmp_path):
     assert rec["tokens_per_s"] == pytest.approx(256 / rec["step_s"])
     assert rec["cpu_ram_gib"] > 0 and rec["peak_mem_gib"] is None and rec["cap"]["cap_applied"] is False
     assert rec["compilations"] >= 1 and rec["graph_breaks"] == 0 and rec["choices"]["ckpt_layers"]
-    assert rec["tile_mlp"] == 96  # the MLP in pieces of 96 positions (256: three pieces), still no graph break
+    assert rec["tile_mlp"] == 96 and rec["choices"]["tile_mlp"] == "96"  # pieces of 96 positions: no graph break
 
 
 def test_an_allocator_variant_is_merged_under_its_own_key(tmp_path):
