@@ -251,7 +251,8 @@ def _check_options(grad_ckpt: Any, ckpt_layers: int | None, offload: Any) -> Non
 
 
 def plan(n_layers: int, *, grad_ckpt: Any, ckpt_layers: int | None, max_memory_gib: float | None,
-         offload: Any, scope: str, estimate: Callable[[int, bool], float] | None, shape: str = "") -> CheckpointPlan:
+         offload: Any, scope: str, estimate: Callable[[int, bool], float] | None, shape: str = "",
+         target_label: str | None = None) -> CheckpointPlan:
     """Decide checkpointing and offload for ``optimize()`` (each choice with its reason).
 
     Args:
@@ -264,11 +265,13 @@ def plan(n_layers: int, *, grad_ckpt: Any, ckpt_layers: int | None, max_memory_g
         scope: the scope asked for; offloading needs ``"regional"`` (see the module docstring).
         estimate: ``estimate(ckpt_layers, offload) -> GiB`` (needed with ``max_memory_gib``).
         shape: the batch shape, for the reasons.
+        target_label: how the reasons name ``max_memory_gib`` (default: ``"<value> GiB"``).
 
     Raises:
         ValueError: a bad ``offload``, or ``offload=True`` without checkpointing.
     """
     _check_options(grad_ckpt, ckpt_layers, offload)
+    target = target_label or (f"{max_memory_gib:.4g} GiB" if max_memory_gib is not None else "")
     off, off_why = False, ("asked for" if offload != "auto" else "no memory target" if max_memory_gib is None
                            else "not needed: the estimate fits the target without it")
     if grad_ckpt is True or ckpt_layers is not None:
@@ -279,8 +282,8 @@ def plan(n_layers: int, *, grad_ckpt: Any, ckpt_layers: int | None, max_memory_g
         elif offload == "auto" and max_memory_gib is not None and ckpt:
             est = estimate(ckpt, False)
             off = est > max_memory_gib
-            off_why = (f"estimated peak {est:.2f} GiB > {max_memory_gib:.4g} GiB without it" if off
-                       else f"estimated peak {est:.2f} GiB fits {max_memory_gib:.4g} GiB without it")
+            off_why = (f"estimated peak {est:.2f} GiB > {target} without it" if off
+                       else f"estimated peak {est:.2f} GiB fits {target} without it")
     elif grad_ckpt is False:
         ckpt, why = 0, "asked for"
     elif max_memory_gib is None:
@@ -291,13 +294,13 @@ def plan(n_layers: int, *, grad_ckpt: Any, ckpt_layers: int | None, max_memory_g
                 for n in range(0 if o is False else 1, n_layers + 1) if estimate(n, o) <= max_memory_gib]
         if fits:
             ckpt, off = fits[0]
-            why = f"estimated peak {estimate(ckpt, off):.2f} GiB <= {max_memory_gib:.4g} GiB at {shape}"
+            why = f"estimated peak {estimate(ckpt, off):.2f} GiB <= {target} at {shape}"
             if off and offload == "auto":
                 off_why = (f"checkpointing every layer is estimated at {estimate(n_layers, False):.2f} GiB "
-                           f"> {max_memory_gib:.4g} GiB")
+                           f"> {target}")
         else:
             ckpt, off = n_layers, offload is not False
-            why = (f"estimated peak above {max_memory_gib:.4g} GiB even with every layer checkpointed"
+            why = (f"estimated peak above {target} even with every layer checkpointed"
                    + (" and offloaded" if off else ""))
             if off and offload == "auto":
                 off_why = "the target is not met without it either"

@@ -234,17 +234,15 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
                                recompute=p.recompute, lora_in_place=lora_addmm_expected(model, opts.lora_addmm))
         est, at, seq = functools.partial(peak_from_terms, terms), f"{b} x {s}", s
     planned = planning_target(opts.max_memory_gib)
+    label = (None if planned is None else
+             f"{planned:.4g} GiB (the target {opts.max_memory_gib} GiB less {MEMORY_HEADROOM:.0%} headroom)")
     ck = checkpoint_plan(n_layers, grad_ckpt=opts.grad_ckpt, ckpt_layers=opts.ckpt_layers,
                          max_memory_gib=planned, offload=opts.offload, scope=p.scope, estimate=est,
-                         shape=at)
-    if planned is not None and planned != opts.max_memory_gib:
-        note = f" (the target {opts.max_memory_gib} GiB less {MEMORY_HEADROOM:.0%} headroom)"
-        ck.ckpt_why += note if ck.ckpt_why.startswith("estimated") else ""
-        ck.offload_why += note if "estimated" in ck.offload_why else ""
+                         shape=at, target_label=label)
     if planned is not None and ck.ckpt_layers and ck.scope == "whole":
         ck.scope, ck.scope_why = "regional", REGIONAL_UNDER_TARGET_WHY
     p.ckpt_layers, p.scope, p.offload = ck.ckpt_layers, ck.scope, ck.offload
-    p.tile_rows, tile_why = _tiles(opts.tile_mlp, model, est, planned, ck, n_layers, at, seq)
+    p.tile_rows, tile_why = _tiles(opts.tile_mlp, model, est, planned, label, ck, n_layers, seq)
     p.over_target = est is not None and est(ck.ckpt_layers, ck.offload, p.tile_rows) > planned
     p.record("ckpt_layers", table.Choice(f"{ck.ckpt_layers}/{n_layers}", ck.ckpt_why))
     p.record("offload", table.Choice(ck.offload, ck.offload_why))
@@ -259,8 +257,8 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
 TILE_ROWS = 4096
 
 
-def _tiles(asked: Any, model: torch.nn.Module, est: Any, planned: float | None, ck: Any, n_layers: int,
-           shape: str, seq_len: int) -> tuple[int, str]:
+def _tiles(asked: Any, model: torch.nn.Module, est: Any, planned: float | None, label: str | None, ck: Any,
+           n_layers: int, seq_len: int) -> tuple[int, str]:
     """The MLP tiles (positions per piece, 0: none) and why."""
     if asked is False:
         return 0, "asked for"
@@ -273,12 +271,12 @@ def _tiles(asked: Any, model: torch.nn.Module, est: Any, planned: float | None, 
         return int(asked), "asked for"
     if planned is None:
         return 0, "no memory target"
-    if est(ck.ckpt_layers, ck.offload) <= planned:
+    before = est(ck.ckpt_layers, ck.offload)
+    if before <= planned:
         return 0, "not needed: the estimate fits the target without it"
     if ck.ckpt_layers < n_layers or seq_len <= TILE_ROWS:
         return 0, "would not help: " + ("not every layer is checkpointed" if ck.ckpt_layers < n_layers
                                         else f"a {seq_len}-position sequence is no longer than a piece ({TILE_ROWS})")
-    before, after = est(ck.ckpt_layers, ck.offload), est(ck.ckpt_layers, ck.offload, TILE_ROWS)
+    after = est(ck.ckpt_layers, ck.offload, TILE_ROWS)
     return TILE_ROWS, (f"every layer checkpointed{' and offloaded' if ck.offload else ''} is estimated at "
-                       f"{before:.2f} GiB > {planned:.4g} GiB; each MLP in pieces of {TILE_ROWS} positions: "
-                       f"{after:.2f} GiB")
+                       f"{before:.2f} GiB > {label}; each MLP in pieces of {TILE_ROWS} positions: {after:.2f} GiB")

@@ -39,13 +39,15 @@ from .lora_addmm import GROUP_ATTR
 __all__ = ["apply", "find_mlps", "tiled"]
 
 NAME = "tiled_mlp"
+#: The projections of a gated MLP, by name.
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def find_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Each decoder layer's ``mlp``: a submodule named ``mlp`` with ``gate_proj``, ``up_proj`` and
     ``down_proj`` (found by name, so that this patch imports nothing of ``compile`` above it)."""
     return [m for name, m in model.named_modules()
-            if name.rsplit(".", 1)[-1] == "mlp" and all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))]
+            if name.rsplit(".", 1)[-1] == "mlp" and all(hasattr(m, n) for n in PROJECTIONS)]
 
 
 def tiled(forward: Callable[[torch.Tensor], torch.Tensor], tile_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -78,9 +80,9 @@ def apply(model: torch.nn.Module, tile_rows: int) -> PatchHandle:
     try:
         for mlp in mlps:
             set_attribute(handle, mlp, "forward", tiled(mlp.forward, tile_rows))
-            for group in {id(g): g for g in (getattr(getattr(mlp, n), GROUP_ATTR, None)
-                                             for n in ("gate_proj", "up_proj", "down_proj")) if g is not None}.values():
-                if group.active:
+            for name in PROJECTIONS:  # gate and up share one group: turned off once
+                group = getattr(getattr(mlp, name), GROUP_ATTR, None)
+                if group is not None and group.active:
                     set_attribute(handle, group, "active", False)
                     handle.details["ungrouped"] += 1
     except BaseException:
