@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wrote: lab/results/notebooks/notebooks_gpu_h200.json and the outputs of notebooks/*.ipynb
+# Wrote: lab/results/notebooks/notebooks_gpu.json and the outputs of notebooks/*.ipynb
 #   (python -m lab.colab_rehearsal collect on the returned folders)
 # Rerun: OUT=$OUT bash lab/gpu/gpu_colab_rehearsal.sh 0:notebooks/03_qlora_graph_breaks.ipynb 1:notebooks/05_benchmarks.ipynb ...
 #   (on the lent GPU machine, from the repository root; carry .house and dist)

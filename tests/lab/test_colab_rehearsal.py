@@ -9,7 +9,7 @@ import pytest
 from lab import colab_rehearsal as cr
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "lab" / "results" / "notebooks" / "notebooks_gpu_h200.json"
+RESULTS = ROOT / "lab" / "results" / "notebooks" / "notebooks_gpu.json"
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
