@@ -37,6 +37,7 @@ The random weights make the loss meaningless; memory and time are those of the r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -68,6 +69,8 @@ CAP_NOTE = (
     "by nvidia-smi / torch, not measured in this run. The cap binds on reserved memory (an allocation that would "
     "take the reserved pool over it raises out-of-memory), so reserved_gib is the figure compared with the cap."
 )
+#: seconds a bisection with ``--account`` keeps for the recorded try at its longest length
+ACCOUNT_RESERVE_S = 110.0
 _GIB = 2**30
 _OOM_TEXT = ("out of memory", "outofmemoryerror")
 
@@ -152,14 +155,24 @@ def try_ours(args, record: dict) -> None:
     record["choices"] = {k: str(v) for k, v in opt.choices.items()}
     record["optimize"] = opt.description
     reserved: list[float] = []
+    rec_stack = contextlib.ExitStack()
+    account: dict[str, Any] = {}
 
     def on_step(step, hist_row):  # train() resets the peaks at each step's start: this is the step's
         if device.type == "cuda":
             reserved.append(torch.cuda.max_memory_reserved(device) / _GIB)
+            if args.account and step == args.steps - 2:  # record the last step, from between steps
+                from qlora_nb_utils.diagnostics import memprof
 
+                account["before_gib"] = torch.cuda.memory_allocated(device) / _GIB
+                account["rec"] = rec_stack.enter_context(memprof.recording(max_entries=4_000_000))
+
+    if args.account and (device.type != "cuda" or args.steps < 2):
+        record["memory_account"] = {"skipped": "needs CUDA and at least 2 steps (the last one is recorded)"}
     try:
-        hist = train(model, [row], TrainConfig(steps=args.steps, lr=2e-4, seed=0, progress=False),
-                     forward=opt.forward, label=f"L{args.seq_len}", on_step=on_step)
+        with rec_stack:
+            hist = train(model, [row], TrainConfig(steps=args.steps, lr=2e-4, seed=0, progress=False),
+                         forward=opt.forward, label=f"L{args.seq_len}", on_step=on_step)
     finally:
         counts = opt.counter.to_dict()
         record["compilations"] = counts["compilations"]
@@ -174,6 +187,15 @@ def try_ours(args, record: dict) -> None:
     if device.type == "cuda":
         record["peak_mem_gib"] = max(float(x) for x in hist["step_peak_mem_gib"])
         record["reserved_gib"] = max(reserved)
+        if "rec" in account:
+            from lab import memory_account
+            from qlora_nb_utils.diagnostics import memprof
+
+            at_peak = memprof.live_at_peak(account["rec"]["snapshot"], top=100_000)
+            record["memory_account"] = memory_account.account(
+                at_peak, before_gib=account["before_gib"], peak_gib=float(hist["step_peak_mem_gib"].iloc[-1]),
+                params=memory_account.held_between_steps(model), seq_len=args.seq_len,
+                hidden_size=models.model_config(args.model).hidden_size)
 
 
 def try_unsloth(args, record: dict) -> None:
@@ -391,11 +413,12 @@ def search(try_fn: Callable[[int, float], dict], *, cap_gib: float, probes: list
 # ---------------------------------------------------------------- the driver (a try per process)
 
 
-def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: str | None) -> dict:
+def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: str | None,
+                   account: bool = False) -> dict:
     """``python -m lab.long_context try ...`` in its own process group; its record, or why none came back."""
     from lab.peers.process import _child_env, _run_child
 
-    tag = f"{args.peer}_{args.cap_gib:g}_{seq_len}"
+    tag = f"{args.peer}_{args.cap_gib:g}_{seq_len}" + ("_account" if account else "")
     out, log = work / f"{tag}.json", work / f"{tag}.log"
     cmd = [sys.executable, "-m", "lab.long_context", "try", "--peer", args.peer, "--seq-len", str(seq_len),
            "--cap-gib", str(args.cap_gib), "--model", args.model, "--steps", str(args.steps),
@@ -408,6 +431,8 @@ def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: 
         cmd += ["--alloc-conf", args.alloc_conf]
     if args.tile_mlp:
         cmd += ["--tile-mlp", str(args.tile_mlp)]
+    if account:
+        cmd += ["--account"]
     # one Inductor cache per driver: later tries reuse what earlier ones compiled (compile time only);
     # Unsloth's generated modules in a folder of this driver's too, not one shared with the other driver
     child_env = _child_env(args.peer, work / "inductor")
@@ -459,9 +484,18 @@ def run_bisect(args) -> dict:
         write_json(out, {**base, "max_seq_len": bracket(runs)[0] or None, "runs": runs, "prediction": prediction,
                          "device": first.get("device"), "versions": first.get("versions"), **(extra or {})})
 
+    t0 = time.monotonic()
+    reserve = ACCOUNT_RESERVE_S if args.account and args.peer == "ours" else 0.0
     result = search(lambda L, t: subprocess_try(args, L, t, work, model_dir), cap_gib=args.cap_gib, probes=probes,
-                    deadline_s=args.deadline_s, on_run=write)
-    write(result["runs"], result["prediction"], {k: result[k] for k in ("edge_found", "bracket", "stopped")})
+                    deadline_s=args.deadline_s - reserve, on_run=write)
+    extra = {k: result[k] for k in ("edge_found", "bracket", "stopped")}
+    left = args.deadline_s - (time.monotonic() - t0) - 5.0
+    if reserve and result["max_seq_len"] and left > 30:  # the longest length again, its last step recorded
+        acc = subprocess_try(args, result["max_seq_len"], left, work, model_dir, account=True)
+        extra["memory_account"] = {"seq_len": result["max_seq_len"], "ok": acc.get("ok"),
+                                   **({"error": acc.get("error")} if not acc.get("ok") else {}),
+                                   **(acc.get("memory_account") or {})}
+    write(result["runs"], result["prediction"], extra)
     print(f"[long_context] {args.peer} @ {args.cap_gib:g} GiB: max_seq_len {result['max_seq_len']} "
           f"({result['stopped']}; bracket {result['bracket']}; {len(result['runs'])} tries)", flush=True)
     return result
@@ -514,6 +548,8 @@ def merge(files: list[Path]) -> dict:
             entry[f"{peer}_bracket"] = r.get("bracket")
             entry[f"{peer}_stopped"] = r.get("stopped")
             entry[f"{peer}_prediction"] = r.get("prediction")
+            if r.get("memory_account"):
+                entry[f"{peer}_memory_account"] = r["memory_account"]
             entry[f"{peer}_runs"] = [{**{k: x.get(k) for k in RUN_FIELDS}, **{k: x[k] for k in RUN_EXTRAS if k in x}}
                                      for x in runs]
         ours_ok = [x for x in entry["ours_runs"] if x.get("ok")]
@@ -552,6 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--backend", help="ours: optimize()'s Dynamo backend (default: its own; tests use eager)")
     common.add_argument("--tile-mlp", type=int, help="ours: optimize(tile_mlp=N), each layer's MLP in pieces of N "
                                                      "positions at any length; merged under its own key")
+    common.add_argument("--account", action="store_true", help="ours: record the last step's allocations and "
+                        "write what its peak is made of (lab.memory_account); slows that step")
     common.add_argument("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for the tries (e.g. expandable_segments:True): "
                                              "a variant of the peer, merged under its own key (variant_key)")
     t = sub.add_parser("try", parents=[common], help="one attempt in this process")

@@ -10,7 +10,8 @@
 # env: OUT (required), DEADLINE_S (520: the whole call, merge included), PAIRS (the pairs in GPU order,
 #   "ours:24 ours:40 unsloth:24 unsloth:40"; a name with -xs runs that peer with
 #   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, ours with -tile runs each MLP in pieces of TILE_ROWS
-#   (4096) positions, e.g. "ours:24 ours-tile-xs:24 unsloth:24 unsloth-xs:24"), CAP_24 / CAP_40 (22.0 / 38.5 GiB, lab.long_context.CAP_NOTE),
+#   (4096) positions, ours with -acct ends with its longest length again, the last step's memory recorded
+#   (lab/memory_account.py), e.g. "ours:24 ours-tile-xs:24 unsloth:24 unsloth-xs:24"), CAP_24 / CAP_40 (22.0 / 38.5 GiB, lab.long_context.CAP_NOTE),
 #   PROBES_24 / PROBES_40 (16384,32768 / 32768,65536: lengths where every layer is already checkpointed,
 #   so the linear fit is of the regime the edge is in), MODEL (llama-3.1-8b-shape).
 # Unsloth reads a checkpoint folder: the 16 GB bf16 random-weight checkpoint is built once, under /tmp,
@@ -39,6 +40,7 @@ driver() {  # GPU NAME CARD: one bisect driver in the background, its deadline w
   local peer=${name%%-*}
   case $name in *-xs*) extra+=(--alloc-conf expandable_segments:True) ;; esac
   case $name in *-tile*) extra+=(--tile-mlp "${TILE_ROWS:-4096}") ;; esac
+  case $name in *-acct*) extra+=(--account) ;; esac
   eval "cap=\$CAP_$card; probes=\$PROBES_$card"
   local budget=$(( $(left) - 20 ))
   echo "[gpu_long_context] GPU $gpu: $name @ $card GB (cap $cap GiB), deadline $budget s, probes $probes"

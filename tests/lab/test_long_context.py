@@ -164,7 +164,7 @@ def test_one_real_try_trains_two_steps_on_the_cpu(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     # aot_eager: the whole optimize() path short of Inductor's code generation, which takes ~40 s here
     cmd = [sys.executable, "-m", "lab.long_context", "try", "--peer", "ours", "--model", "tiny", "--seq-len", "256",
-           "--cap-gib", "22", "--backend", "aot_eager", "--tile-mlp", "96", "--out", str(out)]
+           "--cap-gib", "22", "--backend", "aot_eager", "--tile-mlp", "96", "--account", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rec = json.loads(out.read_text())
@@ -174,6 +174,7 @@ def test_one_real_try_trains_two_steps_on_the_cpu(tmp_path):
     assert rec["cpu_ram_gib"] > 0 and rec["peak_mem_gib"] is None and rec["cap"]["cap_applied"] is False
     assert rec["compilations"] >= 1 and rec["graph_breaks"] == 0 and rec["choices"]["ckpt_layers"]
     assert rec["tile_mlp"] == 96 and rec["choices"]["tile_mlp"] == "96"  # pieces of 96 positions: no graph break
+    assert "needs CUDA" in rec["memory_account"]["skipped"]  # the allocator's record is CUDA's
 
 
 def test_an_allocator_variant_is_merged_under_its_own_key(tmp_path):
@@ -194,3 +195,28 @@ def test_an_allocator_variant_is_merged_under_its_own_key(tmp_path):
     assert args.alloc_conf == "expandable_segments:True"
     assert lc.variant_key({"peer": "ours", "tile_mlp": 4096, "alloc_conf": "expandable_segments:True"}) \
         == "ours_tile4096_expandable_segments"
+
+
+def test_an_account_bisection_keeps_time_for_one_recorded_try_at_its_longest_length(tmp_path, monkeypatch):
+    fake, seen = FakeTry(secs=1.0), []
+
+    def fake_subprocess_try(args, L, timeout_s, work, model_dir, account=False):
+        seen.append((L, timeout_s, account))
+        run = fake(L, timeout_s)
+        if account:
+            run["memory_account"] = {"peak_gib": 21.0, "parts": {"other": 1.0}}
+        return run
+
+    monkeypatch.setattr(lc, "subprocess_try", fake_subprocess_try)
+    out = tmp_path / "ours_22.json"
+    args = lc.build_parser().parse_args(["bisect", "--peer", "ours", "--cap-gib", "22", "--out", str(out),
+                                         "--deadline-s", "400", "--probe", "16384,32768", "--account"])
+    result = lc.run_bisect(args)
+    *search_calls, last = seen
+    assert not any(acc for _, _, acc in search_calls)
+    assert max(t for _, t, _ in search_calls) <= 400 - lc.ACCOUNT_RESERVE_S  # the search's deadline is shortened
+    assert last[0] == result["max_seq_len"] == fake.edge() and last[2] is True
+    rec = json.loads(out.read_text())
+    assert rec["memory_account"]["seq_len"] == fake.edge() and rec["memory_account"]["parts"] == {"other": 1.0}
+    merged = lc.merge([out])
+    assert merged["budgets"][0]["ours_memory_account"]["peak_gib"] == 21.0
