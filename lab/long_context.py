@@ -70,7 +70,7 @@ CAP_NOTE = (
     "take the reserved pool over it raises out-of-memory), so reserved_gib is the figure compared with the cap."
 )
 #: seconds a bisection with ``--account`` keeps for the recorded try at its longest length
-ACCOUNT_RESERVE_S = 110.0
+ACCOUNT_RESERVE_S = 160.0
 _GIB = 2**30
 _OOM_TEXT = ("out of memory", "outofmemoryerror")
 
@@ -191,9 +191,11 @@ def try_ours(args, record: dict) -> None:
             from lab import memory_account
             from qlora_nb_utils.diagnostics import memprof
 
-            at_peak = memprof.live_at_peak(account["rec"]["snapshot"], top=100_000)
+            snap = account["rec"]["snapshot"]
             record["memory_account"] = memory_account.account(
-                at_peak, before_gib=account["before_gib"], peak_gib=float(hist["step_peak_mem_gib"].iloc[-1]),
+                memprof.live_at_peak(snap, top=10**7, depth=60, free_on="free_requested"),
+                at_peak_completed=memprof.live_at_peak(snap, top=1),
+                before_gib=account["before_gib"], peak_gib=float(hist["step_peak_mem_gib"].iloc[-1]),
                 params=memory_account.held_between_steps(model), seq_len=args.seq_len,
                 hidden_size=models.model_config(args.model).hidden_size)
 

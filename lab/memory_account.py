@@ -20,22 +20,24 @@ from typing import Any
 
 _GIB = 2**30
 
-#: the parts of a peak, each with the words in an allocation's site that put it there (first match wins)
+#: the parts of a peak, each with the words in an allocation's stack that put it there; checked in
+#: this order over the whole stack (a piece of the MLP allocated while recomputing a layer in the
+#: backward is an MLP piece), the first that matches wins
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("offload buffers (layer inputs brought back or sent to the CPU)", ("offload",)),
     ("MLP pieces (tiled)", ("tiled_mlp",)),
-    ("loss (labelled rows, vocabulary pieces)", ("loss", "lm_head", "logits")),
-    ("attention", ("attention", "sdpa", "flash", "flex")),
-    ("recompute of a checkpointed layer", ("checkpoint", "recompute")),
-    ("compiled layer (Inductor buffers)", ("inductor:",)),
-    ("adapter gradients and optimizer update", ("optim", "adam", "clip_grad", "lora_update")),
+    ("loss (labelled rows, vocabulary pieces)", ("losses.py", "lm_head", "loss_rows")),
+    ("adapter gradients and optimizer update", ("optim/", "clip_grad", "lora_update.py:apply")),
+    ("recompute of a checkpointed layer (backward)", ("recompute_fn", "unpack_hook", "_recompute")),
+    ("a layer's backward", ("backward",)),
+    ("forward (the layers being computed, the embedding)", ("forward",)),
 )
 OTHER = "other"
 
 
-def part_of(site: str) -> str:
-    """The part of the peak an allocation site belongs to (:data:`PARTS`), or :data:`OTHER`."""
-    low = site.lower()
+def part_of(stack: list[str] | str) -> str:
+    """The part of the peak an allocation belongs to (:data:`PARTS`), from its stack (or one site)."""
+    low = (" | ".join(stack) if isinstance(stack, list) else stack).lower()
     return next((name for name, words in PARTS if any(w in low for w in words)), OTHER)
 
 
@@ -47,20 +49,28 @@ def held_between_steps(model) -> dict[str, float]:
 
 
 def account(at_peak: dict[str, Any], *, before_gib: float, peak_gib: float, params: dict[str, float],
-            seq_len: int, hidden_size: int, dtype_bytes: int = 2) -> dict[str, Any]:
+            seq_len: int, hidden_size: int, dtype_bytes: int = 2,
+            at_peak_completed: dict[str, Any] | None = None) -> dict[str, Any]:
     """The peak as parts, from ``memprof.live_at_peak`` of the step and what was allocated before it.
 
     Args:
-        at_peak: ``live_at_peak(snapshot, top=<all>)`` of a recording that spans one whole step.
+        at_peak: ``live_at_peak(snapshot, top=<all>, depth=<deep>, free_on="free_requested")`` of a
+            recording that spans one whole step: every block alive at the peak with its stack (the
+            allocator's ``allocated`` figures end a block when its tensor dies, so this replay
+            matches ``max_memory_allocated``).
         before_gib: ``torch.cuda.memory_allocated()`` when the recording started (between steps).
         peak_gib: the allocator's peak over the step (``max_memory_allocated``).
         params: :func:`held_between_steps` of the model.
         seq_len, hidden_size, dtype_bytes: the floor's four hidden-state tensors.
+        at_peak_completed: the same replay ending blocks when they are back in the pool
+            (``free_on="free_completed"``): its higher peak is memory whose free waits for another
+            stream, which counts against reserved memory and so against a cap.
 
     Returns:
-        ``parts`` (name -> GiB, largest first, summing with the between-steps parts to the peak
-        up to ``unattributed_gib``), ``floor_gib`` with its definition, ``over_floor_gib``, and
-        the largest sites.
+        ``parts`` (name -> GiB, largest first: what the step added at its peak), the between-steps
+        parts, ``floor_gib`` with its definition, ``over_floor_gib``, ``unattributed_gib`` (the
+        allocator's peak less what the replay explains: about 0 when the recording is whole),
+        ``deferred_free_gib`` and the largest sites.
 
     Raises:
         ValueError: a negative or inconsistent input (a recording that did not span the step).
@@ -73,9 +83,12 @@ def account(at_peak: dict[str, Any], *, before_gib: float, peak_gib: float, para
         raise ValueError(f"the parameters ({frozen + adapter:.3f} GiB) exceed what was allocated before the step "
                          f"({before_gib:.3f} GiB): the recording did not start between steps")
     parts: dict[str, float] = {}
-    for s in at_peak["by_site"]:
-        name = part_of(s["site"])
-        parts[name] = parts.get(name, 0.0) + s["gib"]
+    for block in at_peak["largest"]:
+        name = part_of(block["stack"] or block["site"])
+        parts[name] = parts.get(name, 0.0) + block["mib"] / 1024
+    if abs(sum(parts.values()) - at_peak["live_gib"]) > 1e-3:
+        raise ValueError("at_peak lists fewer blocks than are alive at its peak: call live_at_peak with a top "
+                         "above its block count")
     # frees of tensors older than the recording (last step's leftovers) lower the level: what the
     # step added at its highest point is peak_delta, of which live_gib is attributed to sites
     freed_older = at_peak["live_gib"] - at_peak["peak_delta_gib"]
@@ -96,6 +109,8 @@ def account(at_peak: dict[str, Any], *, before_gib: float, peak_gib: float, para
         "floor_is": "held between steps + 4 hidden-state tensors of the sequence (a layer's input and output and "
                     f"their gradients: 4 x {seq_len} x {hidden_size} x {dtype_bytes} bytes = {hidden:.3f} GiB)",
         "over_floor_gib": peak_gib - floor,
+        "deferred_free_gib": (at_peak_completed["peak_delta_gib"] - at_peak["peak_delta_gib"]
+                              if at_peak_completed else None),
         "largest_sites": at_peak["by_site"][:12],
-        "largest": at_peak["largest"][:8],
+        "largest": [{**b, "stack": b["stack"][:10]} for b in at_peak["largest"][:8]],
     }

@@ -69,3 +69,19 @@ def test_recording_finds_a_real_peak_on_gpu():
     assert out["peak_delta_gib"] == pytest.approx(96 * MIB / 2**30)
     assert [round(x["mib"]) for x in out["largest"]][:2] == [64, 32]
     assert out["largest"][0]["site"].endswith("test_recording_finds_a_real_peak_on_gpu")
+
+
+def test_a_block_can_end_at_its_free_request_or_when_it_is_back_in_the_pool():
+    events = [_ev("alloc", 1, 4 * MIB), _ev("free_requested", 1, 4 * MIB), _ev("alloc", 2, 2 * MIB),
+              _ev("free_completed", 1, 4 * MIB), _ev("free_requested", 2, 2 * MIB), _ev("free_completed", 2, 2 * MIB)]
+    snap = {"device_traces": [events]}
+    # the allocator's "allocated" drops at the request: 4 MiB peak; the pool gets block 1 back only later: 6 MiB
+    assert memprof.live_at_peak(snap, free_on="free_requested")["peak_delta_gib"] * 1024 == pytest.approx(4.0)
+    assert memprof.live_at_peak(snap)["peak_delta_gib"] * 1024 == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="free_on"):
+        memprof.live_at_peak(snap, free_on="freed")
+
+
+def test_inductor_modules_are_named_as_such_in_any_cache_folder():
+    frames = [{"filename": "/work/run/inductor/vo/c" + "v" * 52 + ".py", "line": 7, "name": "call"}]
+    assert memprof.site_of(frames).startswith("inductor:c")

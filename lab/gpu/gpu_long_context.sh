@@ -13,7 +13,8 @@
 #   (4096) positions, ours with -acct ends with its longest length again, the last step's memory recorded
 #   (lab/memory_account.py), e.g. "ours:24 ours-tile-xs:24 unsloth:24 unsloth-xs:24"), CAP_24 / CAP_40 (22.0 / 38.5 GiB, lab.long_context.CAP_NOTE),
 #   PROBES_24 / PROBES_40 (16384,32768 / 32768,65536: lengths where every layer is already checkpointed,
-#   so the linear fit is of the regime the edge is in), MODEL (llama-3.1-8b-shape).
+#   so the linear fit is of the regime the edge is in; PROBES_<pair, - as _>_<card>, e.g. PROBES_unsloth_xs_24, a
+#   pair's own), MODEL (llama-3.1-8b-shape).
 # Unsloth reads a checkpoint folder: the 16 GB bf16 random-weight checkpoint is built once, under /tmp,
 # on the first Unsloth pair's GPU while ours' drivers already run; Unsloth's drivers start when it is done.
 set -uo pipefail
@@ -41,7 +42,8 @@ driver() {  # GPU NAME CARD: one bisect driver in the background, its deadline w
   case $name in *-xs*) extra+=(--alloc-conf expandable_segments:True) ;; esac
   case $name in *-tile*) extra+=(--tile-mlp "${TILE_ROWS:-4096}") ;; esac
   case $name in *-acct*) extra+=(--account) ;; esac
-  eval "cap=\$CAP_$card; probes=\$PROBES_$card"
+  local own="PROBES_${name//-/_}_$card"  # a pair's own probes (PROBES_ours_xs_24), else the card's
+  eval "cap=\$CAP_$card; probes=\${$own:-\$PROBES_$card}"
   local budget=$(( $(left) - 20 ))
   echo "[gpu_long_context] GPU $gpu: $name @ $card GB (cap $cap GiB), deadline $budget s, probes $probes"
   CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 $(( budget + 10 )) python3 -m lab.long_context bisect --peer "$peer" \

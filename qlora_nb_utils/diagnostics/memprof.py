@@ -15,6 +15,7 @@ difference between ``peak_gib`` (the allocator's own figure) and the recorded li
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import defaultdict
 from typing import Any, Iterator
 
@@ -22,6 +23,8 @@ import torch
 
 __all__ = ["recording", "live_at_peak", "site_of"]
 
+#: Inductor's generated modules, in whatever cache folder (``$TORCHINDUCTOR_CACHE_DIR``): ``<2 chars>/c<hash>.py``
+_INDUCTOR_MODULE = re.compile(r"/[a-z0-9]{2}/c[a-z0-9]{40,}\.py$")
 _INTERNAL = ("/torch/", "/contextlib.py", "/functools.py", "<frozen", "/threading.py")
 
 
@@ -33,7 +36,7 @@ def site_of(frames: list[dict[str, Any]]) -> str:
     """
     for f in frames:
         name = f.get("filename", "")
-        if "torchinductor" in name:
+        if "torchinductor" in name or _INDUCTOR_MODULE.search(name):
             return f"inductor:{name.rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
         if not any(part in name for part in _INTERNAL):
             short = "/".join(name.split("/")[-2:])
@@ -46,7 +49,7 @@ def _short_stack(frames: list[dict[str, Any]], depth: int) -> list[str]:
 
 
 def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth: int = 8,
-                 at: str = "peak") -> dict[str, Any]:
+                 at: str = "peak", free_on: str = "free_completed") -> dict[str, Any]:
     """The allocations alive at the highest point of a recorded window (or at its end).
 
     Args:
@@ -56,6 +59,10 @@ def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth
         top: how many of the largest live allocations and sites to return.
         depth: stack frames kept per listed allocation.
         at: ``"peak"``, or ``"end"``: what the window left allocated (a leak shows there).
+        free_on: the event that ends an allocation: ``"free_completed"`` (the block is back in the
+            pool: what reserved memory can reuse) or ``"free_requested"`` (the tensor died: what the
+            allocator's ``allocated`` figures count). They differ by frees that wait for another
+            stream (a side-stream copy still reading the block).
 
     Returns:
         ``peak_delta_gib`` (allocated bytes at the peak minus at the start of the recording; frees
@@ -68,6 +75,8 @@ def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth
     """
     if at not in ("peak", "end"):
         raise ValueError(f"at must be 'peak' or 'end', got {at!r}")
+    if free_on not in ("free_completed", "free_requested"):
+        raise ValueError(f"free_on must be 'free_completed' or 'free_requested', got {free_on!r}")
     traces = snapshot.get("device_traces") or []
     if device >= len(traces) or not traces[device]:
         raise ValueError(f"no allocation trace for device {device}: record with "
@@ -77,7 +86,7 @@ def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth
     for i, e in enumerate(events):
         if e["action"] == "alloc":
             level += e["size"]
-        elif e["action"] == "free_completed":
+        elif e["action"] == free_on:
             level -= e["size"]
         if level > best:
             best, best_at = level, i
@@ -88,7 +97,7 @@ def live_at_peak(snapshot: dict[str, Any], device: int = 0, top: int = 15, depth
     for e in events[: best_at + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = e
-        elif e["action"] == "free_completed":
+        elif e["action"] == free_on:
             live.pop(e["addr"], None)
     blocks = sorted(live.values(), key=lambda e: -e["size"])
     sites: dict[str, list] = defaultdict(lambda: [0, 0])

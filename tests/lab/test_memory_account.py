@@ -11,43 +11,66 @@ from qlora_nb_utils.diagnostics import memprof
 GIB = 2**30
 
 
-def _ev(action, addr, gib, filename, name="f"):
-    return {"action": action, "addr": addr, "size": int(gib * GIB),
-            "frames": [{"filename": filename, "line": 1, "name": name}]}
+def _ev(action, addr, gib, filename, name="f", outer=None):
+    frames = [{"filename": filename, "line": 1, "name": name}]
+    if outer:
+        frames.append({"filename": outer[0], "line": 2, "name": outer[1]})
+    return {"action": action, "addr": addr, "size": int(gib * GIB), "frames": frames}
 
 
 def _snapshot():
-    # the step: an offload prefetch buffer, an MLP piece and a loss piece live together at the peak;
-    # an Inductor buffer freed before it; a tensor from before the recording freed (its free only)
+    # the step: an offload buffer, an MLP piece, a loss piece and a recompute buffer alive together at the
+    # peak; a forward buffer freed before it; a tensor from before the recording freed (its free only);
+    # the MLP piece's free waits for another stream (requested at once, completed later)
+    ind = "/w/inductor/vo/c" + "a" * 50 + ".py"
     events = [
         _ev("alloc", 1, 0.5, "/x/qlora_nb_utils/compile/offload.py"),
-        _ev("alloc", 2, 1.0, "/tmp/torchinductor_u/ab/cabc.py", "call"),
-        _ev("free_completed", 2, 1.0, "/tmp/torchinductor_u/ab/cabc.py", "call"),
+        _ev("alloc", 2, 1.0, ind, "call", ("/x/transformers/models/llama/modeling_llama.py", "forward")),
+        _ev("free_requested", 2, 1.0, ind, "call"),
+        _ev("free_completed", 2, 1.0, ind, "call"),
+        _ev("free_requested", 99, 0.25, "/x/qlora_nb_utils/training/loop.py"),
         _ev("free_completed", 99, 0.25, "/x/qlora_nb_utils/training/loop.py"),
         _ev("alloc", 3, 2.0, "/x/qlora_nb_utils/ops/tiled_mlp.py"),
         _ev("alloc", 4, 0.75, "/x/qlora_nb_utils/ops/losses.py"),
+        _ev("free_requested", 3, 2.0, "/x/qlora_nb_utils/ops/tiled_mlp.py"),
+        _ev("alloc", 5, 0.125, ind, "call", ("/t/torch/utils/checkpoint.py", "unpack_hook")),
         _ev("free_completed", 3, 2.0, "/x/qlora_nb_utils/ops/tiled_mlp.py"),
     ]
     return {"device_traces": [events]}
 
 
+def _at_peak(free_on="free_requested"):
+    return memprof.live_at_peak(_snapshot(), top=100, depth=10, free_on=free_on)
+
+
 def test_the_peak_is_split_into_named_parts_and_set_against_the_floor():
-    at_peak = memprof.live_at_peak(_snapshot(), top=100)
+    at_peak = _at_peak()
     assert at_peak["peak_delta_gib"] == pytest.approx(3.0)  # 0.5 + 2.0 + 0.75 - 0.25 freed older
     params = {"frozen_params_gib": 5.0, "adapter_params_gib": 0.25}
-    acc = ma.account(at_peak, before_gib=6.0, peak_gib=9.0, params=params, seq_len=1024, hidden_size=4096)
+    acc = ma.account(at_peak, before_gib=6.0, peak_gib=9.0, params=params, seq_len=1024, hidden_size=4096,
+                     at_peak_completed=_at_peak("free_completed"))
     assert acc["parts"] == pytest.approx({"MLP pieces (tiled)": 2.0, "loss (labelled rows, vocabulary pieces)": 0.75,
                                           "offload buffers (layer inputs brought back or sent to the CPU)": 0.5})
     assert list(acc["parts"])[0] == "MLP pieces (tiled)"  # largest first
     assert acc["freed_older_gib"] == pytest.approx(0.25)
     assert acc["unattributed_gib"] == pytest.approx(0.0)  # the allocator's peak = before + what the step added
+    # the MLP piece waited for another stream: ending blocks at free_completed puts the recompute buffer on top
+    assert acc["deferred_free_gib"] == pytest.approx(0.125)
     assert acc["between_steps"]["optimizer state and the rest held between steps"] == pytest.approx(0.75)
     hidden = 4 * 1024 * 4096 * 2 / GIB
     assert acc["floor_gib"] == pytest.approx(6.0 + hidden) and acc["over_floor_gib"] == pytest.approx(3.0 - hidden)
 
 
+def test_a_partial_block_list_is_refused():
+    with pytest.raises(ValueError, match="fewer blocks"):
+        ma.account(memprof.live_at_peak(_snapshot(), top=1, free_on="free_requested"), before_gib=6.0, peak_gib=9.0,
+                   params={"frozen_params_gib": 5.0, "adapter_params_gib": 0.25}, seq_len=8, hidden_size=8)
+
+
 def test_sites_fall_into_parts_in_order_and_the_rest_is_other():
-    assert ma.part_of("inductor:cxyz.py:12:call") == "compiled layer (Inductor buffers)"
+    assert ma.part_of(["vo/cxyz.py:12:call", "llama/modeling_llama.py:175:forward"]).startswith("forward")
+    assert ma.part_of(["vo/cxyz.py:12:call", "utils/checkpoint.py:1:unpack_hook"]).startswith("recompute")
+    assert ma.part_of(["ops/tiled_mlp.py:1:f", "utils/checkpoint.py:1:unpack_hook"]) == "MLP pieces (tiled)"
     assert ma.part_of("compile/offload.py:40:pack") == ma.PARTS[0][0]
     assert ma.part_of("ops/losses.py:3:chunked") == "loss (labelled rows, vocabulary pieces)"
     assert ma.part_of("somewhere/else.py:1:g") == ma.OTHER
@@ -61,7 +84,7 @@ def test_held_between_steps_counts_frozen_and_adapter_bytes():
 
 
 def test_a_recording_that_did_not_start_between_steps_is_refused():
-    at_peak = memprof.live_at_peak(_snapshot(), top=100)
+    at_peak = _at_peak()
     with pytest.raises(ValueError, match="did not start between steps"):
         ma.account(at_peak, before_gib=1.0, peak_gib=4.0, params={"frozen_params_gib": 5.0, "adapter_params_gib": 0.1},
                    seq_len=8, hidden_size=8)
