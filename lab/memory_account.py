@@ -20,25 +20,40 @@ from typing import Any
 
 _GIB = 2**30
 
-#: the parts of a peak, each with the words in an allocation's stack that put it there; checked in
-#: this order over the whole stack (a piece of the MLP allocated while recomputing a layer in the
-#: backward is an MLP piece), the first that matches wins
-PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("offload buffers (layer inputs brought back or sent to the CPU)", ("offload",)),
-    ("MLP pieces (tiled)", ("tiled_mlp",)),
-    ("loss (labelled rows, vocabulary pieces)", ("losses.py", "lm_head", "loss_rows")),
-    ("adapter gradients and optimizer update", ("optim/", "clip_grad", "lora_update.py:apply")),
-    ("recompute of a checkpointed layer (backward)", ("recompute_fn", "unpack_hook", "_recompute")),
-    ("a layer's backward", ("backward",)),
-    ("forward (the layers being computed, the embedding)", ("forward",)),
+#: what an allocation is for, from the innermost frame of its stack that names one of these words
+COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("offload buffers", ("offload.py",)),
+    ("loss", ("losses.py", "lm_head.py", "loss_rows")),
+    ("MLP", ("tiled_mlp", "mlp", "act_fn", "gate_proj", "down_proj")),
+    ("attention", ("sdpa", "attention", "rotary", "flash", "flex")),
+    ("embedding", ("embedding",)),
+    ("optimizer", ("optim/", "clip_grad")),
 )
+#: when in the step, from any frame of the stack (first match wins)
+PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("recompute in the backward", ("unpack_hook", "recompute_fn")),
+    ("backward", ("backward",)),
+)
+_INTERNAL = ("torch/", "_inductor/", "_dynamo/", "_functorch/", "autograd/", "modules/module.py", "nn/functional.py",
+             "contextlib.py", "functools.py")
 OTHER = "other"
 
 
 def part_of(stack: list[str] | str) -> str:
-    """The part of the peak an allocation belongs to (:data:`PARTS`), from its stack (or one site)."""
-    low = (" | ".join(stack) if isinstance(stack, list) else stack).lower()
-    return next((name for name, words in PARTS if any(w in low for w in words)), OTHER)
+    """``"<what>, <when>"`` for an allocation's stack (innermost first, ``file:line:function`` each).
+
+    *What* is the first :data:`COMPONENTS` entry named by the innermost frame that names one, else
+    the innermost frame outside torch and Inductor's modules; *when* is a :data:`PHASES` entry named
+    anywhere in the stack, else the forward.
+    """
+    frames = [stack] if isinstance(stack, str) else list(stack)
+    low = [f.lower() for f in frames]
+    what = next((name for f in low for name, words in COMPONENTS if any(w in f for w in words)), None)
+    if what is None:
+        plain = [f for f in frames if not any(i in f for i in _INTERNAL) and not f.split("/")[-1].startswith("c")]
+        what = plain[0].rsplit(":", 2)[0] + ":" + plain[0].rsplit(":", 1)[-1] if plain else OTHER
+    when = next((name for name, words in PHASES if any(w in f for f in low for w in words)), "forward")
+    return f"{what}, {when}"
 
 
 def held_between_steps(model) -> dict[str, float]:
@@ -112,5 +127,6 @@ def account(at_peak: dict[str, Any], *, before_gib: float, peak_gib: float, para
         "deferred_free_gib": (at_peak_completed["peak_delta_gib"] - at_peak["peak_delta_gib"]
                               if at_peak_completed else None),
         "largest_sites": at_peak["by_site"][:12],
-        "largest": [{**b, "stack": b["stack"][:10]} for b in at_peak["largest"][:8]],
+        "largest": [{**b, "part": part_of(b["stack"] or b["site"]), "stack": b["stack"][:24]}
+                    for b in at_peak["largest"][:40]],
     }

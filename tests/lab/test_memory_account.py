@@ -49,9 +49,8 @@ def test_the_peak_is_split_into_named_parts_and_set_against_the_floor():
     params = {"frozen_params_gib": 5.0, "adapter_params_gib": 0.25}
     acc = ma.account(at_peak, before_gib=6.0, peak_gib=9.0, params=params, seq_len=1024, hidden_size=4096,
                      at_peak_completed=_at_peak("free_completed"))
-    assert acc["parts"] == pytest.approx({"MLP pieces (tiled)": 2.0, "loss (labelled rows, vocabulary pieces)": 0.75,
-                                          "offload buffers (layer inputs brought back or sent to the CPU)": 0.5})
-    assert list(acc["parts"])[0] == "MLP pieces (tiled)"  # largest first
+    assert acc["parts"] == pytest.approx({"MLP, forward": 2.0, "loss, forward": 0.75, "offload buffers, forward": 0.5})
+    assert list(acc["parts"])[0] == "MLP, forward"  # largest first
     assert acc["freed_older_gib"] == pytest.approx(0.25)
     assert acc["unattributed_gib"] == pytest.approx(0.0)  # the allocator's peak = before + what the step added
     # the MLP piece waited for another stream: ending blocks at free_completed puts the recompute buffer on top
@@ -67,13 +66,20 @@ def test_a_partial_block_list_is_refused():
                    params={"frozen_params_gib": 5.0, "adapter_params_gib": 0.25}, seq_len=8, hidden_size=8)
 
 
-def test_sites_fall_into_parts_in_order_and_the_rest_is_other():
-    assert ma.part_of(["vo/cxyz.py:12:call", "llama/modeling_llama.py:175:forward"]).startswith("forward")
-    assert ma.part_of(["vo/cxyz.py:12:call", "utils/checkpoint.py:1:unpack_hook"]).startswith("recompute")
-    assert ma.part_of(["ops/tiled_mlp.py:1:f", "utils/checkpoint.py:1:unpack_hook"]) == "MLP pieces (tiled)"
-    assert ma.part_of("compile/offload.py:40:pack") == ma.PARTS[0][0]
-    assert ma.part_of("ops/losses.py:3:chunked") == "loss (labelled rows, vocabulary pieces)"
-    assert ma.part_of("somewhere/else.py:1:g") == ma.OTHER
+def test_an_allocation_is_named_by_what_it_is_for_and_when_in_the_step():
+    fwd = ["fi/c" + "x" * 52 + ".py:12:call", "llama/modeling_llama.py:158:apply_rotary_pos_emb",
+           "llama/modeling_llama.py:259:forward", "_inductor/utils.py:3401:run"]
+    assert ma.part_of(fwd) == "attention, forward"
+    recompute = ["ops/tiled_mlp.py:1:piece", "compile/offload.py:166:unpack", "utils/checkpoint.py:1166:unpack_hook",
+                 "_aot_autograd/runtime_wrappers.py:2679:backward"]
+    assert ma.part_of(recompute) == "MLP, recompute in the backward"  # the innermost word decides what
+    assert ma.part_of(["compile/offload.py:145:_start_reload", "utils/checkpoint.py:1166:unpack_hook"]) \
+        == "offload buffers, recompute in the backward"
+    norm = ["fi/c" + "x" * 52 + ".py:1555:call", "llama/modeling_llama.py:67:forward",
+            "_aot_autograd/runtime_wrappers.py:2918:_backward_impl"]
+    assert ma.part_of(norm) == "llama/modeling_llama.py:forward, backward"
+    assert ma.part_of("ops/losses.py:431:forward") == "loss, forward"
+    assert ma.part_of(["_inductor/utils.py:1:run"]) == "other, forward"
 
 
 def test_held_between_steps_counts_frozen_and_adapter_bytes():
