@@ -530,18 +530,66 @@ def variant_key(rec: dict) -> str:
     return key
 
 
-def merge(files: list[Path]) -> dict:
-    """The per-(peer, cap) files as one record with a ``budgets`` list, one entry per cap."""
-    recs = [json.loads(Path(f).read_text()) for f in files]
+def _expand(rec: dict, source: str) -> list[dict]:
+    """A driver's file as is; an earlier merged file as one driver record per (variant, cap) it holds."""
+    if rec.get("kind") != "long_context":
+        return [{**rec, "runs": [{**x, "source": source} for x in rec.get("runs", [])]}]
+    out = []
+    for b in rec["budgets"]:
+        for key in [k[: -len("_runs")] for k in b if k.endswith("_runs") and b[k]]:
+            peer = key.split("_", 1)[0]
+            out.append({"peer": peer, "cap_gib": b["cap_gib"], "card": b.get("card"),
+                        "alloc_conf": b.get(f"{key}_alloc_conf"), "tile_mlp": b.get(f"{key}_tile_mlp"),
+                        "stopped": b.get(f"{key}_stopped"), "prediction": b.get(f"{key}_prediction"),
+                        "max_seq_len": b.get(f"{key}_max_seq_len"), "edge_found": b.get(f"{key}_edge_found"),
+                        "bracket": b.get(f"{key}_bracket"),
+                        "memory_account": b.get(f"{key}_memory_account"), "device": rec.get("device"),
+                        "versions": (rec.get("versions") or {}).get("unsloth_process") if peer == "unsloth"
+                        else {k: v for k, v in (rec.get("versions") or {}).items() if k != "unsloth_process"},
+                        "runs": [{**x, "source": x.get("source", source)} for x in b[f"{key}_runs"]]})
+    return out
+
+
+def _combine(recs: list[dict]) -> dict:
+    """One variant's files from several calls as one: their runs together, the bracket over all of them."""
+    if len(recs) == 1:
+        return recs[0]
+    runs = sorted((x for r in recs for x in r["runs"]), key=lambda x: x["seq_len"])
+    lo, hi = bracket(runs)
+    last = recs[-1]
+    return {**last, "runs": runs, "max_seq_len": lo or None, "bracket": [lo, hi],
+            "edge_found": hi is not None and hi - lo <= STEP and lo > 0,
+            "stopped": "edge found" if hi is not None and hi - lo <= STEP else last.get("stopped"),
+            "memory_account": next((r["memory_account"] for r in reversed(recs) if r.get("memory_account")), None)}
+
+
+def merge(files: list[Path], primary: dict[str, str] | None = None) -> dict:
+    """The per-(peer, cap) files as one record with a ``budgets`` list, one entry per cap.
+
+    Files of the same variant and cap (several calls, or an earlier merged file) are combined: their
+    runs together, each run naming its ``source`` file. ``primary`` names the variant that stands for
+    a peer in its plain fields (``{"ours": "ours_expandable_segments"}``: ``ours_max_seq_len`` is that
+    variant's, and ``ours_variant`` says so).
+    """
+    recs = [e for f in files for e in _expand(json.loads(Path(f).read_text()), Path(f).name)]
     caps = sorted({r["cap_gib"] for r in recs})
     budgets = []
     for cap in caps:
-        by = {variant_key(r): r for r in recs if r["cap_gib"] == cap}
+        groups: dict[str, list[dict]] = {}
+        for r in recs:
+            if r["cap_gib"] == cap:
+                groups.setdefault(variant_key(r), []).append(r)
+        by = {k: _combine(v) for k, v in groups.items()}
+        for peer, variant in (primary or {}).items():
+            if variant in by and variant != peer:
+                if peer in by:  # the peer as it ran without a variant keeps its runs, under a key of its own
+                    by[f"{peer}_plain"] = by.pop(peer)
+                by[peer] = {**by.pop(variant), "variant": variant}
         card = next((r.get("card") for r in by.values() if r.get("card")), None)
         entry: dict[str, Any] = {"label": f"{card or '?'} card, cap {cap:g} GiB", "card": card, "cap_gib": cap}
         for peer in [*PEERS, *sorted(k for k in by if k not in PEERS)]:
             r = by.get(peer, {})
-            for knob in ("alloc_conf", "tile_mlp"):
+            for knob in ("alloc_conf", "tile_mlp", "variant"):
                 if r.get(knob):
                     entry[f"{peer}_{knob}"] = r[knob]
             runs = sorted(r.get("runs", []), key=lambda x: x["seq_len"])
@@ -554,6 +602,9 @@ def merge(files: list[Path]) -> dict:
                 entry[f"{peer}_memory_account"] = r["memory_account"]
             entry[f"{peer}_runs"] = [{**{k: x.get(k) for k in RUN_FIELDS}, **{k: x[k] for k in RUN_EXTRAS if k in x}}
                                      for x in runs]
+            if any(x.get("source") for x in runs):
+                for y, x in zip(entry[f"{peer}_runs"], runs):
+                    y["source"] = x.get("source")
         ours_ok = [x for x in entry["ours_runs"] if x.get("ok")]
         last = max(ours_ok, key=lambda x: x["seq_len"], default={})
         entry["graph_breaks"], entry["compilations"] = last.get("graph_breaks"), last.get("compilations")
@@ -605,6 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("merge", help="the per-(peer, cap) files as long_context_<gpu>.json")
     m.add_argument("files", nargs="+", type=Path)
     m.add_argument("--out-dir", required=True, type=Path)
+    m.add_argument("--primary", action="append", default=[], metavar="PEER=VARIANT",
+                   help="the variant that stands for a peer in its plain fields, e.g. ours=ours_expandable_segments")
     return p
 
 
@@ -621,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "bisect":
         run_bisect(args)
         return 0
-    merged = merge(args.files)
+    merged = merge(args.files, dict(x.split("=", 1) for x in args.primary))
     out = args.out_dir / f"long_context_{gpu_tag(merged['device'])}.json"
     write_json(out, merged)
     print(f"wrote {out}")

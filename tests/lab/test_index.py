@@ -32,7 +32,7 @@ def test_results_md_and_the_readme_blocks_are_generated_from_the_index(rows):
 def test_every_headline_row_names_its_file_device_and_date(rows):
     table = pages.headline_table(rows)
     body = table.splitlines()[2:]
-    assert 1 <= len(body) <= 8
+    assert 1 <= len(body) <= 10  # a front door: a screenful
     for line, (_, source, configuration, metric, _) in zip(body, pages.HEADLINE):
         row = next(r for r in rows if r["source"] == f"lab/results/{source}" and r["configuration"] == configuration
                    and r["metric"] == metric)

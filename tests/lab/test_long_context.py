@@ -220,3 +220,28 @@ def test_an_account_bisection_keeps_time_for_one_recorded_try_at_its_longest_len
     assert rec["memory_account"]["seq_len"] == fake.edge() and rec["memory_account"]["parts"] == {"other": 1.0}
     merged = lc.merge([out])
     assert merged["budgets"][0]["ours_memory_account"]["peak_gib"] == 21.0
+
+
+def test_calls_of_one_variant_are_combined_and_a_primary_variant_stands_for_its_peer(tmp_path):
+    xs = {"alloc_conf": "expandable_segments:True"}
+    first = json.loads(_driver_file(tmp_path, "ours", 22.0, 24, 40_960).read_text())
+    first["runs"] = [r for r in first["runs"] if r["ok"]] + [{"seq_len": 40_960, "ok": True}]  # no edge yet
+    (a := tmp_path / "call1.json").write_text(json.dumps({**first, **xs, "stopped": "deadline"}))
+    second = json.loads(_driver_file(tmp_path, "ours", 22.0, 24, 45_056).read_text())  # 45,056 ok, 46,080 OOM
+    second["runs"] = [{"seq_len": 45_056, "ok": True}, *[r for r in second["runs"] if not r["ok"]]]
+    (b := tmp_path / "call2.json").write_text(json.dumps({**second, **xs}))
+    plain = _driver_file(tmp_path, "ours", 22.0, 24, 33_792)
+    merged = lc.merge([a, b, plain, _driver_file(tmp_path, "unsloth", 22.0, 24, 30_720)],
+                      primary={"ours": "ours_expandable_segments"})
+    (entry,) = merged["budgets"]
+    assert entry["ours_variant"] == "ours_expandable_segments" and "ours_expandable_segments_runs" not in entry
+    assert [r["seq_len"] for r in entry["ours_runs"]] == [16_384, 40_960, 45_056, 46_080]
+    assert [r["source"] for r in entry["ours_runs"]] == ["call1.json", "call1.json", "call2.json", "call2.json"]
+    assert entry["ours_max_seq_len"] == 45_056 and entry["ours_edge_found"] is True
+    assert entry["ours_stopped"] == "edge found" and entry["unsloth_max_seq_len"] == 30_720
+    assert entry["ours_plain_max_seq_len"] == 33_792  # the default allocator's run, kept apart
+    # a merged file merges again with a later call: its runs keep their first source
+    (m := tmp_path / "long_context_h100.json").write_text(json.dumps(merged))
+    again = lc.merge([m])["budgets"][0]
+    assert again["ours_expandable_segments_max_seq_len"] == 45_056
+    assert again["ours_expandable_segments_runs"][0]["source"] == "call1.json"
