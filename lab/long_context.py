@@ -151,6 +151,8 @@ def try_ours(args, record: dict) -> None:
     knobs = {"backend": args.backend} if args.backend else {}
     if args.tile_mlp:  # each layer's MLP in checkpointed pieces along the sequence, at any length
         knobs["tile_mlp"] = args.tile_mlp
+    if args.sdpa_kernel:
+        knobs["sdpa_kernel"] = args.sdpa_kernel
     opt = optimize(model, batches=[row], max_memory_gib=args.cap_gib, **knobs)
     record["choices"] = {k: str(v) for k, v in opt.choices.items()}
     record["optimize"] = opt.description
@@ -250,7 +252,8 @@ def is_oom(text: str | None) -> bool:
 
 def run_try(args) -> dict:
     """One attempt in this process; never raises: a failure (OOM included) is ``ok: false`` with its error."""
-    record: dict[str, Any] = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "seq_len": args.seq_len,
+    record: dict[str, Any] = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
+                              "seq_len": args.seq_len,
                               "cap_gib": args.cap_gib,
                               "model": args.model, "steps": args.steps, "lora_r": args.lora_r, "ok": False,
                               "peak_mem_gib": None, "reserved_gib": None}
@@ -433,6 +436,8 @@ def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: 
         cmd += ["--alloc-conf", args.alloc_conf]
     if args.tile_mlp:
         cmd += ["--tile-mlp", str(args.tile_mlp)]
+    if args.sdpa_kernel:
+        cmd += ["--sdpa-kernel", args.sdpa_kernel]
     if account:
         cmd += ["--account"]
     # one Inductor cache per driver: later tries reuse what earlier ones compiled (compile time only);
@@ -475,7 +480,7 @@ def run_bisect(args) -> dict:
 
         model_dir = args.model_dir or _model_dir(args.model)  # built once (the wrapper builds it first)
     probes = sorted({int(x) for x in args.probe.split(",") if x} | ({args.start} if args.start else set()))
-    base = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
+    base = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
             "model": args.model,
             "steps": args.steps, "lora_r": args.lora_r, "step_tokens": STEP, "deadline_s": args.deadline_s,
             "probes": probes, **_stamp()}
@@ -525,6 +530,8 @@ def variant_key(rec: dict) -> str:
     key = rec["peer"]
     if rec.get("tile_mlp"):
         key += f"_tile{rec['tile_mlp']}"
+    if rec.get("sdpa_kernel") and rec["sdpa_kernel"] != "auto":
+        key += f"_sdpa_{rec['sdpa_kernel']}"
     if rec.get("alloc_conf"):
         key += "_" + re.sub(r"[^a-z0-9]+", "_", rec["alloc_conf"].split(":")[0].lower()).strip("_")
     return key
@@ -540,6 +547,7 @@ def _expand(rec: dict, source: str) -> list[dict]:
             peer = key.split("_", 1)[0]
             out.append({"peer": peer, "cap_gib": b["cap_gib"], "card": b.get("card"),
                         "alloc_conf": b.get(f"{key}_alloc_conf"), "tile_mlp": b.get(f"{key}_tile_mlp"),
+                        "sdpa_kernel": b.get(f"{key}_sdpa_kernel"),
                         "stopped": b.get(f"{key}_stopped"), "prediction": b.get(f"{key}_prediction"),
                         "max_seq_len": b.get(f"{key}_max_seq_len"), "edge_found": b.get(f"{key}_edge_found"),
                         "bracket": b.get(f"{key}_bracket"),
@@ -589,7 +597,7 @@ def merge(files: list[Path], primary: dict[str, str] | None = None) -> dict:
         entry: dict[str, Any] = {"label": f"{card or '?'} card, cap {cap:g} GiB", "card": card, "cap_gib": cap}
         for peer in [*PEERS, *sorted(k for k in by if k not in PEERS)]:
             r = by.get(peer, {})
-            for knob in ("alloc_conf", "tile_mlp", "variant"):
+            for knob in ("alloc_conf", "tile_mlp", "sdpa_kernel", "variant"):
                 if r.get(knob):
                     entry[f"{peer}_{knob}"] = r[knob]
             runs = sorted(r.get("runs", []), key=lambda x: x["seq_len"])
@@ -641,6 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--backend", help="ours: optimize()'s Dynamo backend (default: its own; tests use eager)")
     common.add_argument("--tile-mlp", type=int, help="ours: optimize(tile_mlp=N), each layer's MLP in pieces of N "
                                                      "positions at any length; merged under its own key")
+    common.add_argument("--sdpa-kernel", choices=("auto", "cudnn", "default"),
+                        help="ours: optimize(sdpa_kernel=...) (default: optimize()'s own, auto)")
     common.add_argument("--account", action="store_true", help="ours: record the last step's allocations and "
                         "write what its peak is made of (lab.memory_account); slows that step")
     common.add_argument("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for the tries (e.g. expandable_segments:True): "

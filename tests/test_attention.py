@@ -356,3 +356,58 @@ def test_optimize_on_a_windowed_model_computes_its_own_loss():
         assert abs(float(opt.eager(**batch).loss) - own) < 1e-5
     finally:
         opt.undo()
+
+
+def test_cudnn_first_causal_sdpa_is_one_graph_with_the_same_loss_and_grads():
+    """cuDNN's kernel first: the ``sdpa_kernel`` context traces without a break; where cuDNN cannot run
+    (here: a CPU), SDPA takes the next kernel, so loss and gradients are the causal path's."""
+    model, batch = _model(), _batch()
+    with attention.use_causal_sdpa(model):
+        ref = model(**batch).loss
+        ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    torch._dynamo.reset()
+    with attention.use_causal_sdpa(model, cudnn=True) as handle:
+        assert model.config._attn_implementation == attention.CAUSAL_SDPA_CUDNN
+        counter = diagnostics.CompileCounter(backend="aot_eager")
+        loss = counter.compile(model, fullgraph=True)(**batch).loss
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        graph = diagnostics.graph_breaks(model, **batch)
+    assert not handle.active and model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert counter.to_dict()["compilations"] == 1 and graph.graph_break_count == 0
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="SDPA kernel"):
+        attention.use_causal_attention(_model("flex_attention"), "flex_attention", cudnn=True)
+
+
+def test_the_sdpa_kernel_choice_reads_device_attention_and_probe():
+    cuda, cpu, hopper, ampere = torch.device("cuda"), torch.device("cpu"), (9, 0), (8, 0)
+    ok, refused = (lambda: (True, "")), (lambda: (False, "cuDNN attention refused a probe of this shape (x)"))
+    choose = attention.choose_sdpa_kernel
+    assert choose("auto", "causal", cuda, hopper, ok)[0] == "cudnn"
+    assert choose("auto", "causal", cuda, hopper, refused) == ("default", refused()[1])
+    assert choose("auto", "causal", cuda, ampere, ok)[0] == "default"  # measured on Hopper only
+    assert choose("auto", "causal", cpu, None, ok)[0] == "default"
+    assert choose("auto", "document", cuda, hopper, ok)[0] == "default"
+    assert choose("cudnn", "causal", cuda, ampere, ok) == ("cudnn", "asked for")
+    assert choose("default", "causal", cuda, hopper, ok) == ("default", "asked for")
+    with pytest.raises(ValueError, match="refused a probe"):
+        choose("cudnn", "causal", cuda, hopper, refused)
+    with pytest.raises(ValueError, match="needs causal-only SDPA"):
+        choose("cudnn", "mask", cuda, hopper, ok)
+    with pytest.raises(ValueError, match="sdpa_kernel must be one of"):
+        choose("flash", "causal", cuda, hopper, ok)
+    assert attention.cudnn_attention_works(cpu, 4, 2, 16, torch.float32) == (False, "cuDNN attention needs CUDA")
+
+
+def test_optimize_refuses_cudnn_attention_where_it_cannot_run():
+    from qlora_nb_utils import optimize
+    from qlora_nb_utils.compile.options import OptimizeOptions
+
+    with pytest.raises(ValueError, match="sdpa_kernel must be one of"):
+        OptimizeOptions(sdpa_kernel="flash")
+    model, batch = _model(), _batch()
+    with pytest.raises(ValueError, match="cuDNN attention needs CUDA"):
+        optimize(model, batches=[batch], sdpa_kernel="cudnn", backend="eager", ce_chunks=0)

@@ -10,7 +10,7 @@
 # env: OUT (required), DEADLINE_S (520: the whole call, merge included), PAIRS (the pairs in GPU order,
 #   "ours:24 ours:40 unsloth:24 unsloth:40"; a name with -xs runs that peer with
 #   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, ours with -tile runs each MLP in pieces of TILE_ROWS
-#   (4096) positions, ours with -acct ends with its longest length again, the last step's memory recorded
+#   (4096) positions, ours with -flash keeps SDPA's default kernel order (optimize(sdpa_kernel='default')), ours with -acct ends with its longest length again, the last step's memory recorded
 #   (lab/memory_account.py), e.g. "ours:24 ours-tile-xs:24 unsloth:24 unsloth-xs:24"), CAP_24 / CAP_40 (22.0 / 38.5 GiB, lab.long_context.CAP_NOTE),
 #   PROBES_24 / PROBES_40 (16384,32768 / 32768,65536: lengths where every layer is already checkpointed,
 #   so the linear fit is of the regime the edge is in; PROBES_<pair, - as _>_<card>, e.g. PROBES_unsloth_xs_24, a
@@ -42,6 +42,7 @@ driver() {  # GPU NAME CARD: one bisect driver in the background, its deadline w
   case $name in *-xs*) extra+=(--alloc-conf expandable_segments:True) ;; esac
   case $name in *-tile*) extra+=(--tile-mlp "${TILE_ROWS:-4096}") ;; esac
   case $name in *-acct*) extra+=(--account) ;; esac
+  case $name in *-flash*) extra+=(--sdpa-kernel default) ;; esac
   local own="PROBES_${name//-/_}_$card"  # a pair's own probes (PROBES_ours_xs_24), else the card's
   eval "cap=\$CAP_$card; probes=\${$own:-\$PROBES_$card}"
   local budget=$(( $(left) - 20 ))

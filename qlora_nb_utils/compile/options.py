@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..ops.attention import SDPA_KERNELS
 from .packed import DOC_ATTENTION
 
 __all__ = ["OptimizeOptions", "RecipeOptions", "MODES", "LORA_ADDMM"]
@@ -37,7 +38,7 @@ _ONE_OF: dict[str, tuple[Any, ...]] = {
     "mode": MODES + (None,), "grad_ckpt": _AUTO, "attention": ("auto", "causal", "mask"), "autocast": _AUTO,
     "dynamic": _AUTO, "eager_numerics": _AUTO, "scope": ("whole", "regional"), "doc_attention": DOC_ATTENTION,
     "loss_rows": _AUTO, "recompute": _AUTO, "lora_addmm": LORA_ADDMM, "nf4_dequant": _AUTO, "warm_cache": _AUTO,
-    "offload": _AUTO,
+    "offload": _AUTO, "sdpa_kernel": SDPA_KERNELS,
 }
 
 
@@ -86,6 +87,7 @@ class OptimizeOptions:
     warm_cache: bool | str = "auto"
     ce_min_rows: int | str = "auto"
     tile_mlp: bool | int | str = "auto"
+    sdpa_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))
@@ -188,6 +190,7 @@ class RecipeOptions:
         ckpt_layers: with ``grad_ckpt``, checkpoint only the first N decoder layers (None: all).
         autocast: run the step under ``torch.autocast(dtype)`` (nothing to do for fp32).
         causal_attn: causal-only SDPA (flash kernel + GQA); right-padded batches only.
+        causal_cudnn: with ``causal_attn``, SDPA's cuDNN kernel first (``ops.attention.CAUSAL_SDPA_CUDNN``).
         mode: the Inductor mode (None: default).
         backend: the Dynamo backend.
         eager_numerics: Inductor rounds where eager does (``prepare_for_compile``'s option).
@@ -214,6 +217,7 @@ class RecipeOptions:
     ckpt_layers: int | None = None
     autocast: bool = False
     causal_attn: bool = False
+    causal_cudnn: bool = False
     mode: str | None = None
     backend: Any = "inductor"
     eager_numerics: bool = False

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..ops.attention import choose_attention
+from ..ops.attention import choose_attention, choose_sdpa_kernel, cudnn_attention_works
 from ..ops.lm_head import choose_head
 from . import choices as table
 from .checkpointing import decoder_layers
@@ -72,6 +72,7 @@ class Plan:
     tile_rows: int = 0  # each MLP in pieces of this many positions (0: whole)
     packed: bool = False
     attention: str = "mask"
+    sdpa_cudnn: bool = False  # causal-only SDPA with cuDNN's kernel first
     mode: str | None = None
     dynamic: bool = False
     autocast: bool = False
@@ -123,11 +124,24 @@ class Plan:
         return RecipeOptions(
             dtype=self.dtype, device=self.device, cast_bf16=opts.cast, ce_chunks=self.ce_chunks,
             grad_ckpt=self.ckpt_layers > 0, ckpt_layers=self.ckpt_layers if self.ckpt_layers > 0 else None,
-            autocast=self.autocast, causal_attn=self.attention == "causal", mode=self.mode, backend=opts.backend,
+            autocast=self.autocast, causal_attn=self.attention == "causal", causal_cudnn=self.sdpa_cudnn,
+            mode=self.mode, backend=opts.backend,
             eager_numerics=self.eager_numerics, scope=self.scope, offload=self.offload,
             ce_min_rows=self.chunk_rows, head=self.head,
             # regional: the layers' inputs cannot be marked dynamic from outside
             dynamic=True if self.scope == "regional" and self.dynamic else None)
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def _attention_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of the model's attention, from its config."""
+    cfg = next(m.config for m in model.modules() if hasattr(getattr(m, "config", None), "num_attention_heads"))
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
 
 
 def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | None, *,
@@ -162,6 +176,9 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
             raise ValueError("attention='causal' would let packed documents attend to each other; use 'auto'")
         p.record("doc_attention", table.Choice(*choose_doc_kernel(device, opts.doc_attention)))
     p.attention = p.record("attention", table.Choice(*choose_attention(model, opts.attention, batches, p.packed)))
+    p.sdpa_cudnn = p.record("sdpa_kernel", table.Choice(*choose_sdpa_kernel(
+        opts.sdpa_kernel, p.attention, device, _capability(device),
+        lambda: cudnn_attention_works(device, *_attention_shape(model), p.dtype)))) == "cudnn"
     mode = p.record("mode", table.choose_mode(opts.mode, opts.backend, p.scope, device, shapes))
     p.mode, p.choices["mode"] = mode, mode or "default"
     p.dynamic = p.record("dynamic", table.choose_dynamic(opts.dynamic, shapes))

@@ -274,7 +274,7 @@ def prepare_fast(model: torch.nn.Module, options: RecipeOptions | None = None, *
     attn = None
     if opts.causal_attn:
         check_right_padded(batches)
-        attn = use_causal_sdpa(model)
+        attn = use_causal_sdpa(model, cudnn=opts.causal_cudnn)
     try:
         # regional scope leaves the head and the loss eager: their softmax arithmetic is compiled on CUDA
         compiled_math = opts.scope == "regional" and device.type == "cuda" and opts.backend == "inductor"

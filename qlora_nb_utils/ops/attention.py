@@ -58,6 +58,13 @@ more for a 1-block length. On a GPU the whole 1B-shape QLoRA trains lengths on b
 gradients equal stock flex with the padding mask (the lab's flex-attention record).
 The mask function is a module-level function, so its identity guard holds from call to call.
 
+**cuDNN's kernel first** (:data:`CAUSAL_SDPA_CUDNN`, ``use_causal_sdpa(model, cudnn=True)``): the
+same causal-only SDPA inside ``sdpa_kernel([cuDNN, flash, efficient, math], set_priority=True)``,
+a context Dynamo traces (no graph break), so the compiled graph holds cuDNN's attention and its
+backward. At long sequences on Hopper GPUs it trains attention faster than SDPA's default
+choice, the flash kernel; where cuDNN cannot take the inputs SDPA falls through to the next.
+``optimize(sdpa_kernel="auto")`` takes it there after a probe of the model's attention shape.
+
 Not for generation with a cache or for left-padded batches (:func:`check_right_padded` refuses
 those). Decoder-only causal LMs only: an encoder's bidirectional mask without the padding would
 let real tokens see pads. The SDPA variant also drops what transformers adds to the causal mask
@@ -70,19 +77,27 @@ with this mask or with none (an ``AttributeError`` on the cache layer's ``dtype`
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from ..reversible import PatchHandle
 
-__all__ = ["CAUSAL_SDPA", "CAUSAL_FLEX", "KERNELS", "register_causal", "register_causal_sdpa", "use_causal_attention",
+__all__ = ["CAUSAL_SDPA", "CAUSAL_SDPA_CUDNN", "SDPA_KERNELS", "cudnn_attention_works", "choose_sdpa_kernel",
+           "CAUSAL_FLEX", "KERNELS", "register_causal", "register_causal_sdpa", "use_causal_attention",
            "sliding_window", "choose_attention",
            "use_causal_sdpa", "use_causal_flex", "causal_masks_for", "check_right_padded", "causal_block_mask",
            "with_causal_block_mask"]
 
 #: The names the implementations are registered under in transformers' interfaces.
 CAUSAL_SDPA = "qlora_causal_sdpa"
+#: :data:`CAUSAL_SDPA` with SDPA's cuDNN kernel first (then flash, memory-efficient, math).
+CAUSAL_SDPA_CUDNN = "qlora_causal_sdpa_cudnn"
+#: ``optimize(sdpa_kernel=...)``'s values: ``"auto"`` (:func:`choose_sdpa_kernel`), ``"cudnn"``, ``"default"``.
+SDPA_KERNELS = ("auto", "cudnn", "default")
+#: The compute capabilities where ``"auto"`` takes cuDNN's kernel: Hopper, where it was measured
+#: faster than SDPA's flash kernel for causal training (the lab's attention-backend record).
+CUDNN_FIRST_CAPABILITIES = ((9, 0),)
 CAUSAL_FLEX = "qlora_causal_flex"
 #: The kernel a model uses now -> the causal-only implementation it can switch to.
 KERNELS = {"sdpa": CAUSAL_SDPA, "flex_attention": CAUSAL_FLEX}
@@ -100,6 +115,21 @@ def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
+def _cudnn_first():
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _causal_sdpa_cudnn(module, query, key, value, attention_mask, **kwargs):
+    """:func:`_causal_sdpa` with cuDNN's kernel first: where it cannot take the inputs (or there is
+    no CUDA), SDPA takes the next in order, as it would by default."""
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(_cudnn_first(), set_priority=True):
+        return _causal_sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
 def _causal_block_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                        device="cpu", **kwargs):
     """The flex mask function: ``flex_attention_mask`` without the padding mask and its data branch.
@@ -114,10 +144,12 @@ def _causal_block_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     return create_block_mask(mask_mod, B=batch_size, H=None, Q_LEN=q_length, KV_LEN=kv_length, device=device)
 
 
-def _implementation(kernel: str):
+def _implementation(kernel: str, cudnn: bool = False):
     """(name, attention function, mask function) of the causal-only twin of ``kernel``."""
+    if cudnn and kernel != "sdpa":
+        raise ValueError(f"cuDNN's kernel is an SDPA kernel; the model uses {kernel!r}")
     if kernel == "sdpa":
-        return CAUSAL_SDPA, _causal_sdpa, _no_mask
+        return (CAUSAL_SDPA_CUDNN, _causal_sdpa_cudnn, _no_mask) if cudnn else (CAUSAL_SDPA, _causal_sdpa, _no_mask)
     if kernel == "flex_attention":
         from transformers.utils import is_torch_flex_attn_available
 
@@ -129,7 +161,7 @@ def _implementation(kernel: str):
     raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
 
 
-def register_causal(kernel: str) -> str:
+def register_causal(kernel: str, cudnn: bool = False) -> str:
     """Register the causal-only twin of ``kernel`` with transformers (idempotent); return its name.
 
     Raises:
@@ -138,7 +170,7 @@ def register_causal(kernel: str) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    name, attention_fn, mask_fn = _implementation(kernel)
+    name, attention_fn, mask_fn = _implementation(kernel, cudnn)
     AttentionInterface.register(name, attention_fn)
     AttentionMaskInterface.register(name, mask_fn)
     return name
@@ -159,7 +191,7 @@ def _configs(model: torch.nn.Module) -> list:
     return out
 
 
-def use_causal_attention(model: torch.nn.Module, kernel: str) -> PatchHandle:
+def use_causal_attention(model: torch.nn.Module, kernel: str, cudnn: bool = False) -> PatchHandle:
     """Switch ``model`` (a transformers causal LM, PEFT-wrapped or not) to causal-only ``kernel``.
 
     Sets ``_attn_implementation`` on every config the model's modules hold; ``undo()`` puts
@@ -170,6 +202,7 @@ def use_causal_attention(model: torch.nn.Module, kernel: str) -> PatchHandle:
     Args:
         model: The model; only right-padded batches may be fed to it afterwards.
         kernel: ``"sdpa"`` or ``"flex_attention"``, the implementation the model uses now.
+        cudnn: with ``"sdpa"``, SDPA's cuDNN kernel first (:data:`CAUSAL_SDPA_CUDNN`).
 
     Returns:
         A :class:`PatchHandle` (also a context manager) whose ``undo()`` restores the configs.
@@ -178,13 +211,14 @@ def use_causal_attention(model: torch.nn.Module, kernel: str) -> PatchHandle:
         ValueError: ``kernel`` is unknown, the model has no transformers config, or it does
             not use ``kernel`` now (switching kernels silently would change more than the mask).
     """
-    name = register_causal(kernel)
+    name = register_causal(kernel, cudnn)
     short = {"sdpa": "sdpa", "flex_attention": "flex"}[kernel]
     configs = _configs(model)
     if not configs:
         raise ValueError(f"{type(model).__name__} holds no transformers config with an attention implementation")
     current = {cfg._attn_implementation for cfg in configs}
-    if not current <= {kernel, name}:
+    twins = {CAUSAL_SDPA, CAUSAL_SDPA_CUDNN} if kernel == "sdpa" else {name}
+    if not current <= {kernel, *twins}:
         raise ValueError(f"use_causal_{short} expects a model using {kernel!r} attention, found {sorted(current)}; "
                          f"load it with attn_implementation={kernel!r}")
     handle = PatchHandle(f"causal_{short}", {"configs": len(configs), "implementation": name})
@@ -196,9 +230,67 @@ def use_causal_attention(model: torch.nn.Module, kernel: str) -> PatchHandle:
     return handle
 
 
-def use_causal_sdpa(model: torch.nn.Module) -> PatchHandle:
-    """:func:`use_causal_attention` for a model loaded with ``attn_implementation="sdpa"``."""
-    return use_causal_attention(model, "sdpa")
+def use_causal_sdpa(model: torch.nn.Module, cudnn: bool = False) -> PatchHandle:
+    """:func:`use_causal_attention` for a model loaded with ``attn_implementation="sdpa"``; ``cudnn``:
+    SDPA's cuDNN kernel first."""
+    return use_causal_attention(model, "sdpa", cudnn)
+
+
+def cudnn_attention_works(device: torch.device, heads: int, kv_heads: int, head_dim: int,
+                          dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether SDPA's cuDNN kernel alone runs causal attention of this shape, forward and backward,
+    on ``device`` (a probe of 256 positions); and why not."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False, "cuDNN attention needs CUDA"
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return False, "cuDNN attention is turned off (torch.backends.cuda.enable_cudnn_sdp)"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        q = torch.randn(1, heads, 256, head_dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(1, kv_heads, 256, head_dim, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn_like(k, requires_grad=True)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                   enable_gqa=heads != kv_heads)
+        out.sum().backward()
+        torch.cuda.synchronize(device)
+    except RuntimeError as exc:  # "No available kernel", a cuDNN error: SDPA's default then
+        return False, f"cuDNN attention refused a probe of this shape ({str(exc).splitlines()[0][:120]})"
+    return True, ""
+
+
+def choose_sdpa_kernel(asked: str, attention: str, device: torch.device, capability: tuple[int, int] | None,
+                       works: Callable[[], tuple[bool, str]]) -> tuple[str, str]:
+    """``optimize(sdpa_kernel=...)``'s choice and its reason: ``"cudnn"`` or ``"default"``.
+
+    ``"auto"`` takes cuDNN's kernel for causal-only SDPA on a GPU of :data:`CUDNN_FIRST_CAPABILITIES`
+    where ``works()`` (:func:`cudnn_attention_works` on the model's shape) passes; it is the same
+    attention (its output and gradients agree with the flash kernel's to bf16 rounding), faster
+    there at long sequences. Elsewhere SDPA chooses as it does by default.
+
+    Raises:
+        ValueError: ``asked`` is not in :data:`SDPA_KERNELS`; ``"cudnn"`` without causal-only SDPA
+            (a mask or packed documents) or where ``works()`` fails.
+    """
+    if asked not in SDPA_KERNELS:
+        raise ValueError(f"sdpa_kernel must be one of {list(SDPA_KERNELS)}, got {asked!r}")
+    if asked == "default":
+        return "default", "asked for"
+    if attention != "causal":
+        if asked == "cudnn":
+            raise ValueError(f"sdpa_kernel='cudnn' needs causal-only SDPA; the attention is {attention!r}")
+        return "default", "not causal-only SDPA: SDPA's own order"
+    if asked == "auto" and device.type != "cuda":
+        return "default", "SDPA's own order (cuDNN's kernel is a CUDA kernel)"
+    if asked == "auto" and capability not in CUDNN_FIRST_CAPABILITIES:
+        return "default", "SDPA's own order: cuDNN first only on Hopper GPUs (sm_90), where it was measured faster"
+    ok, why = works()
+    if not ok:
+        if asked == "cudnn":
+            raise ValueError(f"sdpa_kernel='cudnn': {why}")
+        return "default", why
+    return "cudnn", "asked for" if asked == "cudnn" else "causal SDPA on Hopper: cuDNN's kernel first (then flash)"
 
 
 def use_causal_flex(model: torch.nn.Module) -> PatchHandle:
