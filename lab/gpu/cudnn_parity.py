@@ -1,7 +1,7 @@
 """cuDNN's attention kernel against SDPA's default (flash) in the compiled QLoRA step: the same loss, judged
 against the floor, and the step time of each.
 
-Wrote: lab/results/long_context/cudnn_parity_<gpu>.json
+Wrote: lab/results/long_context/cudnn_parity_h200.json
 Rerun: python lab/gpu/cudnn_parity.py --out $OUT/cudnn_parity.json   (one GPU, from the repository root)
 
 Why: ``optimize(sdpa_kernel="auto")`` takes cuDNN's kernel on Hopper. It is another kernel for the same
