@@ -1,0 +1,78 @@
+"""distributed.vocab_parallel: the loss and gradients of a head split by vocabulary over two gloo ranks equal
+one process's cross-entropy with the whole head (fp32, uneven rows and vocabulary, ignored rows, a soft cap)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from qlora_nb_utils.distributed.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
+
+VOCAB, HIDDEN, ROWS = 11, 8, (5, 7)
+
+
+def _cap(z):
+    return 3.0 * torch.tanh(z / 3.0)
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g)
+    hidden = [torch.randn(n, HIDDEN, generator=g) for n in ROWS]
+    labels = [torch.randint(0, VOCAB, (n,), generator=g) for n in ROWS]
+    labels[0][1] = -100
+    labels[1][4] = -100
+    return weight, hidden, labels
+
+
+def _worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        weight, hidden, labels = _data()
+        start, stop = vocab_range(VOCAB, rank, world)
+        w = weight[start:stop].clone().requires_grad_()
+        h = hidden[rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(h, w, labels[rank], vocab_start=start, chunk_rows=3, logit_fn=_cap)
+        loss.backward()
+        out[rank] = {"loss": loss.detach(), "grad_h": h.grad, "grad_w": w.grad, "range": (start, stop)}
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_give_one_processs_loss_and_gradients():
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    weight, hidden, labels = _data()
+    w = weight.clone().requires_grad_()
+    hs = [h.clone().requires_grad_() for h in hidden]
+    losses = [torch.nn.functional.cross_entropy(_cap(h @ w.t()), y, ignore_index=-100) for h, y in zip(hs, labels)]
+    torch.stack(losses).mean().backward()  # data parallel: the mean of the ranks' losses
+    for rank in (0, 1):
+        got = out[rank]
+        torch.testing.assert_close(got["loss"], losses[rank].detach(), atol=1e-6, rtol=1e-6)
+        # each rank's hidden gradient is its own loss's; FSDP2 averages what flows from it
+        torch.testing.assert_close(got["grad_h"], 2 * hs[rank].grad, atol=1e-6, rtol=1e-5)
+        start, stop = got["range"]
+        torch.testing.assert_close(got["grad_w"], w.grad[start:stop], atol=1e-6, rtol=1e-5)
+    assert out[0]["range"] == (0, 6) and out[1]["range"] == (6, 11)
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(ValueError, match="process group"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, dtype=torch.long),
+                                     vocab_start=0)
+    with pytest.raises(ValueError, match="rank < world_size <= vocab"):
+        vocab_range(3, 0, 4)
+    assert [vocab_range(10, r, 3) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
