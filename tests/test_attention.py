@@ -385,12 +385,19 @@ def test_cudnn_first_causal_sdpa_is_one_graph_with_the_same_loss_and_grads():
 def test_the_sdpa_kernel_choice_reads_device_attention_and_probe():
     cuda, cpu, hopper, ampere = torch.device("cuda"), torch.device("cpu"), (9, 0), (8, 0)
     ok, refused = (lambda: (True, "")), (lambda: (False, "cuDNN attention refused a probe of this shape (x)"))
-    choose = attention.choose_sdpa_kernel
+    long = attention.CUDNN_MIN_POSITIONS
+
+    def choose(*args, longest=long, cuda_graphs=False):
+        return attention.choose_sdpa_kernel(*args, longest=longest, cuda_graphs=cuda_graphs)
+
     assert choose("auto", "causal", cuda, hopper, ok)[0] == "cudnn"
     assert choose("auto", "causal", cuda, hopper, refused) == ("default", refused()[1])
     assert choose("auto", "causal", cuda, ampere, ok)[0] == "default"  # measured on Hopper only
     assert choose("auto", "causal", cpu, None, ok)[0] == "default"
     assert choose("auto", "document", cuda, hopper, ok)[0] == "default"
+    assert "at least 16384 positions" in choose("auto", "causal", cuda, hopper, ok, longest=long - 1)[1]
+    assert "CUDA graphs" in choose("auto", "causal", cuda, hopper, ok, cuda_graphs=True)[1]
+    assert choose("cudnn", "causal", cuda, hopper, ok, longest=64, cuda_graphs=True)[0] == "cudnn"  # as asked
     assert choose("cudnn", "causal", cuda, ampere, ok) == ("cudnn", "asked for")
     assert choose("default", "causal", cuda, hopper, ok) == ("default", "asked for")
     with pytest.raises(ValueError, match="refused a probe"):

@@ -117,9 +117,10 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
         mode: ``"auto"``, or an Inductor mode (``"default"``/None, ``"reduce-overhead"``, ...).
         attention: ``"auto"``, ``"causal"`` (causal-only SDPA; right-padded batches) or ``"mask"``;
             packed batches (with ``document_ids``) always get the per-document mask.
-        sdpa_kernel: for causal-only SDPA, ``"auto"`` (cuDNN's kernel first on Hopper GPUs where a
-            probe of the model's attention shape runs: ``ops.attention.choose_sdpa_kernel``),
-            ``"cudnn"`` or ``"default"`` (SDPA's own order: flash first).
+        sdpa_kernel: for causal-only SDPA, ``"auto"`` (cuDNN's kernel first on Hopper GPUs, for rows
+            of at least 16384 positions without CUDA graphs, where a probe of the model's attention
+            shape runs: ``ops.attention.choose_sdpa_kernel``), ``"cudnn"`` or ``"default"`` (SDPA's
+            own order: flash first).
         ckpt_layers: with checkpointing, how many first decoder layers checkpoint (None: decided).
         dtype: the compute dtype (None: the model's).
         backend: the Dynamo backend.

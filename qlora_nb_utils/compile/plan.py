@@ -176,11 +176,12 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
             raise ValueError("attention='causal' would let packed documents attend to each other; use 'auto'")
         p.record("doc_attention", table.Choice(*choose_doc_kernel(device, opts.doc_attention)))
     p.attention = p.record("attention", table.Choice(*choose_attention(model, opts.attention, batches, p.packed)))
-    p.sdpa_cudnn = p.record("sdpa_kernel", table.Choice(*choose_sdpa_kernel(
-        opts.sdpa_kernel, p.attention, device, _capability(device),
-        lambda: cudnn_attention_works(device, *_attention_shape(model), p.dtype)))) == "cudnn"
     mode = p.record("mode", table.choose_mode(opts.mode, opts.backend, p.scope, device, shapes))
     p.mode, p.choices["mode"] = mode, mode or "default"
+    p.sdpa_cudnn = p.record("sdpa_kernel", table.Choice(*choose_sdpa_kernel(
+        opts.sdpa_kernel, p.attention, device, _capability(device),
+        lambda: cudnn_attention_works(device, *_attention_shape(model), p.dtype),
+        longest=max((shape[-1] for shape in shapes or []), default=0), cuda_graphs=p.cuda_graphs))) == "cudnn"
     p.dynamic = p.record("dynamic", table.choose_dynamic(opts.dynamic, shapes))
     p.record("pad_multiple", table.choose_pad_multiple(opts.pad_multiple))
     p.autocast = p.record("autocast", table.choose_autocast(opts.autocast, p.dtype))

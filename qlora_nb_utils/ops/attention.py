@@ -98,6 +98,9 @@ SDPA_KERNELS = ("auto", "cudnn", "default")
 #: The compute capabilities where ``"auto"`` takes cuDNN's kernel: Hopper, where it was measured
 #: faster than SDPA's flash kernel for causal training (the lab's attention-backend record).
 CUDNN_FIRST_CAPABILITIES = ((9, 0),)
+#: The shortest row (positions) for which ``"auto"`` takes cuDNN's kernel: on Hopper its gain in a
+#: whole QLoRA step grew with the length and was nil at 8k positions (the lab's records).
+CUDNN_MIN_POSITIONS = 16384
 CAUSAL_FLEX = "qlora_causal_flex"
 #: The kernel a model uses now -> the causal-only implementation it can switch to.
 KERNELS = {"sdpa": CAUSAL_SDPA, "flex_attention": CAUSAL_FLEX}
@@ -261,13 +264,15 @@ def cudnn_attention_works(device: torch.device, heads: int, kv_heads: int, head_
 
 
 def choose_sdpa_kernel(asked: str, attention: str, device: torch.device, capability: tuple[int, int] | None,
-                       works: Callable[[], tuple[bool, str]]) -> tuple[str, str]:
+                       works: Callable[[], tuple[bool, str]], longest: int = 0,
+                       cuda_graphs: bool = False) -> tuple[str, str]:
     """``optimize(sdpa_kernel=...)``'s choice and its reason: ``"cudnn"`` or ``"default"``.
 
-    ``"auto"`` takes cuDNN's kernel for causal-only SDPA on a GPU of :data:`CUDNN_FIRST_CAPABILITIES`
-    where ``works()`` (:func:`cudnn_attention_works` on the model's shape) passes; it is the same
-    attention (its output and gradients agree with the flash kernel's to bf16 rounding), faster
-    there at long sequences. Elsewhere SDPA chooses as it does by default.
+    ``"auto"`` takes cuDNN's kernel for causal-only SDPA on a GPU of :data:`CUDNN_FIRST_CAPABILITIES`,
+    for rows (``longest`` positions) of at least :data:`CUDNN_MIN_POSITIONS`, without CUDA graphs
+    (where it was measured), and where ``works()`` (:func:`cudnn_attention_works` on the model's
+    shape) passes: the same attention (its loss within bf16 noise of the flash kernel's), faster
+    there. Elsewhere SDPA chooses as it does by default.
 
     Raises:
         ValueError: ``asked`` is not in :data:`SDPA_KERNELS`; ``"cudnn"`` without causal-only SDPA
@@ -285,6 +290,11 @@ def choose_sdpa_kernel(asked: str, attention: str, device: torch.device, capabil
         return "default", "SDPA's own order (cuDNN's kernel is a CUDA kernel)"
     if asked == "auto" and capability not in CUDNN_FIRST_CAPABILITIES:
         return "default", "SDPA's own order: cuDNN first only on Hopper GPUs (sm_90), where it was measured faster"
+    if asked == "auto" and longest < CUDNN_MIN_POSITIONS:
+        return "default", (f"SDPA's own order: cuDNN first only for rows of at least {CUDNN_MIN_POSITIONS} "
+                           "positions, where it was measured faster")
+    if asked == "auto" and cuda_graphs:
+        return "default", "SDPA's own order: CUDA graphs (cuDNN's kernel was measured without them)"
     ok, why = works()
     if not ok:
         if asked == "cudnn":
