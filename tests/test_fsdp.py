@@ -174,6 +174,7 @@ def _parse(*argv: str) -> argparse.Namespace:
     (("--steps", "0"), 1, "--steps must be >= 1"),
     (("--save-every", "-1"), 1, "--save-every must be >= 0"),
     (("--trainer", "hf", "--resume"), 1, "--trainer runs do not take"),
+    (("--vocab-parallel-head",), 2, "it needs --fast-path"),
 ])
 def test_bad_options_are_refused_with_a_clear_message(argv, world_size, message):
     with pytest.raises(ValueError, match=message.replace("-", r"\-").replace("(", r"\(")):

@@ -40,6 +40,43 @@ def test_fast_path_two_ranks_match_one_process(tmp_path):
     assert (tmp_path / "two" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_a_head_split_by_vocabulary_gives_the_one_process_losses(tmp_path):
+    """The LM head's rows split over the ranks (ops.vocab_parallel), left out of FSDP2's sharding."""
+    two = _run(2, tmp_path / "two", "--vocab-parallel-head")
+    one = _run(1, tmp_path / "one", "--one-gpu-scope", "regional")
+    assert two["vocab_parallel_head"] is True and one["vocab_parallel_head"] is False
+    assert max(abs(a - b) for a, b in zip(one["losses"], two["losses"])) < 1e-5
+    assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-5
+    assert two["graph_breaks"]["total"] == 0
+    # the head's weight is no FSDP2 parameter: the one "other" weight not sharded (each rank its rows)
+    assert two["sharding"]["other"] == {"Shard(dim=0)": 6, "not sharded": 1}
+
+
+def _llama(tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=101, tie_word_embeddings=tie, use_cache=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def test_split_vocab_refuses_a_tied_head_and_splits_an_untied_one():
+    from qlora_nb_utils.ops.losses import ChunkedLossLM
+
+    with pytest.raises(ValueError, match="tied"):
+        ChunkedLossLM(_llama(tie=True)).split_vocab(0, 2)
+    model = ChunkedLossLM(_llama(tie=False))
+    assert model.split_vocab(1, 2) == (51, 101)  # the first rank takes the odd row
+    assert model.model.get_output_embeddings().weight.shape == (50, 32) and model.vocab_split["vocab"] == 101
+    with pytest.raises(ValueError, match="split by vocabulary already"):
+        model.split_vocab(1, 2)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="whole vocabulary"):
+        model(input_ids=ids, labels=ids, token_stats=True)
+
+
 def test_float_storage_routes_through_the_op():
     """Packed words stored as float32 (FSDP2's plan) dequantize through the one-pass op as their bytes."""
     bnb = pytest.importorskip("bitsandbytes")

@@ -1,4 +1,4 @@
-"""distributed.vocab_parallel: the loss and gradients of a head split by vocabulary over two gloo ranks equal
+"""ops.vocab_parallel: the loss and gradients of a head split by vocabulary over two gloo ranks equal
 one process's cross-entropy with the whole head (fp32, uneven rows and vocabulary, ignored rows, a soft cap)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from qlora_nb_utils.distributed.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
+from qlora_nb_utils.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
 
 VOCAB, HIDDEN, ROWS = 11, 8, (5, 7)
 

@@ -14,6 +14,7 @@
 #     big_gpu (frozen shards on the GPUs) and big_offload (FSDP2 CPU offload of the shards); then the
 #     _foreach_copy_ reproducer of docs/fsdp2.md on one GPU.
 # DRY=1: the tiny model on the CPU over gloo, 2 steps (tests/test_fsdp_fast.py runs it).
+# VOCAB_HEAD=1: the 2-GPU runs with the LM head split by vocabulary (ops.vocab_parallel).
 set -uo pipefail
 OUT=${OUT:-$PWD/out/fsdp_fast}
 mkdir -p "$OUT/runs"
@@ -42,6 +43,8 @@ COMMON=(--model "$MODEL" --build layerwise --quant nf4 --nf4 shard --frozen shar
         --timing-warmup 3 --no-adapter --steps "$STEPS" --global-batch-size 2 --micro-batch-size 1 "${DEV[@]}"
         --one-gpu-scope "${ONE_SCOPE:-regional}")
 [ "${DRY:-0}" = 1 ] && COMMON+=(--timing-warmup 0)
+# VOCAB_HEAD=1: the 2-GPU runs split the LM head by vocabulary (--vocab-parallel-head: no rank gathers it whole)
+VOCAB2=(); [ "${VOCAB_HEAD:-0}" = 1 ] && VOCAB2=(--vocab-parallel-head)
 
 trun() {  # trun NAME LIMIT_S GPUS NPROC MODULE ARGS...: one torchrun, its log in $OUT/runs/NAME.log
   local name=$1 limit=$2 gpus=$3 nproc=$4 module=$5
@@ -63,7 +66,7 @@ if [ "$PHASE" = 8b ] || [ "$PHASE" = all ]; then
     extra2=(); [ "$i" = 1 ] && extra2=(--check-bytes)
     extra1=(); [ "$i" = 2 ] && extra1=(--permute-rows 1)
     cap=$(( $(left) - ${BIG_RESERVE:-0} )); [ $cap -gt 170 ] && cap=170
-    trun "fast_2_$i" "$cap" "$G01" 2 $FT "${COMMON[@]}" "${extra2[@]}" --out "$OUT/runs/fast_2_$i"
+    trun "fast_2_$i" "$cap" "$G01" 2 $FT "${COMMON[@]}" "${extra2[@]}" "${VOCAB2[@]}" --out "$OUT/runs/fast_2_$i"
     cap=$(( $(left) - ${BIG_RESERVE:-0} )); [ $cap -gt 170 ] && cap=170
     trun "fast_1_$i" "$cap" "$G0" 1 $FT "${COMMON[@]}" "${extra1[@]}" --out "$OUT/runs/fast_1_$i"
   done

@@ -110,7 +110,7 @@ def optimize_sharded(model: nn.Module, *, batches: Iterable[dict], world_size: i
                      nf4: str = "shard", frozen: str = "shard", cpu_offload: bool = False,
                      reshard_after_forward: bool = True, grad_ckpt: bool = False, backend: Any = "inductor",
                      verify: bool | str = True, mesh=None, shard_one: bool = False, one_scope: str = "whole",
-                     **optimize_kwargs: Any) -> FastSharded:
+                     vocab_head: bool = False, **optimize_kwargs: Any) -> FastSharded:
     """Apply ``optimize()`` to a PEFT QLoRA model on this rank, then shard it with FSDP2.
 
     Args:
@@ -127,6 +127,11 @@ def optimize_sharded(model: nn.Module, *, batches: Iterable[dict], world_size: i
         one_scope: ``optimize``'s scope on one process, nothing sharded: ``"whole"`` (the single-GPU
             fast path, CUDA graphs where it takes them) or ``"regional"`` (the sharded ranks' scope:
             the same compiled layer graph, a cold compile of seconds instead of minutes at 8B).
+        vocab_head: when sharded, split the LM head by vocabulary rows over the ranks and compute
+            the loss vocabulary-parallel (``ops.vocab_parallel``), the head's rows left out of FSDP2's
+            sharding: no rank gathers the whole head (the root unit, which keeps what it gathers
+            through the forward, then holds none of it). Needs the chunked loss and an untied head
+            without a bias.
         **optimize_kwargs: anything else ``optimize`` takes (not ``scope`` or ``cast``).
 
     Returns:
@@ -147,14 +152,29 @@ def optimize_sharded(model: nn.Module, *, batches: Iterable[dict], world_size: i
         return FastSharded(opt=opt, root=root, peft=model, sharded=None, layers=decoder_layers(model))
     emb = _input_embeddings(model)
     try:
+        head_rows = _split_head(root, mesh) if vocab_head else []
         sharded = apply_fsdp2(root, mesh=mesh, mp_policy=mp_policy, nf4=nf4, cpu_offload=cpu_offload,
                               reshard_after_forward=reshard_after_forward, grad_ckpt=False,
                               compile_layers=False, verify=verify, frozen=frozen,
-                              units=[emb] if emb is not None else [])
+                              units=[emb] if emb is not None else [], ignored_params=head_rows)
     except BaseException:
         opt.undo()
         raise
     return FastSharded(opt=opt, root=root, peft=model, sharded=sharded, layers=sharded.layers)
+
+
+def _split_head(root: nn.Module, mesh) -> list[nn.Parameter]:
+    """This rank's vocabulary rows of the LM head (``ChunkedLossLM.split_vocab``), to leave out of sharding."""
+    import torch.distributed as dist
+
+    from ..ops.lm_head import causal_lm_of
+    from ..ops.losses import ChunkedLossLM
+
+    if not isinstance(root, ChunkedLossLM):
+        raise ValueError("vocab_head needs optimize()'s chunked loss (ce_chunks > 0, a head it reproduces)")
+    group = mesh.get_group() if mesh is not None else None
+    root.split_vocab(dist.get_rank(group), dist.get_world_size(group), group)
+    return [causal_lm_of(root.model).get_output_embeddings().weight]
 
 
 def optimize_options(pairs) -> dict:

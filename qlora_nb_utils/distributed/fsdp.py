@@ -192,7 +192,8 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
                 cpu_offload: bool = False, reshard_after_forward: bool = True,
                 grad_ckpt: bool = False, compile_layers: bool = False,
                 backend: str = "inductor", fullgraph: bool = True, verify: bool | str = True,
-                frozen: str = "shard", units: Iterable[nn.Module] = ()) -> Sharded:
+                frozen: str = "shard", units: Iterable[nn.Module] = (),
+                ignored_params: Iterable[nn.Parameter] = ()) -> Sharded:
     """Shard a (Q)LoRA model with FSDP2: one ``fully_shard`` per decoder layer, one for the root.
 
     Args:
@@ -224,6 +225,8 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
             before the root (e.g. the input embedding, gathered only around its own forward
             instead of for the root's whole step; :mod:`.fast`). Modules whose parameters are
             all left out of sharding are skipped.
+        ignored_params: more parameters left out of sharding (kept as each rank has them: the
+            LM head's vocabulary rows of a vocabulary-parallel loss, :mod:`.fast`).
 
     Returns:
         A :class:`Sharded`.
@@ -255,7 +258,7 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
         "reshard_after_forward": reshard_after_forward,
         "offload_policy": CPUOffloadPolicy(pin_memory=device_is_cuda) if cpu_offload else OffloadPolicy(),
     }
-    ignored: set[nn.Parameter] = set()
+    ignored: set[nn.Parameter] = set(ignored_params)
     if nf4 == "replicate":
         ignored |= set(quantized)
     if frozen == "replicate":

@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast-path", action="store_true",
                    help="compile.optimize()'s recipe on every rank, then FSDP2 (distributed/fast.py); on one "
                         "process the plain single-GPU fast path, nothing sharded")
+    p.add_argument("--vocab-parallel-head", action="store_true",
+                   help="with --fast-path on several ranks: the LM head split by vocabulary rows over the ranks, "
+                        "the loss vocabulary-parallel (ops.vocab_parallel): no rank gathers the whole head")
     p.add_argument("--optimize", action="append", default=[], metavar="KEY=VALUE",
                    help="with --fast-path, an optimize() option (e.g. nf4_dequant=true, lora_addmm=unfused); repeatable")
     p.add_argument("--one-gpu-scope", default="whole", choices=("whole", "regional"),
@@ -165,6 +168,8 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                                               or args.trainer != "none" or not args.compile):
         raise ValueError("--fast-path does not take --resume/--stop-at/--save-every/--probe/--trainer/--no-compile "
                          "(its checkpoints and logits probe are not written yet)")
+    if getattr(args, "vocab_parallel_head", False) and not getattr(args, "fast_path", False):
+        raise ValueError("--vocab-parallel-head splits the fast path's chunked loss: it needs --fast-path")
     optimize_options(getattr(args, "optimize", []))  # a malformed pair stops here, before any model
     if getattr(args, "build", "load") == "layerwise" and args.quant != "nf4":
         raise ValueError("--build layerwise makes NF4 weights; it needs --quant nf4")
@@ -219,7 +224,7 @@ def _setup(args, info):
                                    frozen=frozen, cpu_offload=args.cpu_offload,
                                    reshard_after_forward=args.reshard_after_forward, grad_ckpt=args.grad_ckpt,
                                    backend=args.backend, verify="exact" if args.check_bytes else True,
-                                   one_scope=args.one_gpu_scope,
+                                   one_scope=args.one_gpu_scope, vocab_head=args.vocab_parallel_head,
                                    **optimize_options(args.optimize))
         return sharded, tok, dtype, mp, storage, batches
     sharded = apply_fsdp2(model, mp_policy=mp, nf4=nf4, verify="exact" if args.check_bytes else True,
@@ -354,6 +359,7 @@ def run(args: argparse.Namespace) -> dict | None:
         if fast is not None:
             summary["fast_path"] = {**ranks[0], "ranks": ranks}
         summary.update(eval_loss=eval_loss, bytes_check=sharded.bytes_check, frozen=frozen_mode(args, info),
+                       vocab_parallel_head=bool(getattr(args, "vocab_parallel_head", False) and info.world_size > 1),
                        mp_param_dtype=str(mp.param_dtype).replace("torch.", "") if mp.param_dtype else None)
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         print(f"[fsdp_train] world_size={info.world_size} steps={len(records)} "

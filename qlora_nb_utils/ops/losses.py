@@ -405,10 +405,17 @@ class ChunkedLossLM(torch.nn.Module):
     reads it from the model and checks it on a probe forward (:func:`~.lm_head.read_head`), and
     refuses a head it cannot reproduce.
 
+    Sharded by vocabulary (:meth:`split_vocab`): the head's weight holds this rank's vocabulary
+    rows only, and the loss is :func:`~.vocab_parallel.vocab_parallel_cross_entropy` over the
+    labelled rows (every rank must call ``forward`` together: the loss communicates).
+
     Raises:
         ValueError: ``head`` is None and the model's head does something the chunked loss does
             not reproduce (the message says what).
     """
+
+    #: set by :meth:`split_vocab`: ``{"start", "stop", "vocab", "group"}``, or None (the whole head)
+    vocab_split: dict | None = None
 
     def __init__(self, model: torch.nn.Module, chunks: int = 4, compiled_math: bool = False,
                  min_chunk_rows: int = 0, head: LMHead | None = None) -> None:
@@ -423,6 +430,46 @@ class ChunkedLossLM(torch.nn.Module):
                 raise ValueError(f"the chunked loss cannot compute this model's loss: {head.why}")
         self.head = head
 
+    def split_vocab(self, rank: int, world_size: int, group=None) -> tuple[int, int]:
+        """Keep this rank's vocabulary rows of the head's weight (``vocab_parallel.vocab_range``) and
+        compute the loss vocabulary-parallel from now on; returns the rows ``(start, stop)``.
+
+        Raises:
+            ValueError: the head has a bias, shares its weight with the input embedding, or is split already.
+        """
+        from .vocab_parallel import vocab_range
+
+        causal_lm = causal_lm_of(self.model)
+        out = causal_lm.get_output_embeddings()
+        if self.vocab_split is not None:
+            raise ValueError("the head is split by vocabulary already")
+        if out.bias is not None:
+            raise ValueError("a vocabulary-parallel head with a bias is not supported")
+        emb = causal_lm.get_input_embeddings()
+        if emb is not None and emb.weight is out.weight:
+            raise ValueError("the LM head shares its weight with the input embedding (tied): the embedding needs "
+                             "every row, so the head cannot be split by vocabulary")
+        vocab = out.weight.shape[0]
+        start, stop = vocab_range(vocab, rank, world_size)
+        out.weight = torch.nn.Parameter(out.weight.detach()[start:stop].clone(), requires_grad=out.weight.requires_grad)
+        self.vocab_split = {"start": start, "stop": stop, "vocab": vocab, "group": group}
+        return start, stop
+
+    def _vocab_parallel_loss(self, hidden, weight, labels):
+        from .vocab_parallel import vocab_parallel_cross_entropy
+
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        y = labels[:, 1:].reshape(-1)
+        keep = (y != IGNORE_INDEX).nonzero()[:, 0]
+        scale, cap = self.head.scale, self.head.softcap
+
+        def logit_fn(z):
+            z = z * scale if scale != 1.0 else z
+            return cap * torch.tanh(z / cap) if cap else z
+
+        return vocab_parallel_cross_entropy(h[keep], weight, y[keep], vocab_start=self.vocab_split["start"],
+                                            chunk_rows=1024, logit_fn=logit_fn, group=self.vocab_split["group"])
+
     def forward(self, input_ids, attention_mask=None, labels=None, token_stats: bool = False,
                 loss_rows=None, **kwargs):
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -430,6 +477,10 @@ class ChunkedLossLM(torch.nn.Module):
         causal_lm = causal_lm_of(self.model)
         hidden = decoder_of(causal_lm)(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
         out = causal_lm.get_output_embeddings()
+        if self.vocab_split is not None:
+            if token_stats:
+                raise ValueError("per-token statistics need the whole vocabulary: not with a split head")
+            return CausalLMOutputWithPast(loss=self._vocab_parallel_loss(hidden, out.weight, labels))
         head = {"bias": out.bias, "logit_scale": self.head.scale, "softcap": self.head.softcap}
         if token_stats:
             return chunked_token_log_probs(hidden, out.weight, labels, chunks=self.chunks, **head)
