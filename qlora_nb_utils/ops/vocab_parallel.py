@@ -48,9 +48,9 @@ def vocab_range(vocab: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def _gather_rows(x: torch.Tensor, rows: int, group) -> torch.Tensor:
-    """Every rank's ``x`` (first dimension padded to ``rows``), stacked in rank order."""
-    pad = torch.zeros((rows - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+def _gather_rows(x: torch.Tensor, rows: int, group, fill: float = 0) -> torch.Tensor:
+    """Every rank's ``x`` (first dimension padded to ``rows`` with ``fill``), stacked in rank order."""
+    pad = torch.full((rows - x.shape[0], *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
     local = torch.cat([x, pad]).contiguous()
     out = torch.empty((dist.get_world_size(group) * rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, local, group=group)
@@ -65,8 +65,7 @@ class _VocabParallelCE(torch.autograd.Function):
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
         rows = int(counts.item())
         all_h = _gather_rows(hidden.detach(), rows, group)
-        all_y = _gather_rows(labels, rows, group) if n == rows else _gather_rows(
-            torch.cat([labels, labels.new_full((rows - n,), -100)]), rows, group)
+        all_y = _gather_rows(labels, rows, group, fill=-100)  # padded rows are ignored
         stop = start + weight.shape[0]
         lse = torch.empty(all_h.shape[0], dtype=torch.float32, device=hidden.device)
         target = torch.zeros_like(lse)
