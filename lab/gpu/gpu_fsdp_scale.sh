@@ -9,6 +9,8 @@
 # scale_2_i (2 GPUs, NF4 + embeddings + LM head sharded) and scale_1_i (1 GPU, nothing sharded, the
 # same regional fast path, accumulating 2 micro-batches; i=2 permutes the rows: the bf16 floor).
 # Then (PROFILE=1, the default), time allowing, one profiled pair at 1 row per GPU (where the step time goes on each rank).
+# VOCAB_HEAD=1: the 2-GPU runs split the LM head by vocabulary (--vocab-parallel-head), and after the first
+# pair one plain 2-GPU run (plain_2_1, the head sharded by FSDP2 as before) gives the same call's comparison.
 set -uo pipefail
 OUT=${OUT:-$PWD/out/fsdp_scale}
 mkdir -p "$OUT/runs"
@@ -42,12 +44,17 @@ trun() {  # trun NAME LIMIT_S GPUS NPROC ARGS...: one torchrun, its log in $OUT/
   grep -h "^\[fsdp_train\]" "$OUT/runs/$name.log" | tail -1
   return $rc
 }
+VOCAB2=(); [ "${VOCAB_HEAD:-0}" = 1 ] && VOCAB2=(--vocab-parallel-head)
 for i in $(seq 1 "$REPEATS"); do
   cap=$(left); [ $cap -gt 150 ] && cap=150
-  trun "scale_2_$i" "$cap" 0,1 2 "${COMMON[@]}" --steps "$STEPS" --global-batch-size $((2 * MB)) --micro-batch-size "$MB" --out "$OUT/runs/scale_2_$i"
+  trun "scale_2_$i" "$cap" 0,1 2 "${COMMON[@]}" --steps "$STEPS" --global-batch-size $((2 * MB)) --micro-batch-size "$MB" "${VOCAB2[@]}" --out "$OUT/runs/scale_2_$i"
   extra=(); [ "$i" = 2 ] && extra=(--permute-rows 1)
   cap=$(left); [ $cap -gt 150 ] && cap=150
   trun "scale_1_$i" "$cap" 0 1 "${COMMON[@]}" --steps "$STEPS" --global-batch-size $((2 * MB)) --micro-batch-size "$MB" "${extra[@]}" --out "$OUT/runs/scale_1_$i"
+  if [ "$i" = 1 ] && [ "${VOCAB_HEAD:-0}" = 1 ]; then
+    cap=$(left); [ $cap -gt 150 ] && cap=150
+    trun plain_2_1 "$cap" 0,1 2 "${COMMON[@]}" --steps "$STEPS" --global-batch-size $((2 * MB)) --micro-batch-size "$MB" --out "$OUT/runs/plain_2_1"
+  fi
 done
 if [ "${PROFILE:-1}" = 1 ]; then
   cap=$(( $(left) / 2 ))
