@@ -9,6 +9,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlora_nb_utils.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
 
@@ -29,17 +30,40 @@ def _data():
     return weight, hidden, labels
 
 
+class _Shapes(TorchDispatchMode):
+    """The shapes of the tensors ops make (views left out: they allocate nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return result
+        for t in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.add(tuple(t.shape))
+        return result
+
+
 def _worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
         weight, hidden, labels = _data()
         start, stop = vocab_range(VOCAB, rank, world)
-        w = weight[start:stop].clone().requires_grad_()
-        h = hidden[rank].clone().requires_grad_()
-        loss = vocab_parallel_cross_entropy(h, w, labels[rank], vocab_start=start, chunk_rows=3, logit_fn=_cap)
-        loss.backward()
-        out[rank] = {"loss": loss.detach(), "grad_h": h.grad, "grad_w": w.grad, "range": (start, stop)}
+        got = {"range": (start, stop)}
+        for frozen in (False, True):
+            w = weight[start:stop].clone().requires_grad_(not frozen)
+            h = hidden[rank].clone().requires_grad_()
+            loss = vocab_parallel_cross_entropy(h, w, labels[rank], vocab_start=start, chunk_rows=3, logit_fn=_cap)
+            with _Shapes() as seen:
+                loss.backward()
+            tag = "frozen_" if frozen else ""
+            got |= {f"{tag}loss": loss.detach(), f"{tag}grad_h": h.grad, f"{tag}grad_w": w.grad,
+                    f"{tag}weight_shaped": tuple(w.shape) in seen.shapes}
+        out[rank] = got
     finally:
         torch.distributed.destroy_process_group()
 
@@ -66,6 +90,10 @@ def test_two_ranks_give_one_processs_loss_and_gradients():
         torch.testing.assert_close(got["grad_h"], 2 * hs[rank].grad, atol=1e-6, rtol=1e-5)
         start, stop = got["range"]
         torch.testing.assert_close(got["grad_w"], w.grad[start:stop], atol=1e-6, rtol=1e-5)
+        # a frozen head (QLoRA's): the same loss and hidden gradient, and no head-sized gradient made
+        torch.testing.assert_close(got["frozen_loss"], got["loss"], atol=0, rtol=0)
+        torch.testing.assert_close(got["frozen_grad_h"], got["grad_h"], atol=1e-7, rtol=1e-6)
+        assert got["frozen_grad_w"] is None and not got["frozen_weight_shaped"] and got["weight_shaped"]
     assert out[0]["range"] == (0, 6) and out[1]["range"] == (6, 11)
 
 

@@ -16,8 +16,9 @@ without any rank holding the whole head:
 In the backward the upstream gradients of all rows are all-gathered, each rank recomputes its
 pieces' logits (none is kept: memory is one piece, as in the chunked loss), forms
 ``(softmax - onehot) x grad`` on its vocabulary rows, and from it the gradient of its head rows
-(complete: it saw every row) and its partial gradient of every hidden row, which a
-reduce-scatter sums over the vocabulary shards and returns to the row's owner. The head
+(complete: it saw every row; none at all for a frozen head, as QLoRA's is) and its partial
+gradient of every hidden row, one owner's rows at a time, which a reduce sums over the
+vocabulary shards on the row's owner (memory: one rank's rows in float32, not every rank's). The head
 gradient is the sum of every rank's loss gradient divided by the world size: the average FSDP2
 gives the sharded parameters.
 
@@ -101,26 +102,37 @@ class _VocabParallelCE(torch.autograd.Function):
         g_all = torch.empty(world * rows, dtype=torch.float32, device=all_h.device)
         dist.all_gather_into_tensor(g_all, g_local, group=group)
         g_all = torch.where(all_y != -100, g_all, torch.zeros_like(g_all))
-        grad_w = torch.zeros_like(weight, dtype=torch.float32)
-        grad_h = torch.zeros(all_h.shape, dtype=torch.float32, device=all_h.device)
-        for lo in range(0, all_h.shape[0], chunk_rows):
-            with torch.enable_grad():
-                h = all_h[lo:lo + chunk_rows].detach().requires_grad_()
-                w = weight.detach().requires_grad_()
-                z = logit_fn(h @ w.t())
-            y = all_y[lo:lo + chunk_rows]
-            dz = (z.detach().float() - lse[lo:lo + chunk_rows, None]).exp()
-            mine = (y >= start) & (y < start + weight.shape[0])
-            idx = (y - start).clamp(0, weight.shape[0] - 1)
-            hit = mine.nonzero()[:, 0]
-            dz[hit, idx[hit]] -= 1.0
-            dz *= g_all[lo:lo + chunk_rows, None]
-            gh, gw = torch.autograd.grad(z, (h, w), dz.to(z.dtype))
-            grad_h[lo:lo + chunk_rows] += gh.float()
-            grad_w += gw.float()
-        mine_h = torch.empty((rows, all_h.shape[1]), dtype=torch.float32, device=all_h.device)
-        dist.reduce_scatter_tensor(mine_h, grad_h, group=group)  # each row's sum over the vocabulary shards
-        return (mine_h[:n].to(all_h.dtype), (grad_w / world).to(weight.dtype), None, None, None, None, None)
+        need_w = ctx.needs_input_grad[1]  # a frozen head (QLoRA's): no head gradient at all
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        rank = dist.get_rank(group)
+        mine_h = None
+        for block in range(world):  # one owner's rows at a time: memory is one block, not every row
+            first = block * rows
+            grad_h = torch.zeros((rows, all_h.shape[1]), dtype=torch.float32, device=all_h.device)
+            for lo in range(first, first + rows, chunk_rows):
+                hi = min(lo + chunk_rows, first + rows)
+                with torch.enable_grad():
+                    h = all_h[lo:hi].detach().requires_grad_()
+                    w = weight.detach().requires_grad_(need_w)
+                    z = logit_fn(h @ w.t())
+                y = all_y[lo:hi]
+                dz = (z.detach().float() - lse[lo:hi, None]).exp()
+                mine = (y >= start) & (y < start + weight.shape[0])
+                idx = (y - start).clamp(0, weight.shape[0] - 1)
+                hit = mine.nonzero()[:, 0]
+                dz[hit, idx[hit]] -= 1.0
+                dz *= g_all[lo:hi, None]
+                grads = torch.autograd.grad(z, (h, w) if need_w else (h,), dz.to(z.dtype))
+                grad_h[lo - first:hi - first] = grads[0].float()
+                if need_w:
+                    grad_w += grads[1].float()
+            # the row's partial gradients summed over the vocabulary shards, on the row's owner
+            owner = block if group is None else dist.get_global_rank(group, block)
+            dist.reduce(grad_h, dst=owner, group=group)
+            if block == rank:
+                mine_h = grad_h
+        grad_w = (grad_w / world).to(weight.dtype) if need_w else None
+        return (mine_h[:n].to(all_h.dtype), grad_w, None, None, None, None, None)
 
 
 def vocab_parallel_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor, *,
