@@ -43,7 +43,8 @@ def pair_fields(runs: dict, prefix: str, rows: int) -> dict:
     verdict = judge(p1["losses"], fl["losses"], p2["losses"]) if p1 and fl and p2 else {}
     peak1 = statistics.median(a["peak_mem_gib_per_gpu"] for a, _ in pairs) if pairs else None
     peak2 = statistics.median(b["peak_mem_gib_per_gpu"] for _, b in pairs) if pairs else None
-    frozen = frozen_gib((p2 or {}).get("sharding_rows") or [])
+    # the frozen bytes of the whole model: the 1-GPU run's rows (a vocabulary-split head lists only its rows)
+    frozen = frozen_gib((p1 or {}).get("sharding_rows") or (p2 or {}).get("sharding_rows") or [])
     return {
         "scaling": statistics.median(ratios) if ratios else None,
         "scaling_runs": ratios,

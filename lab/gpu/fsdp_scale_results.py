@@ -2,7 +2,9 @@
 
 Use: python lab/gpu/fsdp_scale_results.py RUNS_DIR SHARDED_JSON DEST_JSON [COMMAND]
 RUNS_DIR holds mb<R>_logs.tgz (one call of gpu_fsdp_scale.sh each, R rows per GPU), nccl.json and
-topo.txt. SHARDED_JSON is fsdp2_sharded_<gpu>.json: its 1-row pairs join the table, and its
+topo.txt, and vhead_logs.tgz where a call ran with VOCAB_HEAD=1 (the 2-GPU arm with the LM head split
+by vocabulary, plus one plain 2-GPU run in the same call): its table goes under ``vocab_parallel_head``
+of both files. SHARDED_JSON is fsdp2_sharded_<gpu>.json: its 1-row pairs join the table, and its
 headline scaling, throughput, parity and memory fields are set from the largest per-GPU batch
 measured (the 1-row fields kept under ``at_1_row``).
 """
@@ -51,6 +53,26 @@ def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None
     device = versions = None
     profiles = {}
     run_commands = {}
+    vocab_head = None
+    if (runs_dir / "vhead_logs.tgz").is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            with tarfile.open(runs_dir / "vhead_logs.tgz") as tar:
+                tar.extractall(tmp, filter="data")
+            runs = read_runs(Path(tmp))
+            rows = runs["scale_2_1"]["options"]["micro_batch_size"]
+            vocab_head = pair_fields(runs, "scale", rows)
+            plain = runs.get("plain_2_1")
+            vocab_head |= {
+                "source": f"{runs_dir.name}/vhead_logs.tgz",
+                "vocab_parallel_head": [runs[f"scale_2_{i}"].get("vocab_parallel_head") for i in (1, 2, 3)
+                                        if f"scale_2_{i}" in runs],
+                "plain_same_call": None if not plain else {
+                    "peak_mem_gib_per_gpu": plain["peak_mem_gib_per_gpu"], "tokens_per_s": plain["tokens_per_s"],
+                    "median_step_ms": plain["median_step_ms"]},
+                "graph_breaks": {n: r["graph_breaks"].get("total") for n, r in runs.items()},
+                "compilations": {n: r["compile"]["compilations"] for n, r in runs.items()},
+                "run_commands": {n: r.get("command") for n, r in runs.items()},
+            }
     for tgz in sorted(runs_dir.glob("mb*_logs.tgz")):
         rows = int(tgz.name[2:].split("_")[0])
         with tempfile.TemporaryDirectory() as tmp:
@@ -75,6 +97,7 @@ def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None
         "nccl": json.loads((runs_dir / "nccl.json").read_text()) if (runs_dir / "nccl.json").is_file() else None,
         "topology": (runs_dir / "topo.txt").read_text().split("\n\n")[0] if (runs_dir / "topo.txt").is_file() else None,
         "profile_1_row": profiles,
+        "vocab_parallel_head": vocab_head,
         "device": device, "versions": versions, "run_commands": run_commands,
         "command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
     }
@@ -83,6 +106,8 @@ def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None
         sharded["at_1_row"] = {k: sharded.get(k) for k in HEADLINE}
     sharded.update({k: table[best][k] for k in HEADLINE})
     sharded["scaling_rows_per_gpu"] = int(best)
+    if vocab_head:
+        sharded["vocab_parallel_head"] = vocab_head
     sharded["scaling_source"] = f"{Path(dest).name} (by_rows_per_gpu.{best}; the 1-row pairs: at_1_row)"
     Path(sharded_json).write_text(json.dumps(sharded, indent=1, default=str) + "\n")
     for rows, row in sorted(table.items(), key=lambda kv: int(kv[0])):
