@@ -67,13 +67,19 @@ def _logits(model, batches) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def trained_logits(run, held_out):
-    """The trained model rebuilt as a user would: the NF4 base (fp32) + PeftModel; and the base alone."""
+    """The trained model rebuilt as a user would: the NF4 base (fp32) + PeftModel; and the base alone.
+
+    Its NF4 layers keep the training layout (``bnb_cpu_packing``): on a CPU with AVX512-BF16,
+    bitsandbytes' eval-time repack rounds the block scales to bf16 and computes otherwise than training
+    did (``training.load_trained`` does the same)."""
     from peft import PeftModel
 
     from qlora_nb_utils import models
+    from qlora_nb_utils.compile.patches import bnb_cpu_packing
 
     base, _ = models.load_model("tiny", quant="nf4", lora=False, dtype="float32", device="cpu")
     model = PeftModel.from_pretrained(base, run / "adapter")
+    bnb_cpu_packing.apply(model)
     with model.disable_adapter():
         base_only = _logits(model, held_out)
     return _logits(model, held_out), base_only
@@ -242,3 +248,16 @@ def test_help_exits_0(command, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main([command, "--help"])
     assert info.value.code == 0 and "RUN_DIR" in capsys.readouterr().out
+
+
+def test_load_trained_on_a_cpu_computes_as_training_did(run, trained_logits, held_out):
+    """bitsandbytes' CPU inference repack (bf16 block scales on AVX512-BF16) is kept off: the loaded
+    run gives the logits of the model as it trained."""
+    from qlora_nb_utils.compile.patches import bnb_cpu_packing
+    from qlora_nb_utils.training import load_trained
+
+    model, _ = load_trained(run, device="cpu")
+    layers = bnb_cpu_packing.find_layers(model)
+    assert layers and all(layer.support_avx512bf16_for_cpu is False for layer in layers)
+    trained, _ = trained_logits
+    assert (_logits(model, held_out) - trained).abs().max() < 1e-5

@@ -52,6 +52,11 @@ def check_source(path: str | Path, *, merged: bool = False) -> Any:
 def load_trained(path: str | Path, *, merged: bool = False, device: str = "auto") -> tuple[Any, Any]:
     """``(model, tokenizer)`` ready to generate: the run's NF4 base + adapter, or an exported folder.
 
+    On a CPU the NF4 layers keep the layout and kernels training used
+    (:mod:`~qlora_nb_utils.compile.patches.bnb_cpu_packing`): bitsandbytes' CPU inference repack
+    rounds the block scales to bf16 on CPUs with AVX512-BF16, so the model would compute otherwise
+    than it trained, and its export (exact in fp32) would no longer match it.
+
     Raises:
         ValueError: as :func:`check_source`, before anything loads.
     """
@@ -71,6 +76,10 @@ def load_trained(path: str | Path, *, merged: bool = False, device: str = "auto"
 
         base, tok = models.load_model(source.model, quant="nf4", lora=False, dtype=dtype, device=dev)
         model = PeftModel.from_pretrained(base, source.adapter)
+        if dev == "cpu" or getattr(dev, "type", None) == "cpu":
+            from ..compile.patches import bnb_cpu_packing
+
+            bnb_cpu_packing.apply(model)  # kept for the model's life: it computes as it trained
     model.eval()
     model.config.use_cache = True
     return model, tok
