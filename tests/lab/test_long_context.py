@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lab import long_context as lc
+from lab import long_context_merge as lcm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -183,8 +184,8 @@ def test_an_allocator_variant_is_merged_under_its_own_key(tmp_path):
     variant = tmp_path / "ours-xs_22.0.json"
     variant.write_text(json.dumps(rec))
     plain = _driver_file(tmp_path, "ours", 22.0, 24, 33_792)  # ours_22.0.json, written again
-    assert lc.variant_key(rec) == "ours_expandable_segments" and lc.variant_key({"peer": "ours"}) == "ours"
-    merged = lc.merge([plain, variant, _driver_file(tmp_path, "unsloth", 22.0, 24, 51_200)])
+    assert lcm.variant_key(rec) == "ours_expandable_segments" and lcm.variant_key({"peer": "ours"}) == "ours"
+    merged = lcm.merge([plain, variant, _driver_file(tmp_path, "unsloth", 22.0, 24, 51_200)])
     (entry,) = merged["budgets"]
     assert (entry["ours_max_seq_len"], entry["ours_expandable_segments_max_seq_len"],
             entry["unsloth_max_seq_len"]) == (33_792, 40_960, 51_200)
@@ -193,7 +194,7 @@ def test_an_allocator_variant_is_merged_under_its_own_key(tmp_path):
     args = lc.build_parser().parse_args(["try", "--peer", "ours", "--cap-gib", "22", "--out", "x.json", "--seq-len",
                                          "1024", "--alloc-conf", "expandable_segments:True"])
     assert args.alloc_conf == "expandable_segments:True"
-    assert lc.variant_key({"peer": "ours", "tile_mlp": 4096, "alloc_conf": "expandable_segments:True"}) \
+    assert lcm.variant_key({"peer": "ours", "tile_mlp": 4096, "alloc_conf": "expandable_segments:True"}) \
         == "ours_tile4096_expandable_segments"
 
 
@@ -218,7 +219,7 @@ def test_an_account_bisection_keeps_time_for_one_recorded_try_at_its_longest_len
     assert last[0] == result["max_seq_len"] == fake.edge() and last[2] is True
     rec = json.loads(out.read_text())
     assert rec["memory_account"]["seq_len"] == fake.edge() and rec["memory_account"]["parts"] == {"other": 1.0}
-    merged = lc.merge([out])
+    merged = lcm.merge([out])
     assert merged["budgets"][0]["ours_memory_account"]["peak_gib"] == 21.0
 
 
@@ -231,7 +232,7 @@ def test_calls_of_one_variant_are_combined_and_a_primary_variant_stands_for_its_
     second["runs"] = [{"seq_len": 45_056, "ok": True}, *[r for r in second["runs"] if not r["ok"]]]
     (b := tmp_path / "call2.json").write_text(json.dumps({**second, **xs}))
     plain = _driver_file(tmp_path, "ours", 22.0, 24, 33_792)
-    merged = lc.merge([a, b, plain, _driver_file(tmp_path, "unsloth", 22.0, 24, 30_720)],
+    merged = lcm.merge([a, b, plain, _driver_file(tmp_path, "unsloth", 22.0, 24, 30_720)],
                       primary={"ours": "ours_expandable_segments"})
     (entry,) = merged["budgets"]
     assert entry["ours_variant"] == "ours_expandable_segments" and "ours_expandable_segments_runs" not in entry
@@ -242,6 +243,6 @@ def test_calls_of_one_variant_are_combined_and_a_primary_variant_stands_for_its_
     assert entry["ours_plain_max_seq_len"] == 33_792  # the default allocator's run, kept apart
     # a merged file merges again with a later call: its runs keep their first source
     (m := tmp_path / "long_context_h100.json").write_text(json.dumps(merged))
-    again = lc.merge([m])["budgets"][0]
+    again = lcm.merge([m])["budgets"][0]
     assert again["ours_expandable_segments_max_seq_len"] == 45_056
     assert again["ours_expandable_segments_runs"][0]["source"] == "call1.json"
