@@ -17,12 +17,11 @@ import argparse
 import collections
 import datetime as dt
 import json
+import math
 import re
 import tarfile
 import tempfile
 from pathlib import Path
-
-_SIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.int64": 8, "torch.uint8": 1}
 
 
 def saved_inputs(code: str) -> dict:
@@ -37,9 +36,7 @@ def saved_inputs(code: str) -> dict:
         by_shape[shapes.get(name, "?").replace(" ", "")].append(name)
     out = {}
     for shape, group in sorted(by_shape.items(), key=lambda kv: -len(kv[1])):
-        numel = 1
-        for d in (int(x) for x in shape.split(",") if x):
-            numel *= d
+        numel = math.prod(int(x) for x in shape.split(",") if x)
         out[shape] = {"count": len(group), "gib_bf16": len(group) * numel * 2 / 2**30, "names": group}
     return out
 

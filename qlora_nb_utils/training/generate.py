@@ -76,7 +76,7 @@ def load_trained(path: str | Path, *, merged: bool = False, device: str = "auto"
 
         base, tok = models.load_model(source.model, quant="nf4", lora=False, dtype=dtype, device=dev)
         model = PeftModel.from_pretrained(base, source.adapter)
-        if dev == "cpu" or getattr(dev, "type", None) == "cpu":
+        if dev.type == "cpu":
             from ..compile.patches import bnb_cpu_packing
 
             bnb_cpu_packing.apply(model)  # kept for the model's life: it computes as it trained
