@@ -16,7 +16,7 @@ from qlora_nb_utils.ops.vocab_parallel import vocab_parallel_cross_entropy, voca
 VOCAB, HIDDEN, ROWS = 11, 8, (5, 7)
 
 
-def _cap(z):
+def _cap(z):  # the head's soft cap (softcap=3.0)
     return 3.0 * torch.tanh(z / 3.0)
 
 
@@ -57,12 +57,20 @@ def _worker(rank, world, port, out):
         for frozen in (False, True):
             w = weight[start:stop].clone().requires_grad_(not frozen)
             h = hidden[rank].clone().requires_grad_()
-            loss = vocab_parallel_cross_entropy(h, w, labels[rank], vocab_start=start, chunk_rows=3, logit_fn=_cap)
             with _Shapes() as seen:
+                loss = vocab_parallel_cross_entropy(h, w, labels[rank], vocab_start=start, chunk_rows=3, softcap=3.0)
                 loss.backward()
             tag = "frozen_" if frozen else ""
             got |= {f"{tag}loss": loss.detach(), f"{tag}grad_h": h.grad, f"{tag}grad_w": w.grad,
                     f"{tag}weight_shaped": tuple(w.shape) in seen.shapes}
+        # a trainable head's gradient assumes the same upstream gradient on every rank: otherwise refused
+        w = weight[start:stop].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(hidden[rank], w, labels[rank], vocab_start=start, chunk_rows=3)
+        try:
+            (loss * (rank + 1)).backward()
+            got["unequal_upstream"] = "accepted"
+        except RuntimeError as err:
+            got["unequal_upstream"] = str(err)
         out[rank] = got
     finally:
         torch.distributed.destroy_process_group()
@@ -94,7 +102,24 @@ def test_two_ranks_give_one_processs_loss_and_gradients():
         torch.testing.assert_close(got["frozen_loss"], got["loss"], atol=0, rtol=0)
         torch.testing.assert_close(got["frozen_grad_h"], got["grad_h"], atol=1e-7, rtol=1e-6)
         assert got["frozen_grad_w"] is None and not got["frozen_weight_shaped"] and got["weight_shaped"]
+        assert "same upstream gradient" in got["unequal_upstream"]
     assert out[0]["range"] == (0, 6) and out[1]["range"] == (6, 11)
+
+
+def test_compiled_piece_arithmetic_equals_eager():
+    """The compiled float32 arithmetic of a piece (used on GPUs) computes what the eager one does."""
+    from qlora_nb_utils.ops import vocab_parallel as vp
+
+    g = torch.Generator().manual_seed(1)
+    raw, y = torch.randn(6, 9, generator=g) * 8, torch.tensor([3, 12, -100, 5, 9, 4])
+    lse, row_scale = torch.randn(6, generator=g) + 10, torch.rand(6, generator=g)
+    stats, grad = vp._piece_fns(True)
+    for cap in (None, 3.0):
+        for got, want in ((stats(raw, y, 4, 0.5, cap), vp._piece_stats(raw, y, 4, 0.5, cap)),
+                          ((grad(raw, y, lse, row_scale, 4, 0.5, cap),), (vp._piece_grad(raw, y, lse, row_scale, 4,
+                                                                                          0.5, cap),))):
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_input_is_refused_clearly():

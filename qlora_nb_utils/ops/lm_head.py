@@ -126,6 +126,18 @@ def _map(z: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
     return z if softcap is None else softcap * torch.tanh(z / softcap)
 
 
+def mapped(raw: torch.Tensor, scale: float, softcap: float | None) -> tuple:
+    """``raw`` (a chunk of ``h @ W^T + b``) in fp32 through the head's map,
+    and ``d logits / d raw`` elementwise (None where it is 1: a plain head, nothing extra to compute)."""
+    z = raw.float()
+    if scale != 1.0:
+        z = z * scale
+    if softcap is None:
+        return z, (None if scale == 1.0 else scale)
+    t = torch.tanh(z / softcap)
+    return t * softcap, (1.0 - t * t) * scale
+
+
 def _probe(causal_lm: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Linear, ids: torch.Tensor,
            magnitude: float) -> dict[str, Any]:
     """One forward with the head's output replaced by known values; what the head read and what came out."""

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .lm_head import LMHead, causal_lm_of, decoder_of, read_head
+from .lm_head import mapped as _mapped
 
 __all__ = ["IGNORE_INDEX", "ROW_BUCKETS", "CHUNK_MIN_ROWS", "labelled_rows", "chunked_cross_entropy", "chunked_token_log_probs", "TokenStats", "causal_lm_targets",
            "ChunkedLossLM"]
@@ -127,18 +128,6 @@ def causal_lm_targets(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: 
     """
     d = hidden.shape[-1]
     return hidden[:, :-1, :].reshape(-1, d), labels[:, 1:].reshape(-1)
-
-
-def _mapped(raw: torch.Tensor, scale: float, softcap: float | None) -> tuple:
-    """``raw`` (a chunk of ``h @ W^T + b``) in fp32 through the model's logit map (:class:`LogitMap`),
-    and ``d logits / d raw`` elementwise (None where it is 1: a plain head, nothing extra to compute)."""
-    z = raw.float()
-    if scale != 1.0:
-        z = z * scale
-    if softcap is None:
-        return z, (None if scale == 1.0 else scale)
-    t = torch.tanh(z / softcap)
-    return t * softcap, (1.0 - t * t) * scale
 
 
 def _chunk_scores(logits, t, ignore_index: int):
@@ -461,14 +450,9 @@ class ChunkedLossLM(torch.nn.Module):
         h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         y = labels[:, 1:].reshape(-1)
         keep = (y != IGNORE_INDEX).nonzero()[:, 0]
-        scale, cap = self.head.scale, self.head.softcap
-
-        def logit_fn(z):
-            z = z * scale if scale != 1.0 else z
-            return cap * torch.tanh(z / cap) if cap else z
-
         return vocab_parallel_cross_entropy(h[keep], weight, y[keep], vocab_start=self.vocab_split["start"],
-                                            chunk_rows=1024, logit_fn=logit_fn, group=self.vocab_split["group"])
+                                            chunk_rows=1024, logit_scale=self.head.scale, softcap=self.head.softcap,
+                                            group=self.vocab_split["group"])
 
     def forward(self, input_ids, attention_mask=None, labels=None, token_stats: bool = False,
                 loss_rows=None, **kwargs):
