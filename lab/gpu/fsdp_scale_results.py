@@ -1,6 +1,7 @@
 """lab/results/fsdp/fsdp2_scaling_<gpu>.json from what lab/gpu/gpu_fsdp_scale.sh wrote: nothing typed in.
 
 Use: python lab/gpu/fsdp_scale_results.py RUNS_DIR SHARDED_JSON DEST_JSON [COMMAND]
+     python lab/gpu/fsdp_scale_results.py --vocab-only VHEAD_LOGS_TGZ DEST_JSON [COMMAND]
 RUNS_DIR holds mb<R>_logs.tgz (one call of gpu_fsdp_scale.sh each, R rows per GPU), nccl.json and
 topo.txt, and vhead_logs.tgz where a call ran with VOCAB_HEAD=1 (the 2-GPU arm with the LM head split
 by vocabulary, plus one plain 2-GPU run in the same call): its table goes under ``vocab_parallel_head``
@@ -44,6 +45,30 @@ def profile_totals(path: Path) -> dict | None:
             "collectives_device_ms": coll}
 
 
+def vocab_head_table(tgz: Path) -> dict:
+    """The VOCAB_HEAD=1 call's pairs (the 2-GPU arm with the LM head split by vocabulary) and its plain 2-GPU run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(tgz) as tar:
+            tar.extractall(tmp, filter="data")
+        runs = read_runs(Path(tmp))
+    rows = runs["scale_2_1"]["options"]["micro_batch_size"]
+    plain = runs.get("plain_2_1")
+    return pair_fields(runs, "scale", rows) | {
+        "source": f"{tgz.parent.name}/{tgz.name}",
+        "vocab_parallel_head": [runs[f"scale_2_{i}"].get("vocab_parallel_head") for i in (1, 2, 3)
+                                if f"scale_2_{i}" in runs],
+        "plain_same_call": None if not plain else {
+            "peak_mem_gib_per_gpu": plain["peak_mem_gib_per_gpu"], "tokens_per_s": plain["tokens_per_s"],
+            "median_step_ms": plain["median_step_ms"],
+            "scaling": plain["tokens_per_s"] / runs["scale_1_1"]["tokens_per_s"] if "scale_1_1" in runs else None},
+        "median_step_ms": {n: r["median_step_ms"] for n, r in runs.items()},
+        "graph_breaks": {n: r["graph_breaks"].get("total") for n, r in runs.items()},
+        "compilations": {n: r["compile"]["compilations"] for n, r in runs.items()},
+        "run_commands": {n: r.get("command") for n, r in runs.items()},
+        "device": runs["scale_2_1"].get("device"), "versions": runs["scale_2_1"].get("versions"),
+    }
+
+
 def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None:
     runs_dir = Path(runs_dir)
     sharded = json.loads(Path(sharded_json).read_text())
@@ -55,24 +80,7 @@ def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None
     run_commands = {}
     vocab_head = None
     if (runs_dir / "vhead_logs.tgz").is_file():
-        with tempfile.TemporaryDirectory() as tmp:
-            with tarfile.open(runs_dir / "vhead_logs.tgz") as tar:
-                tar.extractall(tmp, filter="data")
-            runs = read_runs(Path(tmp))
-            rows = runs["scale_2_1"]["options"]["micro_batch_size"]
-            vocab_head = pair_fields(runs, "scale", rows)
-            plain = runs.get("plain_2_1")
-            vocab_head |= {
-                "source": f"{runs_dir.name}/vhead_logs.tgz",
-                "vocab_parallel_head": [runs[f"scale_2_{i}"].get("vocab_parallel_head") for i in (1, 2, 3)
-                                        if f"scale_2_{i}" in runs],
-                "plain_same_call": None if not plain else {
-                    "peak_mem_gib_per_gpu": plain["peak_mem_gib_per_gpu"], "tokens_per_s": plain["tokens_per_s"],
-                    "median_step_ms": plain["median_step_ms"]},
-                "graph_breaks": {n: r["graph_breaks"].get("total") for n, r in runs.items()},
-                "compilations": {n: r["compile"]["compilations"] for n, r in runs.items()},
-                "run_commands": {n: r.get("command") for n, r in runs.items()},
-            }
+        vocab_head = vocab_head_table(runs_dir / "vhead_logs.tgz")
     for tgz in sorted(runs_dir.glob("mb*_logs.tgz")):
         rows = int(tgz.name[2:].split("_")[0])
         with tempfile.TemporaryDirectory() as tmp:
@@ -115,5 +123,16 @@ def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None
                                               "peak_saving_gib", "max_abs_loss_diff", "floor_max", "within_floor")})
 
 
+def vocab_only(tgz: str, dest: str, command: str = "") -> None:
+    """A VOCAB_HEAD=1 call on its own (a card with no other scaling record): its table as ``dest``."""
+    rec = vocab_head_table(Path(tgz)) | {"command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat()}
+    Path(dest).write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    print({k: rec.get(k) for k in ("scaling", "scaling_runs", "peak_mem_gib_per_gpu", "peak_saving_gib",
+                                    "memory_target_met", "within_floor", "plain_same_call")})
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1:2] == ["--vocab-only"]:
+        vocab_only(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])
