@@ -84,8 +84,9 @@ def test_a_model_without_a_gated_mlp_is_refused():
 @pytest.mark.parametrize("grad_ckpt", [False, True], ids=["no_ckpt", "ckpt"])
 def test_tiled_mlp_with_grouped_lora_layers_compiled_regionally(tiny_dir, grad_ckpt):
     """The fused NF4 route groups sibling LoRA layers (gate and up read one input): the first call
-    leaves its outputs on the group for the second. Inside a checkpointed tile that is a side
-    effect Dynamo refuses, so a tiled MLP's projections run ungrouped (and grouped again on undo)."""
+    leaves its outputs on the group for the second. The tiles run inside one opaque operator, as
+    eager code, so the group stays on; compiled regionally with ``fullgraph=True``, the same loss
+    and gradients, and every piece's intermediates left out of what is saved for the backward."""
     model = build(tiny_dir, quant=True, how="kbit")
     b = batch(seq=64)
     opt = optimize(model, batches=[b], backend="aot_eager", scope="regional", nf4_dequant=True, grad_ckpt=grad_ckpt)
@@ -94,15 +95,48 @@ def test_tiled_mlp_with_grouped_lora_layers_compiled_regionally(tiny_dir, grad_c
         want = loss_and_grads(model, opt.eager, b)
         handle = tiled_mlp.apply(model, tile_rows=16)
         try:
-            assert handle.details["ungrouped"] == LAYERS  # each MLP's gate/up group
-            compiled = loss_and_grads(model, opt.forward, b)  # fullgraph=True: a break would raise
+            assert handle.details["operator"] == LAYERS and handle.details["ungrouped"] == 0
+            saved = []
+            model.zero_grad(set_to_none=True)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+                loss = opt.forward(**b).loss  # fullgraph=True: a break would raise
+            loss.backward()
+            compiled = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         finally:
             handle.undo()
-        again = loss_and_grads(model, opt.forward, b)  # grouped again, as before the tiles
+        again = loss_and_grads(model, opt.forward, b)  # as before the tiles
     finally:
         opt.undo()
     assert_same(compiled, want)
     assert_same(again, want)
+    # the forward keeps no piece's MLP intermediates ([rows, positions, 128]) for the backward
+    assert saved and not [s for s in saved if len(s) == 3 and s[-1] == 128], saved
+
+
+def test_tiled_mlp_under_autocast_and_without_trainable_weights(tiny_dir):
+    """Under ``torch.autocast`` the pieces run (and are recomputed) in the autocast dtype; an MLP with
+    no trainable weight falls back to checkpointed pieces; both give the untiled loss and gradients."""
+    model = build(tiny_dir, quant=False, how=None)
+    b = batch(seq=64)
+
+    def step(m, fwd):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_and_grads(m, fwd, b)
+
+    want = step(model, model)
+    with tiled_mlp.apply(model, tile_rows=16) as handle:
+        assert handle.details["operator"] == LAYERS
+        got = step(model, model)
+    torch.testing.assert_close(got[0], want[0], atol=1e-2, rtol=0)  # bf16: same ops, other summation order
+    for name, g in want[1].items():
+        torch.testing.assert_close(got[1][name], g, atol=2e-2, rtol=2e-2)
+    frozen = build(tiny_dir, quant=False, how=None)
+    for mlp in tiled_mlp.find_mlps(frozen):
+        mlp.requires_grad_(False)
+    want = loss_and_grads(frozen, frozen, b)
+    with tiled_mlp.apply(frozen, tile_rows=16) as handle:
+        assert handle.details["operator"] == 0
+        assert_same(loss_and_grads(frozen, frozen, b), want)
 
 
 def test_optimize_tiles_the_mlp_only_when_every_layer_checkpointed_and_offloaded_is_not_enough(tiny_dir, monkeypatch):

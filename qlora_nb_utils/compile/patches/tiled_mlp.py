@@ -9,25 +9,34 @@ tile by tile, only one tile's intermediates are alive: the same arithmetic, sinc
 each position alone.
 
 How: :func:`apply` replaces the ``forward`` of each decoder layer's ``mlp`` (on the instance,
-reversibly) with one that splits its input along the sequence into pieces of at most
-``tile_rows`` positions and runs the MLP's own forward on each under non-reentrant activation
-checkpointing, then joins the outputs. The forward keeps each piece's input only; the backward
-recomputes one piece's intermediates at a time. Inputs no longer than ``tile_rows`` take the
-MLP's forward unchanged. The result equals the untiled MLP's; the LoRA weight gradients are sums
-over the pieces, so they differ from the untiled ones by summation order only. Under
-``torch.compile`` the pieces are traced as checkpointed regions of the layer's graph (no graph
-break); the number of pieces follows the length, so each length is its own graph, as it is
-without tiling.
+reversibly) with one that runs the MLP as one opaque operator, ``qlora_nb::tiled_mlp``, whose
+inputs are the layer input and the MLP's trainable (LoRA) weights. Its forward runs the MLP's own
+forward on pieces of at most ``tile_rows`` positions without autograd and keeps nothing but its
+inputs; its backward (``qlora_nb::tiled_mlp_backward``) recomputes one piece at a time under
+autograd and sums the pieces' weight gradients. Opaque, because traced into the layer's graph the
+pieces' gate and up outputs (the fused NF4 LoRA linear writes them in place, which the compiler
+will not recompute) were all saved for the backward: every piece's intermediates alive at once,
+what tiling is meant to avoid. The operator runs the MLP's forward as eager code, the autocast
+state of the call restored in the backward (which runs on another thread). An MLP without
+trainable weights is tiled with checkpointed pieces instead (nothing of it is saved then). Inputs
+no longer than ``tile_rows`` take the MLP's forward unchanged. The result equals the untiled
+MLP's; the LoRA weight gradients are sums over the pieces, so they differ from the untiled ones
+by summation order only. Under ``torch.compile`` the operator is one node (no graph break); the
+pieces are counted inside it, so all lengths share one graph where the length is dynamic.
+
+The operator finds its MLP by the address of its first trainable weight (the MLPs are registered
+by :func:`apply`), so each layer's MLP has one code however the layers share a compiled graph.
 
 Apply it after ``optimize()`` (whose LoRA patches the MLP's projections keep) and before the first
 step; ``undo()`` restores each MLP's forward. Where ``optimize()`` grouped the MLP's gate and up
 projections into one fused call (the first call leaves the second one's output on the group), the
-tiles run them apart: inside a checkpointed piece that hand-over is a side effect Dynamo refuses
-(a graph break). ``undo()`` groups them again.
+operator keeps them grouped (its forward is eager code); checkpointed pieces run them apart: inside
+one that hand-over is a side effect Dynamo refuses (a graph break). ``undo()`` groups them again.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -39,8 +48,13 @@ from .lora_addmm import GROUP_ATTR
 __all__ = ["apply", "find_mlps", "tiled"]
 
 NAME = "tiled_mlp"
+OP = "qlora_nb::tiled_mlp"
 #: The projections of a gated MLP, by name.
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+#: The MLPs :func:`apply` tiled with the operator, by the address of their first trainable weight.
+_BY_ADDRESS: dict[int, "weakref.ref[torch.nn.Module]"] = {}
+_TILED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def find_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -48,6 +62,110 @@ def find_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     ``down_proj`` (found by name, so that this patch imports nothing of ``compile`` above it)."""
     return [m for name, m in model.named_modules()
             if name.rsplit(".", 1)[-1] == "mlp" and all(hasattr(m, n) for n in PROJECTIONS)]
+
+
+def _trainable(mlp: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in mlp.parameters() if p.requires_grad]
+
+
+def _owner(weights: list[torch.Tensor]) -> torch.nn.Module:
+    """The tiled MLP whose first trainable weight is ``weights[0]`` (by address)."""
+    address = weights[0].data_ptr()
+    mlp = _BY_ADDRESS.get(address, lambda: None)()
+    if mlp is None or not _trainable(mlp) or _trainable(mlp)[0].data_ptr() != address:
+        _BY_ADDRESS.clear()  # weights moved (``.to()``) since apply(): look again
+        _BY_ADDRESS.update({_trainable(m)[0].data_ptr(): weakref.ref(m) for m in _TILED if _trainable(m)})
+        mlp = _BY_ADDRESS.get(address, lambda: None)()
+    if mlp is None:
+        raise RuntimeError("tiled MLP: no tiled MLP holds these weights (was its patch undone, or the model "
+                           "rebuilt, after the step was compiled?)")
+    return mlp
+
+
+def _inner(mlp: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    return mlp.forward.__wrapped__ if hasattr(mlp.forward, "__wrapped__") else mlp.forward
+
+
+def _autograd_on():
+    """Autograd inside an operator's implementation: the dispatcher leaves it out below an
+    operator's autograd formula (where the backward operator runs); put back, the pieces can be
+    differentiated (the private key guard is the one PyTorch's own leaf functions use)."""
+    from torch._C import DispatchKey
+
+    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    for key in (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther, DispatchKey.AutogradNestedTensor,
+                DispatchKey.ADInplaceOrView):
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(include, exclude)
+
+
+def _autocast(device_type: str, dtype: torch.dtype | None):
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else torch.autocast(device_type,
+                                                                                             enabled=False)
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def _tiled_mlp(x: torch.Tensor, weights: list[torch.Tensor], tile_rows: int,
+               autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """The MLP's output, piece by piece, nothing kept for a backward."""
+    forward = _inner(_owner(weights))
+    out = None
+    with torch.no_grad(), _autocast(x.device.type, autocast_dtype):
+        for lo in range(0, x.shape[-2], tile_rows):
+            y = forward(x.narrow(-2, lo, min(tile_rows, x.shape[-2] - lo)))
+            if out is None:
+                out = y.new_empty((*x.shape[:-1], y.shape[-1]))
+            out.narrow(-2, lo, y.shape[-2]).copy_(y)
+    return out
+
+
+@_tiled_mlp.register_fake
+def _(x, weights, tile_rows, autocast_dtype):
+    dtype = autocast_dtype if autocast_dtype is not None and x.is_floating_point() else x.dtype
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+@torch.library.custom_op(OP + "_backward", mutates_args=())
+def _tiled_mlp_backward(x: torch.Tensor, grad_out: torch.Tensor, weights: list[torch.Tensor], tile_rows: int,
+                        autocast_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """``[d x, d weights...]``: each piece recomputed under autograd, one at a time."""
+    mlp = _owner(weights)
+    forward, live = _inner(mlp), _trainable(mlp)
+    grad_x = torch.empty_like(x)
+    sums = [torch.zeros_like(w, dtype=torch.float32) for w in live]
+    for lo in range(0, x.shape[-2], tile_rows):
+        n = min(tile_rows, x.shape[-2] - lo)
+        piece = x.narrow(-2, lo, n).detach().requires_grad_()
+        with _autograd_on(), torch.enable_grad():
+            with _autocast(x.device.type, autocast_dtype):
+                y = forward(piece)
+            grads = torch.autograd.grad(y, [piece, *live], grad_out.narrow(-2, lo, n).to(y.dtype),
+                                        allow_unused=True)
+        grad_x.narrow(-2, lo, n).copy_(grads[0])
+        for total, g in zip(sums, grads[1:]):
+            if g is not None:
+                total += g
+    return [grad_x, *(total.to(w.dtype) for total, w in zip(sums, live))]
+
+
+@_tiled_mlp_backward.register_fake
+def _(x, grad_out, weights, tile_rows, autocast_dtype):
+    return [torch.empty_like(x), *(torch.empty_like(w) for w in weights)]
+
+
+def _setup(ctx, inputs, output):
+    x, weights, tile_rows, autocast_dtype = inputs
+    ctx.save_for_backward(x, *weights)
+    ctx.tile_rows, ctx.autocast_dtype = tile_rows, autocast_dtype
+
+
+def _backward(ctx, grad_out):
+    x, *weights = ctx.saved_tensors
+    grad_x, *grad_w = _tiled_mlp_backward(x, grad_out, weights, ctx.tile_rows, ctx.autocast_dtype)
+    return grad_x, grad_w, None, None
+
+
+_tiled_mlp.register_autograd(_backward, setup_context=_setup)
 
 
 def tiled(forward: Callable[[torch.Tensor], torch.Tensor], tile_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -59,6 +177,25 @@ def tiled(forward: Callable[[torch.Tensor], torch.Tensor], tile_rows: int) -> Ca
             return forward(x)
         return torch.cat([checkpoint(forward, piece, use_reentrant=False) for piece in x.split(tile_rows, dim=-2)],
                          dim=-2)
+
+    tiled_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+    return tiled_forward
+
+
+def _as_operator(mlp: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+                 tile_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``mlp``'s ``forward`` as ``qlora_nb::tiled_mlp`` past ``tile_rows`` positions (module docstring)."""
+
+    def tiled_forward(x: torch.Tensor) -> torch.Tensor:
+        weights = _trainable(mlp)
+        if x.shape[-2] <= tile_rows or not (torch.is_grad_enabled() and weights):
+            if x.shape[-2] <= tile_rows:
+                return forward(x)
+            with torch.no_grad():
+                return torch.cat([forward(piece) for piece in x.split(tile_rows, dim=-2)], dim=-2)
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        return _tiled_mlp(x, weights, tile_rows, dtype)
 
     tiled_forward.__wrapped__ = forward  # type: ignore[attr-defined]
     return tiled_forward
@@ -76,9 +213,16 @@ def apply(model: torch.nn.Module, tile_rows: int) -> PatchHandle:
     mlps = find_mlps(model)
     if not mlps:
         raise ValueError("no decoder layer with a gated MLP (gate_proj, up_proj, down_proj) to tile")
-    handle = PatchHandle(NAME, {"mlps": len(mlps), "tile_rows": tile_rows, "ungrouped": 0})
+    handle = PatchHandle(NAME, {"mlps": len(mlps), "tile_rows": tile_rows, "ungrouped": 0, "operator": 0})
     try:
         for mlp in mlps:
+            if _trainable(mlp):  # one opaque operator: the projections may stay grouped
+                set_attribute(handle, mlp, "forward", _as_operator(mlp, mlp.forward, tile_rows))
+                _TILED.add(mlp)
+                _BY_ADDRESS[_trainable(mlp)[0].data_ptr()] = weakref.ref(mlp)
+                handle.add_undo(lambda m=mlp: (_TILED.discard(m), _BY_ADDRESS.clear()))
+                handle.details["operator"] += 1
+                continue
             set_attribute(handle, mlp, "forward", tiled(mlp.forward, tile_rows))
             for name in PROJECTIONS:  # gate and up share one group: turned off once
                 group = getattr(getattr(mlp, name), GROUP_ATTR, None)
