@@ -542,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("files", nargs="+", type=Path)
     m.add_argument("--out-dir", required=True, type=Path)
     m.add_argument("--primary", action="append", default=[], metavar="PEER=VARIANT",
-                   help="the variant that stands for a peer in its plain fields, e.g. ours=ours_expandable_segments")
+                   help="the variant that stands for a peer in its plain fields, e.g. ours=ours_expandable_segments "
+                        "(comma-separated: the first one each cap has)")
     return p
 
 

@@ -32,12 +32,15 @@ def gpu_tag(device: Any) -> str:
 def variant_key(rec: dict) -> str:
     """A bisection file's key in the merged record: its peer (``ours``, ``unsloth``), then what it ran with
     besides: the MLP in pieces (``_tile4096``), an allocator setting (``_expandable_segments`` for
-    ``expandable_segments:True``)."""
+    ``expandable_segments:True``), a build of the product apart from the others (``engine``, e.g.
+    ``_mlp_op`` for the MLP tiled as one operator, kept apart from the runs of earlier builds)."""
     key = rec["peer"]
     if rec.get("tile_mlp"):
         key += f"_tile{rec['tile_mlp']}"
     if rec.get("sdpa_kernel") and rec["sdpa_kernel"] != "auto":
         key += f"_sdpa_{rec['sdpa_kernel']}"
+    if rec.get("engine"):
+        key += f"_{rec['engine']}"
     if rec.get("alloc_conf"):
         key += "_" + re.sub(r"[^a-z0-9]+", "_", rec["alloc_conf"].split(":")[0].lower()).strip("_")
     return key
@@ -53,7 +56,7 @@ def _expand(rec: dict, source: str) -> list[dict]:
             peer = key.split("_", 1)[0]
             out.append({"peer": peer, "cap_gib": b["cap_gib"], "card": b.get("card"),
                         "alloc_conf": b.get(f"{key}_alloc_conf"), "tile_mlp": b.get(f"{key}_tile_mlp"),
-                        "sdpa_kernel": b.get(f"{key}_sdpa_kernel"),
+                        "sdpa_kernel": b.get(f"{key}_sdpa_kernel"), "engine": b.get(f"{key}_engine"),
                         "stopped": b.get(f"{key}_stopped"), "prediction": b.get(f"{key}_prediction"),
                         "max_seq_len": b.get(f"{key}_max_seq_len"), "edge_found": b.get(f"{key}_edge_found"),
                         "bracket": b.get(f"{key}_bracket"),
@@ -83,7 +86,8 @@ def merge(files: list[Path], primary: dict[str, str] | None = None) -> dict:
     Files of the same variant and cap (several calls, or an earlier merged file) are combined: their
     runs together, each run naming its ``source`` file. ``primary`` names the variant that stands for
     a peer in its plain fields (``{"ours": "ours_expandable_segments"}``: ``ours_max_seq_len`` is that
-    variant's, and ``ours_variant`` says so).
+    variant's, and ``ours_variant`` says so); several, comma-separated, name the first one each cap has
+    (``"ours_mlp_op_expandable_segments,ours_expandable_segments"``: the newest build where it ran).
     """
     recs = [e for f in files for e in _expand(json.loads(Path(f).read_text()), Path(f).name)]
     caps = sorted({r["cap_gib"] for r in recs})
@@ -94,8 +98,9 @@ def merge(files: list[Path], primary: dict[str, str] | None = None) -> dict:
             if r["cap_gib"] == cap:
                 groups.setdefault(variant_key(r), []).append(r)
         by = {k: _combine(v) for k, v in groups.items()}
-        for peer, variant in (primary or {}).items():
-            if variant in by and variant != peer:
+        for peer, wanted in (primary or {}).items():
+            variant = next((v for v in wanted.split(",") if v in by), None)
+            if variant is not None and variant != peer:
                 if peer in by:  # the peer as it ran without a variant keeps its runs, under a key of its own
                     by[f"{peer}_plain"] = by.pop(peer)
                 by[peer] = {**by.pop(variant), "variant": variant}
@@ -103,7 +108,7 @@ def merge(files: list[Path], primary: dict[str, str] | None = None) -> dict:
         entry: dict[str, Any] = {"label": f"{card or '?'} card, cap {cap:g} GiB", "card": card, "cap_gib": cap}
         for peer in [*PEERS, *sorted(k for k in by if k not in PEERS)]:
             r = by.get(peer, {})
-            for knob in ("alloc_conf", "tile_mlp", "sdpa_kernel", "variant"):
+            for knob in ("alloc_conf", "tile_mlp", "sdpa_kernel", "engine", "variant"):
                 if r.get(knob):
                     entry[f"{peer}_{knob}"] = r[knob]
             runs = sorted(r.get("runs", []), key=lambda x: x["seq_len"])

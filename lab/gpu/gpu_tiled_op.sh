@@ -4,7 +4,8 @@
 # Rerun: OUT=$OUT BUDGET=570 bash lab/gpu/gpu_tiled_op.sh (nvidia-h100-x1 or nvidia-h200; carry .whl .gpucache).
 # The MLP tiled as one opaque operator (compile.patches.tiled_mlp): its step time at 32,768 tokens beside
 # the untiled step of the same call, then its peak at 95,232 with the memory account (where the
-# checkpointed pieces peaked at 19.83 GiB), then LENGTHS (longer tries) while the budget lasts.
+# checkpointed pieces peaked at 19.83 GiB), then LENGTHS (longer tries) while the budget lasts
+# (FIRST=0: the longer tries only).
 set -uo pipefail
 OUT=${OUT:-$PWD/out/tiled_op}
 mkdir -p "$OUT"
@@ -26,8 +27,10 @@ one() {  # one NAME LIMIT SEQ ARGS...
     --cap-gib 22 --alloc-conf expandable_segments:True "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "[tiled_op] $name exit $?"; grep "^\[long_context try\]" "$OUT/$name.log" | tail -1
 }
-one untiled_32k 120 32768
-one tiled_32k 120 32768 --tile-mlp 4096
-one account_95k 200 95232 --account
+if [ "${FIRST:-1}" = 1 ]; then
+  one untiled_32k 120 32768
+  one tiled_32k 120 32768 --tile-mlp 4096
+  one account_95k 200 95232 --account
+fi
 for n in $LENGTHS; do one "edge_$n" 300 "$n"; done
 echo "[tiled_op] finished in $(( $(date +%s) - T0 )) s"

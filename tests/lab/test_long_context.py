@@ -246,3 +246,22 @@ def test_calls_of_one_variant_are_combined_and_a_primary_variant_stands_for_its_
     again = lcm.merge([m])["budgets"][0]
     assert again["ours_expandable_segments_max_seq_len"] == 45_056
     assert again["ours_expandable_segments_runs"][0]["source"] == "call1.json"
+
+
+def test_a_later_build_is_its_own_variant_and_the_first_primary_each_cap_has_stands_for_the_peer(tmp_path):
+    """Runs of a later build of the product (``engine``) are kept apart from the earlier build's, whose
+    failures would otherwise bound the later one's longer successes; ``--primary a,b``: the first each cap has."""
+    older = json.loads(_driver_file(tmp_path, "ours", 22.0, 24, 40_960).read_text())  # 41,984 OOM there
+    (a := tmp_path / "older.json").write_text(json.dumps(older))
+    newer = json.loads(_driver_file(tmp_path, "ours", 22.0, 24, 51_200).read_text())
+    (b := tmp_path / "newer.json").write_text(json.dumps({**newer, "engine": "mlp_op"}))
+    wide = _driver_file(tmp_path, "ours", 38.5, 40, 90_112)
+    assert lcm.variant_key({"peer": "ours", "engine": "mlp_op", "alloc_conf": "expandable_segments:True"}) \
+        == "ours_mlp_op_expandable_segments"
+    merged = lcm.merge([a, b, wide], primary={"ours": "ours_mlp_op,ours"})
+    small, large = merged["budgets"]
+    assert small["ours_variant"] == "ours_mlp_op" and small["ours_max_seq_len"] == 51_200
+    assert small["ours_engine"] == "mlp_op" and small["ours_plain_max_seq_len"] == 40_960
+    assert large["ours_max_seq_len"] == 90_112 and "ours_variant" not in large
+    args = lc.build_parser().parse_args(["merge", "x.json", "--out-dir", ".", "--primary", "ours=ours_mlp_op,ours"])
+    assert args.primary == ["ours=ours_mlp_op,ours"]
