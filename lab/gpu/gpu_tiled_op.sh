@@ -5,7 +5,7 @@
 # The MLP tiled as one opaque operator (compile.patches.tiled_mlp): its step time at 32,768 tokens beside
 # the untiled step of the same call, then its peak at 95,232 with the memory account (where the
 # checkpointed pieces peaked at 19.83 GiB), then LENGTHS (longer tries) while the budget lasts
-# (FIRST=0: the longer tries only).
+# (FIRST=0: the longer tries only); ACCOUNT_LENGTHS: tries with the memory account.
 set -uo pipefail
 OUT=${OUT:-$PWD/out/tiled_op}
 mkdir -p "$OUT"
@@ -33,4 +33,5 @@ if [ "${FIRST:-1}" = 1 ]; then
   one account_95k 200 95232 --account
 fi
 for n in $LENGTHS; do one "edge_$n" 300 "$n"; done
+for n in ${ACCOUNT_LENGTHS:-}; do one "account_$n" 380 "$n" --account; done
 echo "[tiled_op] finished in $(( $(date +%s) - T0 )) s"
