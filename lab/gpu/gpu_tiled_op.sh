@@ -11,7 +11,7 @@ OUT=${OUT:-$PWD/out/tiled_op}
 mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET=${BUDGET:-570}
-LENGTHS=${LENGTHS:-"110592"}
+LENGTHS=${LENGTHS-"110592"}  # set but empty: none
 source "$(dirname "$0")/gpu_env.sh"
 models_outside_tree
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
