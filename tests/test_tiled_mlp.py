@@ -130,6 +130,21 @@ def test_tiled_mlp_under_autocast_and_without_trainable_weights(tiny_dir):
     torch.testing.assert_close(got[0], want[0], atol=1e-2, rtol=0)  # bf16: same ops, other summation order
     for name, g in want[1].items():
         torch.testing.assert_close(got[1][name], g, atol=2e-2, rtol=2e-2)
+    with_dropout = build(tiny_dir, quant=False, how=None)
+    for mlp in tiled_mlp.find_mlps(with_dropout):
+        for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    torch.manual_seed(7)
+    with tiled_mlp.apply(with_dropout, tile_rows=16) as handle:
+        assert handle.details["operator"] == 0  # checkpointed pieces: they replay the random state
+        runs = [loss_and_grads(with_dropout, with_dropout, b)]
+    for mlp in tiled_mlp.find_mlps(with_dropout):  # the same pieces run plainly: exact autograd, the same draws
+        mlp.forward = (lambda f: lambda x: torch.cat([f(p) for p in x.split(16, dim=-2)], dim=-2))(mlp.forward)
+    torch.manual_seed(7)
+    runs.append(loss_and_grads(with_dropout, with_dropout, b))
+    for mlp in tiled_mlp.find_mlps(with_dropout):
+        del mlp.forward
+    assert_same(runs[0], runs[1])  # the backward saw the forward's dropout masks
     frozen = build(tiny_dir, quant=False, how=None)
     for mlp in tiled_mlp.find_mlps(frozen):
         mlp.requires_grad_(False)

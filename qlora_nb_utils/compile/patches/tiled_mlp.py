@@ -68,6 +68,12 @@ def _trainable(mlp: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in mlp.parameters() if p.requires_grad]
 
 
+def _dropout(mlp: torch.nn.Module) -> bool:
+    """Whether the MLP draws random numbers (a LoRA dropout): its pieces then need the random state of
+    their forward again in the backward, which checkpointing restores and the operator does not."""
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in mlp.modules())
+
+
 def _owner(weights: list[torch.Tensor]) -> torch.nn.Module:
     """The tiled MLP whose first trainable weight is ``weights[0]`` (by address)."""
     address = weights[0].data_ptr()
@@ -109,20 +115,22 @@ def _tiled_mlp(x: torch.Tensor, weights: list[torch.Tensor], tile_rows: int,
                autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """The MLP's output, piece by piece, nothing kept for a backward."""
     forward = _inner(_owner(weights))
-    out = None
+    out = torch.empty_like(x, dtype=_out_dtype(x, autocast_dtype))
     with torch.no_grad(), _autocast(x.device.type, autocast_dtype):
         for lo in range(0, x.shape[-2], tile_rows):
-            y = forward(x.narrow(-2, lo, min(tile_rows, x.shape[-2] - lo)))
-            if out is None:
-                out = y.new_empty((*x.shape[:-1], y.shape[-1]))
-            out.narrow(-2, lo, y.shape[-2]).copy_(y)
+            n = min(tile_rows, x.shape[-2] - lo)
+            out.narrow(-2, lo, n).copy_(forward(x.narrow(-2, lo, n)))
     return out
+
+
+def _out_dtype(x: torch.Tensor, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """The MLP's output dtype: the autocast dtype under autocast (its last matmul's), else the input's."""
+    return autocast_dtype if autocast_dtype is not None and x.is_floating_point() else x.dtype
 
 
 @_tiled_mlp.register_fake
 def _(x, weights, tile_rows, autocast_dtype):
-    dtype = autocast_dtype if autocast_dtype is not None and x.is_floating_point() else x.dtype
-    return x.new_empty(x.shape, dtype=dtype)
+    return torch.empty_like(x, dtype=_out_dtype(x, autocast_dtype))
 
 
 @torch.library.custom_op(OP + "_backward", mutates_args=())
@@ -216,7 +224,7 @@ def apply(model: torch.nn.Module, tile_rows: int) -> PatchHandle:
     handle = PatchHandle(NAME, {"mlps": len(mlps), "tile_rows": tile_rows, "ungrouped": 0, "operator": 0})
     try:
         for mlp in mlps:
-            if _trainable(mlp):  # one opaque operator: the projections may stay grouped
+            if _trainable(mlp) and not _dropout(mlp):  # one opaque operator: the projections may stay grouped
                 set_attribute(handle, mlp, "forward", _as_operator(mlp, mlp.forward, tile_rows))
                 _TILED.add(mlp)
                 _BY_ADDRESS[_trainable(mlp)[0].data_ptr()] = weakref.ref(mlp)
