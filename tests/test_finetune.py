@@ -407,3 +407,27 @@ def test_the_step_0_held_out_loss_is_the_base_models_own(tmp_path, data_file):
     base, _ = models.load_model("smollm2-135m", lora=False, device="cpu")
     own = evaluate(base, heldout)
     assert own == pytest.approx(step0["loss"], abs=1e-5)
+
+
+def test_the_held_out_loss_compiles_nothing_where_the_layers_are_compiled_in_place(data_file):
+    """Regional scope compiles each decoder layer in place: the held-out loss (no_grad, eval mode) runs
+    them eagerly instead of compiling the training graph again, and gives the eager model's number."""
+    import torch
+
+    from qlora_nb_utils import models, optimize
+    from qlora_nb_utils.training import build_finetune_batches, evaluate
+
+    tok = models.load_tokenizer("tiny")
+    train_batches, heldout, _ = build_finetune_batches(tok, data=data_file, batch_size=2, seq_len=48, eval_size=4)
+    model, _ = models.load_model("tiny", quant="none", lora=True, dtype="float32", device="cpu")
+    want = evaluate(model, heldout)
+    opt = optimize(model.train(), batches=train_batches[:1], backend="aot_eager", scope="regional")
+    try:
+        opt.forward(**train_batches[0]).loss.backward()
+        assert opt.counter.compilations == 1
+        got = evaluate(opt.module, heldout)
+        assert opt.counter.compilations == 1 and opt.counter.recompilations == 0
+    finally:
+        opt.undo()
+    assert abs(got - want) < 1e-5
+    assert torch.is_grad_enabled()  # evaluate leaves grad mode as it found it

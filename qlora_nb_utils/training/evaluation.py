@@ -2,7 +2,10 @@
 
 Why one function for the held-out loss: the number a run reports, the number its saved adapter
 reproduces after a reload, and the number a test checks must be the same computation, or a
-difference between them means nothing. :func:`evaluate` is that computation: eager, under
+difference between them means nothing. :func:`evaluate` is that computation: eager (compiled
+regions inside the module too: ``torch.compiler.set_stance("force_eager")``; a decoder layer
+compiled in place for training, as the regional scope does, would otherwise compile again for
+``no_grad`` and eval mode, a second compilation of the training graph at the first evaluation), under
 ``torch.no_grad()``, in eval mode, under autocast when the run trained under it, and the *token*
 mean over the held-out batches. A plain mean of per-batch losses would weigh a batch of short
 answers like one of long answers; each batch's mean is weighted by its number of learned
@@ -78,7 +81,7 @@ def evaluate(module: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]]
     """
     device = next(module.parameters()).device
     total, count = 0.0, 0
-    with _eval_mode(module), _autocast(device, autocast_dtype):
+    with _eval_mode(module), _autocast(device, autocast_dtype), _eager_stance():
         for batch in batches:
             n = learned_tokens(batch)
             if n == 0:
