@@ -152,6 +152,10 @@ def try_ours(args, record: dict) -> None:
         knobs["tile_mlp"] = args.tile_mlp
     if args.sdpa_kernel:
         knobs["sdpa_kernel"] = args.sdpa_kernel
+    if getattr(args, "exact_host_buffers", False):  # offloaded inputs in exact-size host buffers
+        from qlora_nb_utils.compile import offload
+
+        offload.EXACT_HOST_BUFFERS = True
     opt = optimize(model, batches=[row], max_memory_gib=args.cap_gib, **knobs)
     record["choices"] = {k: str(v) for k, v in opt.choices.items()}
     record["optimize"] = opt.description
@@ -252,6 +256,7 @@ def is_oom(text: str | None) -> bool:
 def run_try(args) -> dict:
     """One attempt in this process; never raises: a failure (OOM included) is ``ok: false`` with its error."""
     record: dict[str, Any] = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
+                              "exact_host_buffers": bool(getattr(args, "exact_host_buffers", False)),
                               "seq_len": args.seq_len,
                               "cap_gib": args.cap_gib,
                               "model": args.model, "steps": args.steps, "lora_r": args.lora_r, "ok": False,
@@ -437,6 +442,8 @@ def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: 
         cmd += ["--tile-mlp", str(args.tile_mlp)]
     if args.sdpa_kernel:
         cmd += ["--sdpa-kernel", args.sdpa_kernel]
+    if getattr(args, "exact_host_buffers", False):
+        cmd += ["--exact-host-buffers"]
     if account:
         cmd += ["--account"]
     # one Inductor cache per driver: later tries reuse what earlier ones compiled (compile time only);
@@ -479,7 +486,8 @@ def run_bisect(args) -> dict:
 
         model_dir = args.model_dir or _model_dir(args.model)  # built once (the wrapper builds it first)
     probes = sorted({int(x) for x in args.probe.split(",") if x} | ({args.start} if args.start else set()))
-    base = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
+    base = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
+            "exact_host_buffers": bool(getattr(args, "exact_host_buffers", False)), "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
             "model": args.model,
             "steps": args.steps, "lora_r": args.lora_r, "step_tokens": STEP, "deadline_s": args.deadline_s,
             "probes": probes, **_stamp()}
@@ -526,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "positions at any length; merged under its own key")
     common.add_argument("--sdpa-kernel", choices=("auto", "cudnn", "default"),
                         help="ours: optimize(sdpa_kernel=...) (default: optimize()'s own, auto)")
+    common.add_argument("--exact-host-buffers", action="store_true",
+                        help="ours: offloaded layer inputs in host buffers of their exact size (compile.offload.HostPool) "
+                             "instead of torch's pinned allocator; merged under its own key")
     common.add_argument("--account", action="store_true", help="ours: record the last step's allocations and "
                         "write what its peak is made of (lab.memory_account); slows that step")
     common.add_argument("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for the tries (e.g. expandable_segments:True): "

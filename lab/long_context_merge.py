@@ -41,6 +41,8 @@ def variant_key(rec: dict) -> str:
         key += f"_sdpa_{rec['sdpa_kernel']}"
     if rec.get("engine"):
         key += f"_{rec['engine']}"
+    if rec.get("exact_host_buffers"):
+        key += "_exact_host"
     if rec.get("alloc_conf"):
         key += "_" + re.sub(r"[^a-z0-9]+", "_", rec["alloc_conf"].split(":")[0].lower()).strip("_")
     return key
@@ -57,6 +59,7 @@ def _expand(rec: dict, source: str) -> list[dict]:
             out.append({"peer": peer, "cap_gib": b["cap_gib"], "card": b.get("card"),
                         "alloc_conf": b.get(f"{key}_alloc_conf"), "tile_mlp": b.get(f"{key}_tile_mlp"),
                         "sdpa_kernel": b.get(f"{key}_sdpa_kernel"), "engine": b.get(f"{key}_engine"),
+                        "exact_host_buffers": b.get(f"{key}_exact_host_buffers"),
                         "stopped": b.get(f"{key}_stopped"), "prediction": b.get(f"{key}_prediction"),
                         "max_seq_len": b.get(f"{key}_max_seq_len"), "edge_found": b.get(f"{key}_edge_found"),
                         "bracket": b.get(f"{key}_bracket"),
@@ -108,7 +111,7 @@ def merge(files: list[Path], primary: dict[str, str] | None = None) -> dict:
         entry: dict[str, Any] = {"label": f"{card or '?'} card, cap {cap:g} GiB", "card": card, "cap_gib": cap}
         for peer in [*PEERS, *sorted(k for k in by if k not in PEERS)]:
             r = by.get(peer, {})
-            for knob in ("alloc_conf", "tile_mlp", "sdpa_kernel", "engine", "variant"):
+            for knob in ("alloc_conf", "tile_mlp", "sdpa_kernel", "engine", "exact_host_buffers", "variant"):
                 if r.get(knob):
                     entry[f"{peer}_{knob}"] = r[knob]
             runs = sorted(r.get("runs", []), key=lambda x: x["seq_len"])

@@ -52,6 +52,35 @@ def test_eager_offload_gives_the_same_loss_and_grads_and_frees_the_inputs(tiny_d
     handle.undo()  # twice is safe
 
 
+def test_exact_host_buffers_are_reused_every_step_with_the_same_grads(tiny_dir, monkeypatch):
+    """``exact_host_buffers``: each layer input's copy in a buffer of exactly its bytes, made in the
+    first step and taken again by the next (no new buffer), with the same loss and gradients; the
+    default follows ``offload.EXACT_HOST_BUFFERS``; ``undo()`` releases the pool."""
+    model = build(tiny_dir, quant=True, how=None)
+    b = batch()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    want = loss_and_grads(model, model, b)
+    monkeypatch.setattr(offload, "EXACT_HOST_BUFFERS", True)
+    handle = offload.apply(model)
+    try:
+        pool = handle.offloader.pool
+        assert handle.details["exact_host_buffers"] is True and pool is not None and pool.pin is False  # a CPU
+        assert_same(loss_and_grads(model, model, b), want)
+        hidden = model.get_base_model().config.hidden_size
+        per_layer = b["input_ids"].numel() * hidden * 4  # fp32 hidden states
+        made = pool.buffers
+        assert made >= LAYERS and pool.bytes >= LAYERS * per_layer
+        assert_same(loss_and_grads(model, model, b), want)
+        assert pool.buffers == made  # the second step took the first step's buffers again
+        assert_offloaded(handle.offloader.stats, 2)
+    finally:
+        handle.undo()
+    assert not pool._free
+    plain = offload.apply(model, exact_host_buffers=False)
+    assert plain.offloader.pool is None and plain.details["exact_host_buffers"] is False
+    plain.undo()
+
+
 def test_regional_fullgraph_compiles_once_with_the_same_grads(tiny_dir):
     model = build(tiny_dir, quant=True, how="kbit")
     b = batch()

@@ -57,13 +57,64 @@ import torch
 from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
 
-__all__ = ["CpuOffloader", "OffloadStats", "CheckpointPlan", "apply", "offloaded", "offload_supported", "plan",
-           "MIN_OFFLOAD_BYTES"]
+__all__ = ["CpuOffloader", "OffloadStats", "CheckpointPlan", "HostPool", "apply", "offloaded", "offload_supported",
+           "plan", "MIN_OFFLOAD_BYTES", "EXACT_HOST_BUFFERS"]
 
 #: Saved tensors smaller than this stay where they are. 0: the hooks only see what the checkpoint
 #: saves, a decoder layer's positional tensor arguments (transformers passes the hidden state
 #: positionally, the rest bound as keywords), so all of it moves.
 MIN_OFFLOAD_BYTES = 0
+
+
+#: :func:`apply`'s default for ``exact_host_buffers`` (:class:`HostPool`).
+EXACT_HOST_BUFFERS = False
+
+
+class HostPool:
+    """Host buffers of the exact sizes asked for, page-locked once and reused step after step.
+
+    Why: ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which
+    rounds each request up to a power of two, so a layer input just over a power of two takes
+    almost twice its size in page-locked host memory, for every layer, and host memory is what
+    runs out first at long sequences on the machines users have. Here each buffer is an ordinary
+    CPU tensor of exactly the bytes asked for, page-locked with ``cudaHostRegister`` (as torch's
+    own distributed checkpoint stager pins its buffers), so copies to and from it are still
+    asynchronous; a layer input hands its buffer back when autograd lets the input go, and the
+    next step's input of the same size takes it again. :meth:`release` unregisters and frees them.
+    On a CPU (tests) nothing is registered.
+    """
+
+    def __init__(self, pin: bool = True) -> None:
+        self.pin = pin
+        self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        self._pinned: list[int] = []  # addresses registered with CUDA
+        self.buffers = 0  # buffers made
+        self.bytes = 0  # their bytes, all together
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A ``uint8`` buffer of ``nbytes`` bytes: a free one of that size, or a new one."""
+        if self._free[nbytes]:
+            return self._free[nbytes].pop()
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if self.pin and nbytes:
+            err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+            if err != 0:
+                raise RuntimeError(f"page-locking {nbytes} bytes of host memory failed (cudaError {err})")
+            self._pinned.append(buf.data_ptr())
+        self.buffers += 1
+        self.bytes += nbytes
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        """``buf`` free again (taken by the next request of its size)."""
+        self._free[buf.numel()].append(buf)
+
+    def release(self) -> None:
+        """Unregister and drop the free buffers (those still held are dropped by their holders)."""
+        for address in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(address)
+        self._pinned.clear()
+        self._free.clear()
 
 
 @dataclasses.dataclass
@@ -97,10 +148,14 @@ class CpuOffloader:
         min_bytes: tensors smaller than this are saved as they are.
         prefetch: when the backward unpacks a layer's input, start copying back the input saved
             before it (the next one the backward needs) on the side stream.
+        exact_host_buffers: keep the copies in a :class:`HostPool` (exact sizes, reused) instead
+            of torch's pinned allocator (sizes rounded up to a power of two).
     """
 
-    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES, prefetch: bool = True) -> None:
+    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES, prefetch: bool = True,
+                 exact_host_buffers: bool = False) -> None:
         self.min_bytes, self.prefetch = min_bytes, prefetch
+        self.pool = HostPool(pin=torch.cuda.is_available()) if exact_host_buffers else None
         self.stats = OffloadStats()
         self._stream: Any = None
         self._last: Any = None  # weakref to the last stash packed
@@ -117,17 +172,28 @@ class CpuOffloader:
         from torch.multiprocessing.reductions import StorageWeakRef
 
         source = StorageWeakRef(tensor.untyped_storage())
+        buf = None
+        if self.pool is not None:
+            buf = self.pool.take(tensor.numel() * tensor.element_size())
         if tensor.is_cuda:
             main = torch.cuda.current_stream(tensor.device)
             side = self._side_stream(tensor.device)
-            cpu = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            if buf is not None:
+                cpu = buf.view(tensor.dtype).view(tensor.shape)
+            else:
+                cpu = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             side.wait_stream(main)  # the tensor is written on the compute stream
             with torch.cuda.stream(side):
                 cpu.copy_(tensor, non_blocking=True)
             tensor.record_stream(side)  # its memory is not reused before the copy is done
+        elif buf is not None:
+            cpu = buf.view(tensor.dtype).view(tensor.shape)
+            cpu.copy_(tensor.detach())
         else:
             cpu = tensor.detach().to("cpu", copy=True)
         stash = _Stash(cpu, tensor.device, source, self._last)
+        if buf is not None:  # back to the pool when autograd lets the saved input go (the copies in and
+            weakref.finalize(stash, self.pool.give, buf)  # out share the side stream: they keep their order)
         self._last = weakref.ref(stash)
         self.stats.packed += 1
         self.stats.bytes_out += tensor.numel() * tensor.element_size()
@@ -203,12 +269,16 @@ def offload_supported(model: torch.nn.Module) -> str | None:
     return None
 
 
-def apply(model: torch.nn.Module, *, min_bytes: int = MIN_OFFLOAD_BYTES, prefetch: bool = True) -> PatchHandle:
+def apply(model: torch.nn.Module, *, min_bytes: int = MIN_OFFLOAD_BYTES, prefetch: bool = True,
+          exact_host_buffers: bool | None = None) -> PatchHandle:
     """Offload the saved inputs of ``model``'s checkpointed decoder layers to CPU memory.
 
     Call it after checkpointing is configured (``prepare_for_compile(..., grad_ckpt=True,
     scope="regional")`` or :func:`~qlora_nb_utils.compile.recipe.prepare_fast`); undo it before
     the prepared model's own ``undo()``.
+
+    ``exact_host_buffers``: :class:`CpuOffloader`'s (None: :data:`EXACT_HOST_BUFFERS`); the
+    pool's buffers are released on ``undo()``.
 
     Returns:
         A :class:`~qlora_nb_utils.reversible.PatchHandle`; ``handle.offloader`` counts what moved.
@@ -220,9 +290,12 @@ def apply(model: torch.nn.Module, *, min_bytes: int = MIN_OFFLOAD_BYTES, prefetc
     why = offload_supported(model)
     if why is not None:
         raise ValueError(f"cannot offload checkpointed inputs: {why}")
-    offloader = CpuOffloader(min_bytes=min_bytes, prefetch=prefetch)
+    exact = EXACT_HOST_BUFFERS if exact_host_buffers is None else exact_host_buffers
+    offloader = CpuOffloader(min_bytes=min_bytes, prefetch=prefetch, exact_host_buffers=exact)
     layers = [m for m in decoder_layers(model) if m.gradient_checkpointing]
-    handle = PatchHandle("cpu_offload", {"layers": len(layers), "min_bytes": min_bytes})
+    handle = PatchHandle("cpu_offload", {"layers": len(layers), "min_bytes": min_bytes, "exact_host_buffers": exact})
+    if offloader.pool is not None:
+        handle.add_undo(offloader.pool.release)
     for layer in layers:
         set_attribute(handle, layer, "_gradient_checkpointing_func",
                       offloaded(layer._gradient_checkpointing_func, offloader))
