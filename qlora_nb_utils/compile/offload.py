@@ -58,7 +58,7 @@ from ..reversible import PatchHandle, set_attribute
 from .checkpointing import decoder_layers
 
 __all__ = ["CpuOffloader", "OffloadStats", "CheckpointPlan", "HostPool", "apply", "offloaded", "offload_supported",
-           "plan", "MIN_OFFLOAD_BYTES", "EXACT_HOST_BUFFERS"]
+           "plan", "host_bytes", "check_host_memory", "MIN_OFFLOAD_BYTES", "EXACT_HOST_BUFFERS"]
 
 #: Saved tensors smaller than this stay where they are. 0: the hooks only see what the checkpoint
 #: saves, a decoder layer's positional tensor arguments (transformers passes the hidden state
@@ -301,6 +301,46 @@ def apply(model: torch.nn.Module, *, min_bytes: int = MIN_OFFLOAD_BYTES, prefetc
                       offloaded(layer._gradient_checkpointing_func, offloader))
     handle.offloader = offloader  # type: ignore[attr-defined]
     return handle
+
+
+def host_bytes(layers: int, input_bytes: int, exact: bool | None = None) -> int:
+    """The host memory ``layers`` offloaded inputs of ``input_bytes`` each take: as asked with
+    exact buffers (:class:`HostPool`), else each rounded up to a power of two, as torch's pinned
+    allocator rounds it (None: :data:`EXACT_HOST_BUFFERS`)."""
+    exact = EXACT_HOST_BUFFERS if exact is None else exact
+    each = input_bytes if exact or input_bytes <= 1 else 1 << (input_bytes - 1).bit_length()
+    return layers * each
+
+
+def _available_host_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(layers: int, input_bytes: int, shape: str = "") -> None:
+    """Refuse, before any step, an offload whose inputs cannot fit in the host memory available.
+
+    Why: page-locked memory cannot be swapped out, so a run whose offloaded inputs do not fit
+    is stopped by the system part-way through its first step (or its pinned allocation fails),
+    after the model was loaded and compiled; said here, the user can shorten the sequence first.
+
+    Raises:
+        ValueError: the inputs need more than the memory available (the message says how much).
+    """
+    need, have = host_bytes(layers, input_bytes), _available_host_bytes()
+    if have is not None and need > have:
+        gib = 2**30
+        raise ValueError(
+            f"offloading the inputs of {layers} checkpointed layers{f' at {shape}' if shape else ''} needs about "
+            f"{need / gib:.1f} GiB of CPU memory, and {have / gib:.1f} GiB is available: use a shorter sequence "
+            f"or fewer rows, a machine with more memory, or a larger memory target (fewer layers offloaded)")
 
 
 @dataclasses.dataclass
