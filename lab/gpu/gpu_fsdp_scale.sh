@@ -8,7 +8,8 @@
 # 2048, MB rows per GPU and micro-batch (default 4), global batch 2 x MB; REPEATS pairs, each run alone:
 # scale_2_i (2 GPUs, NF4 + embeddings + LM head sharded) and scale_1_i (1 GPU, nothing sharded, the
 # same regional fast path, accumulating 2 micro-batches; i=2 permutes the rows: the bf16 floor).
-# Then (PROFILE=1, the default), time allowing, one profiled pair at 1 row per GPU (where the step time goes on each rank).
+# Then (PROFILE=1, the default), time allowing, one profiled pair at PROFILE_ROWS rows per GPU (default 1; where the
+# step time goes on each rank; with VOCAB_HEAD=1 the 2-GPU one splits the head too).
 # VOCAB_HEAD=1: the 2-GPU runs split the LM head by vocabulary (--vocab-parallel-head), and after the first
 # pair one plain 2-GPU run (plain_2_1, the head sharded by FSDP2 as before) gives the same call's comparison.
 set -uo pipefail
@@ -58,8 +59,11 @@ for i in $(seq 1 "$REPEATS"); do
 done
 if [ "${PROFILE:-1}" = 1 ]; then
   cap=$(( $(left) / 2 ))
-  trun prof_2 "$cap" 0,1 2 "${COMMON[@]}" --steps 6 --global-batch-size 2 --micro-batch-size 1 --profile 2 --out "$OUT/runs/prof_2"
-  trun prof_1 "$(( $(left) - 5 ))" 0 1 "${COMMON[@]}" --steps 6 --global-batch-size 2 --micro-batch-size 1 --profile 2 --out "$OUT/runs/prof_1"
+  PR=${PROFILE_ROWS:-1}  # rows per GPU and micro-batch of the profiled pair (MB: where the scaling is measured)
+  trun prof_2 "$cap" 0,1 2 "${COMMON[@]}" --steps 6 --global-batch-size $((2 * PR)) --micro-batch-size "$PR" \
+    "${VOCAB2[@]}" --profile 2 --out "$OUT/runs/prof_2"
+  trun prof_1 "$(( $(left) - 5 ))" 0 1 "${COMMON[@]}" --steps 6 --global-batch-size $((2 * PR)) --micro-batch-size "$PR" \
+    --profile 2 --out "$OUT/runs/prof_1"
 fi
 tar czf "$OUT/fsdp_scale_logs.tgz" -C "$OUT" runs 2>/dev/null
 echo "[scale] finished in $(( $(date +%s) - T0 )) s"
