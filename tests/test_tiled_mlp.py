@@ -194,3 +194,16 @@ def test_optimize_tiles_the_mlp_only_when_every_layer_checkpointed_and_offloaded
     for bad in (0, -1, True, "yes", 2.5):
         with pytest.raises(ValueError, match="tile_mlp must be 'auto', False or an integer >= 1"):
             optimize(model, batches=[b], backend="aot_eager", tile_mlp=bad)
+
+
+def test_an_mlp_frozen_after_the_tiles_keeps_its_input_gradient(tiny_dir):
+    """The operator finds its MLP by a trainable weight: an MLP frozen after ``apply()`` runs its
+    pieces checkpointed instead, and the layers below it still get their gradients."""
+    model = build(tiny_dir, quant=False, how=None)
+    b = batch(seq=64)
+    with tiled_mlp.apply(model, tile_rows=16) as handle:
+        assert handle.details["operator"] == LAYERS
+        for mlp in tiled_mlp.find_mlps(model):
+            mlp.requires_grad_(False)
+        got = loss_and_grads(model, model, b)
+    assert_same(got, loss_and_grads(model, model, b))

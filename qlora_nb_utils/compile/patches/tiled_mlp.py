@@ -78,7 +78,7 @@ def _owner(weights: list[torch.Tensor]) -> torch.nn.Module:
     """The tiled MLP whose first trainable weight is ``weights[0]`` (by address)."""
     address = weights[0].data_ptr()
     mlp = _BY_ADDRESS.get(address, lambda: None)()
-    if mlp is None or not _trainable(mlp) or _trainable(mlp)[0].data_ptr() != address:
+    if mlp is None or next((w.data_ptr() for w in _trainable(mlp)), None) != address:
         _BY_ADDRESS.clear()  # weights moved (``.to()``) since apply(): look again
         _BY_ADDRESS.update({_trainable(m)[0].data_ptr(): weakref.ref(m) for m in _TILED if _trainable(m)})
         mlp = _BY_ADDRESS.get(address, lambda: None)()
@@ -194,13 +194,16 @@ def _as_operator(mlp: torch.nn.Module, forward: Callable[[torch.Tensor], torch.T
                  tile_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """``mlp``'s ``forward`` as ``qlora_nb::tiled_mlp`` past ``tile_rows`` positions (module docstring)."""
 
+    checkpointed = tiled(forward, tile_rows)
+
     def tiled_forward(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2] <= tile_rows:
+            return forward(x)
+        if not torch.is_grad_enabled():  # nothing is kept without autograd: the pieces as they come
+            return torch.cat([forward(piece) for piece in x.split(tile_rows, dim=-2)], dim=-2)
         weights = _trainable(mlp)
-        if x.shape[-2] <= tile_rows or not (torch.is_grad_enabled() and weights):
-            if x.shape[-2] <= tile_rows:
-                return forward(x)
-            with torch.no_grad():
-                return torch.cat([forward(piece) for piece in x.split(tile_rows, dim=-2)], dim=-2)
+        if not weights:  # frozen since apply(): the operator finds its MLP by a trainable weight
+            return checkpointed(x)
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return _tiled_mlp(x, weights, tile_rows, dtype)
