@@ -152,7 +152,7 @@ def try_ours(args, record: dict) -> None:
         knobs["tile_mlp"] = args.tile_mlp
     if args.sdpa_kernel:
         knobs["sdpa_kernel"] = args.sdpa_kernel
-    if getattr(args, "exact_host_buffers", False):  # offloaded inputs in exact-size host buffers
+    if args.exact_host_buffers:  # offloaded inputs in exact-size host buffers
         from qlora_nb_utils.compile import offload
 
         offload.EXACT_HOST_BUFFERS = True
@@ -256,7 +256,7 @@ def is_oom(text: str | None) -> bool:
 def run_try(args) -> dict:
     """One attempt in this process; never raises: a failure (OOM included) is ``ok: false`` with its error."""
     record: dict[str, Any] = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
-                              "exact_host_buffers": bool(getattr(args, "exact_host_buffers", False)),
+                              "exact_host_buffers": args.exact_host_buffers,
                               "seq_len": args.seq_len,
                               "cap_gib": args.cap_gib,
                               "model": args.model, "steps": args.steps, "lora_r": args.lora_r, "ok": False,
@@ -442,7 +442,7 @@ def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: 
         cmd += ["--tile-mlp", str(args.tile_mlp)]
     if args.sdpa_kernel:
         cmd += ["--sdpa-kernel", args.sdpa_kernel]
-    if getattr(args, "exact_host_buffers", False):
+    if args.exact_host_buffers:
         cmd += ["--exact-host-buffers"]
     if account:
         cmd += ["--account"]
@@ -487,7 +487,7 @@ def run_bisect(args) -> dict:
         model_dir = args.model_dir or _model_dir(args.model)  # built once (the wrapper builds it first)
     probes = sorted({int(x) for x in args.probe.split(",") if x} | ({args.start} if args.start else set()))
     base = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
-            "exact_host_buffers": bool(getattr(args, "exact_host_buffers", False)), "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
+            "exact_host_buffers": args.exact_host_buffers, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
             "model": args.model,
             "steps": args.steps, "lora_r": args.lora_r, "step_tokens": STEP, "deadline_s": args.deadline_s,
             "probes": probes, **_stamp()}

@@ -172,28 +172,26 @@ class CpuOffloader:
         from torch.multiprocessing.reductions import StorageWeakRef
 
         source = StorageWeakRef(tensor.untyped_storage())
-        buf = None
-        if self.pool is not None:
-            buf = self.pool.take(tensor.numel() * tensor.element_size())
+        buf = None if self.pool is None else self.pool.take(tensor.numel() * tensor.element_size())
+        cpu = None if buf is None else buf.view(tensor.dtype).view(tensor.shape)
         if tensor.is_cuda:
             main = torch.cuda.current_stream(tensor.device)
             side = self._side_stream(tensor.device)
-            if buf is not None:
-                cpu = buf.view(tensor.dtype).view(tensor.shape)
-            else:
+            if cpu is None:
                 cpu = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             side.wait_stream(main)  # the tensor is written on the compute stream
             with torch.cuda.stream(side):
                 cpu.copy_(tensor, non_blocking=True)
             tensor.record_stream(side)  # its memory is not reused before the copy is done
-        elif buf is not None:
-            cpu = buf.view(tensor.dtype).view(tensor.shape)
+        elif cpu is not None:
             cpu.copy_(tensor.detach())
         else:
             cpu = tensor.detach().to("cpu", copy=True)
         stash = _Stash(cpu, tensor.device, source, self._last)
-        if buf is not None:  # back to the pool when autograd lets the saved input go (the copies in and
-            weakref.finalize(stash, self.pool.give, buf)  # out share the side stream: they keep their order)
+        if buf is not None:
+            # back to the pool when autograd lets the saved input go; the copies in and out share
+            # the side stream, so the next step's copy into it waits for this one's copy back
+            weakref.finalize(stash, self.pool.give, buf)
         self._last = weakref.ref(stash)
         self.stats.packed += 1
         self.stats.bytes_out += tensor.numel() * tensor.element_size()

@@ -20,7 +20,7 @@ from ..ops.attention import choose_attention, choose_sdpa_kernel, cudnn_attentio
 from ..ops.lm_head import choose_head
 from . import choices as table
 from .checkpointing import decoder_layers
-from .memory_estimate import estimate_terms, peak_from_terms
+from .memory_estimate import _config_of, estimate_terms, peak_from_terms
 from .model_patches import lora_addmm_expected
 from .offload import check_host_memory
 from .offload import plan as checkpoint_plan
@@ -263,8 +263,7 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
     p.ckpt_layers, p.scope, p.offload = ck.ckpt_layers, ck.scope, ck.offload
     if ck.offload and ck.ckpt_layers and p.device.type == "cuda" and shapes:  # to page-locked host memory
         b, s = max(shapes, key=lambda x: x[0] * x[1])
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        hidden = int(getattr(getattr(inner, "config", None), "hidden_size", 0) or 0)
+        hidden = int(getattr(_config_of(model), "hidden_size", 0) or 0)
         check_host_memory(ck.ckpt_layers, b * s * hidden * (torch.finfo(p.dtype).bits // 8), f"{b} x {s}")
     p.tile_rows, tile_why = _tiles(opts.tile_mlp, model, est, planned, label, ck, n_layers, seq)
     p.over_target = est is not None and est(ck.ckpt_layers, ck.offload, p.tile_rows) > planned
