@@ -30,7 +30,8 @@ COLUMNS = ("topic", "source", "device", "date", "commit", "versions", "configura
 #: compilations and breaks, speed-ups. Anything else (seeds, sizes, settings) is configuration.
 METRIC = re.compile(
     r"(_ms|_s|_gib|_gb|_mib|tokens_per_s|tok_s|tok_per_s|mfu|speedup|_x|loss|loss_diff|_diff|compilations|"
-    r"graph_breaks|recompilations|tflops|_ratio|_share|_fraction|waste|max_seq_len)$|^(speedup|vs_[a-z_]+)$")
+    r"graph_breaks|recompilations|tflops|_ratio|_share|_fraction|waste|max_seq_len)(_per_gpu)?$"
+    r"|^(speedup|scaling|vs_[a-z_]+)$")
 #: numbers that match METRIC but are settings or listings, not results: targets and memory limits
 #: asked for, memory caps set, the device's total memory, and cProfile's per-function listing of an import
 NOT_METRIC = re.compile(r"^(target|max_memory|total_mem|budget|cap_)|^(self_s|cumulative_s)$")
@@ -79,21 +80,42 @@ def _label(item: Any, index: int) -> str:
     return str(index)
 
 
-def _leaves(node: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], str, float]]:
+def _stamp(node: dict, stamp: dict[str, str]) -> dict[str, str]:
+    """The device, date and versions a nested record states for itself (a run merged into a file
+    written on another day keeps its own), over those of the records around it."""
+    own = {}
+    if isinstance(node.get("date"), str) and re.match(r"\d{4}-\d{2}-\d{2}", node["date"]):
+        own["date"] = node["date"][:10]
+    if isinstance(node.get("device"), (dict, list)):  # a string is often a setting ("cuda"), not a record's card
+        own["device"] = _device(node)
+    if isinstance(node.get("versions"), dict):
+        own["versions"] = _versions(node)
+    return {**stamp, **own}
+
+
+def _leaves(node: Any, path: tuple[str, ...], stamp: dict[str, str] | None = None
+            ) -> Iterator[tuple[tuple[str, ...], str, float, dict[str, str]]]:
+    stamp = stamp or {}
     if isinstance(node, dict):
+        stamp = _stamp(node, stamp)
         for key, value in node.items():
             if isinstance(value, bool):
                 continue
-            if isinstance(value, (int, float)) and METRIC.search(str(key)) and not NOT_METRIC.search(str(key)):
-                yield path, str(key), float(value)
+            is_metric = METRIC.search(str(key)) and not NOT_METRIC.search(str(key))
+            if isinstance(value, (int, float)) and is_metric:
+                yield path, str(key), float(value), stamp
+            elif is_metric and isinstance(value, dict) and value and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+                for sub, v in value.items():  # e.g. peak_mem_gib_per_gpu {"1": .., "2": ..}: one row per entry
+                    yield path, f"{key}.{sub}", float(v), stamp
             elif isinstance(value, (dict, list)) and key not in LISTINGS:
-                yield from _leaves(value, path + (str(key),))
+                yield from _leaves(value, path + (str(key),), stamp)
     elif isinstance(node, list):
         labels = [_label(item, i) for i, item in enumerate(node)]
         for i, (item, label) in enumerate(zip(node, labels)):
             if isinstance(item, (dict, list)):
                 unique = label if labels.count(label) == 1 else f"{label} #{i}"
-                yield from _leaves(item, path + (unique,))
+                yield from _leaves(item, path + (unique,), stamp)
 
 
 def rows_of(path: Path) -> list[dict[str, str]]:
@@ -104,8 +126,8 @@ def rows_of(path: Path) -> list[dict[str, str]]:
     base = {"topic": path.parent.name, "source": path.relative_to(ROOT).as_posix(), "device": _device(record),
             "date": str(record.get("date", ""))[:10], "commit": _commit(record), "versions": _versions(record)}
     rows = []
-    for where, metric, value in _leaves(record, ()):
-        rows.append({**base, "configuration": "/".join(where), "metric": metric, "value": f"{value:.6g}"})
+    for where, metric, value, stamp in _leaves(record, ()):
+        rows.append({**base, **stamp, "configuration": "/".join(where), "metric": metric, "value": f"{value:.6g}"})
     return rows
 
 

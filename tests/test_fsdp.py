@@ -331,10 +331,10 @@ def test_apply_fsdp2_refuses_packed_bytes_changed_by_the_round_trip(one_rank_gro
     real = F.packed_checksums
     calls = []
 
-    def fake(model):
-        sums = real(model)
+    def fake(model, modules=None):
+        sums = real(model, modules)
         calls.append(1)
-        if len(calls) == 2:  # the check after the all-gather
+        if len(calls) == 2:  # the check after the all-gather (of the first unit)
             k = next(iter(sums))
             sums[k] = (sums[k][0], sums[k][1] + 1)
         return sums
@@ -343,6 +343,81 @@ def test_apply_fsdp2_refuses_packed_bytes_changed_by_the_round_trip(one_rank_gro
     model, _ = load_qlora("tiny", dtype="float32", device="cpu", quant_storage=torch.float32)
     with pytest.raises(RuntimeError, match="changed the packed 4-bit bytes.*replicate"):
         F.apply_fsdp2(model, nf4="shard")
+
+
+def test_the_check_after_sharding_gathers_one_unit_at_a_time(one_rank_group, monkeypatch):
+    """The packed-bytes check (and the quant states' attachment) all-gathers one FSDP unit, checks it
+    and frees it before the next: gathering every unit at once would put the whole 4-bit model on each
+    GPU (37 GiB at 70B) before the first step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from qlora_nb_utils.distributed.fsdp import apply_fsdp2, nf4_params
+    from qlora_nb_utils.distributed.setup import load_qlora
+
+    live, most = set(), [0]
+    real_unshard, real_reshard = FSDPModule.unshard, FSDPModule.reshard
+
+    def unshard(self, *a, **k):
+        live.add(id(self))
+        most[0] = max(most[0], len(live))
+        return real_unshard(self, *a, **k)
+
+    def reshard(self, *a, **k):
+        live.discard(id(self))
+        return real_reshard(self, *a, **k)
+
+    monkeypatch.setattr(FSDPModule, "unshard", unshard)
+    monkeypatch.setattr(FSDPModule, "reshard", reshard)
+    model, _ = load_qlora("tiny", dtype="float32", device="cpu", quant_storage=torch.float32)
+    ids = torch.randint(0, 1000, (2, 16))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    weights = len(nf4_params(model))
+    sharded = apply_fsdp2(model, nf4="shard", verify="exact")
+    assert most[0] == 1 and not live
+    assert sharded.bytes_check["equal"] and sharded.bytes_check["weights"] == weights == 14
+    with torch.no_grad():
+        torch.testing.assert_close(sharded.model(input_ids=ids).logits, expected)
+
+
+@pytest.mark.parametrize("route", ["apply_fsdp2", "optimize_sharded"])
+def test_sharding_holds_no_reference_to_the_whole_4bit_weights_of_units_already_sharded(one_rank_group, monkeypatch,
+                                                                                         route):
+    """fully_shard moves a unit's whole weights to the GPU in place and frees them once sharded; a list of
+    the 4-bit weights held across the loop would keep every sharded unit's whole weights alive (on a host
+    build: the whole 4-bit model on each GPU). After each unit is sharded, no earlier unit's weight lives."""
+    import gc
+    import weakref
+
+    import torch.distributed.fsdp as fsdp_api
+
+    from qlora_nb_utils.distributed.fsdp import apply_fsdp2
+    from qlora_nb_utils.distributed.setup import load_qlora
+
+    model, _ = load_qlora("tiny", dtype="float32", device="cpu", quant_storage=torch.float32)
+    refs = {id(layer): [weakref.ref(q) for q in layer.parameters() if type(q).__name__ == "Params4bit"]
+            for layer in model.base_model.model.model.layers}
+    real, done, alive_after = fsdp_api.fully_shard, [], []
+
+    def shard(module, **kwargs):
+        out = real(module, **kwargs)
+        if id(module) in refs:
+            done.append(id(module))
+            gc.collect()
+            alive_after.append(sum(r() is not None for unit in done for r in refs[unit]))
+        return out
+
+    monkeypatch.setattr(fsdp_api, "fully_shard", shard)
+    if route == "apply_fsdp2":
+        apply_fsdp2(model, nf4="shard")
+    else:  # optimize()'s recipe first (its probe forward included), as big_model and fsdp_train run it
+        from qlora_nb_utils.distributed.fast import optimize_sharded
+
+        ids = torch.randint(0, 1000, (2, 16))
+        optimize_sharded(model, batches=[{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}],
+                         world_size=1, shard_one=True, nf4="shard", backend="eager")
+    assert len(alive_after) == len(refs) == 2 and all(refs.values())
+    assert alive_after == [0, 0], alive_after
 
 
 def test_clip_grad_norm_matches_torch_and_clips_in_place():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from qlora_nb_utils.distributed.big_model import LINEARS, build_nf4_model, extrapolate, llama_config
+from qlora_nb_utils.distributed.big_model import LINEARS, build_nf4_model, extrapolate, layers_visit_device, llama_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=4,
@@ -106,13 +106,14 @@ def test_the_big_model_script_runs_sharded_over_two_gloo_ranks(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "qlora_nb_utils.distributed.big_model", "--shape", "llama-tiny", "--layers", "2", "--seq-len", "32",
-           "--steps", "2", "--device", "cpu", "--out", str(out)]
+           "--steps", "2", "--device", "cpu", "--host-build", "--fast-path", "--out", str(out)]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     rec = json.loads(out.read_text())
     assert (rec["layers_run"], rec["layers_total"], rec["world_size"], rec["nf4"]) == (2, 4, 2, "shard")
     assert rec["extrapolated"] and rec["extrapolation"]["layers"] == 4
-    assert rec["tokens_per_s"] > 0 and rec["per_layer_gib_per_gpu"] > 0
+    assert rec["tokens_per_s"] > 0 and rec["per_layer_gib_per_gpu"] > 0 and rec["host_build"] and rec["fast_path"]
+    assert rec["run_peak_mem_gib_per_gpu"] >= rec["peak_mem_gib_per_gpu"]
     for key in ("device", "versions", "command", "date"):
         assert rec[key]
 
@@ -121,3 +122,20 @@ def test_extrapolation_scales_the_per_layer_part_only():
     got = extrapolate({"peak_mem_gib_per_gpu": 10.0, "per_layer_gib_per_gpu": 0.5, "tokens_per_s": 800.0}, 20, 80)
     assert got["peak_mem_gib_per_gpu"] == 10.0 + 0.5 * 60 and got["tokens_per_s"] == 200.0
     assert got["fits_24gb"] is False
+
+
+def test_a_probe_forward_on_a_host_build_visits_each_layer_and_leaves_its_words_where_they_were():
+    """``layers_visit_device``: the forward through it gives the plain forward's logits, each decoder
+    layer's words are swapped in for its forward only (the host tensors are back afterwards, the
+    same storage) and the hooks are gone when it closes."""
+    model = build_nf4_model(llama_config(SMALL), device="cpu", compute_dtype=torch.float32, nf4_device="cpu")
+    words = {n: q.data_ptr() for n, q in model.named_parameters() if type(q).__name__ == "Params4bit"}
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 8))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with layers_visit_device(model, torch.device("cpu")):
+            assert all(len(layer._forward_pre_hooks) == 1 for layer in model.model.layers)
+            got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, expected)
+    assert all(q.data_ptr() == words[n] for n, q in model.named_parameters() if n in words) and len(words) == 7 * 3
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in model.model.layers)

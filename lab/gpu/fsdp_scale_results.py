@@ -45,15 +45,32 @@ def profile_totals(path: Path) -> dict | None:
             "collectives_device_ms": coll}
 
 
+def read_profiles(runs_dir: Path) -> dict:
+    """prof_1 / prof_2 totals per rank under RUNS_DIR/runs, with the rows per GPU they ran at."""
+    profiles = {}
+    for name in ("prof_1", "prof_2"):
+        summary = read_runs(runs_dir).get(name) if (runs_dir / "runs").is_dir() else None
+        rows = ((summary or {}).get("options") or {}).get("micro_batch_size")
+        for rank in (0, 1):
+            got = profile_totals(runs_dir / "runs" / name / f"profile_rank{rank}.txt")
+            if got:
+                profiles[f"{name}_rank{rank}"] = {**got, "steps": 2, "rows_per_gpu": rows,
+                                                  "micro_batches": 4 if name == "prof_1" else 2}
+    return profiles
+
+
 def vocab_head_table(tgz: Path) -> dict:
-    """The VOCAB_HEAD=1 call's pairs (the 2-GPU arm with the LM head split by vocabulary) and its plain 2-GPU run."""
+    """The VOCAB_HEAD=1 call's pairs (the 2-GPU arm with the LM head split by vocabulary), its plain 2-GPU run
+    and, where the call profiled, the profiled pair's totals."""
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(tgz) as tar:
             tar.extractall(tmp, filter="data")
         runs = read_runs(Path(tmp))
+        profiles = read_profiles(Path(tmp))
     rows = runs["scale_2_1"]["options"]["micro_batch_size"]
     plain = runs.get("plain_2_1")
     return pair_fields(runs, "scale", rows) | {
+        "profiles": profiles or None,
         "source": f"{tgz.parent.name}/{tgz.name}",
         "vocab_parallel_head": [runs[f"scale_2_{i}"].get("vocab_parallel_head") for i in (1, 2, 3)
                                 if f"scale_2_{i}" in runs],
@@ -66,6 +83,7 @@ def vocab_head_table(tgz: Path) -> dict:
         "compilations": {n: r["compile"]["compilations"] for n, r in runs.items()},
         "run_commands": {n: r.get("command") for n, r in runs.items()},
         "device": runs["scale_2_1"].get("device"), "versions": runs["scale_2_1"].get("versions"),
+        "date": runs["scale_2_1"].get("date"),
     }
 
 
@@ -91,12 +109,7 @@ def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None
             ref = runs.get("scale_2_1") or {}
             device, versions = ref.get("device", device), ref.get("versions", versions)
             run_commands[str(rows)] = {n: r.get("command") for n, r in runs.items()}
-            for name in ("prof_1", "prof_2"):
-                for rank in (0, 1):
-                    got = profile_totals(Path(tmp) / "runs" / name / f"profile_rank{rank}.txt")
-                    if got:
-                        profiles[f"{name}_rank{rank}"] = {**got, "steps": 2,
-                                                          "micro_batches": 4 if name == "prof_1" else 2}
+            profiles.update(read_profiles(Path(tmp)))
     best = max(table, key=int)
     rec = {
         "model": sharded.get("model"), "seq_len": sharded.get("seq_len"), "world_size": 2,
@@ -104,7 +117,7 @@ def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None
         "headline_rows_per_gpu": int(best),
         "nccl": json.loads((runs_dir / "nccl.json").read_text()) if (runs_dir / "nccl.json").is_file() else None,
         "topology": (runs_dir / "topo.txt").read_text().split("\n\n")[0] if (runs_dir / "topo.txt").is_file() else None,
-        "profile_1_row": profiles,
+        "profiles": profiles,
         "vocab_parallel_head": vocab_head,
         "device": device, "versions": versions, "run_commands": run_commands,
         "command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
@@ -112,11 +125,19 @@ def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None
     Path(dest).write_text(json.dumps(rec, indent=1, default=str) + "\n")
     if "at_1_row" not in sharded:
         sharded["at_1_row"] = {k: sharded.get(k) for k in HEADLINE}
-    sharded.update({k: table[best][k] for k in HEADLINE})
+    # the headline is the configuration that meets the memory target at the headline rows: the split head
+    # where its call measured there and met it (FSDP2's sharded head alone does not), else the plain pairs
+    split = (vocab_head is not None and vocab_head.get("rows_per_gpu") == int(best)
+             and vocab_head.get("memory_target_met"))
+    sharded.update({k: (vocab_head if split else table[best])[k] for k in HEADLINE})
     sharded["scaling_rows_per_gpu"] = int(best)
+    sharded["scaling_configuration"] = ("the LM head split by vocabulary (--vocab-parallel-head)" if split
+                                        else "the LM head sharded by FSDP2")
     if vocab_head:
         sharded["vocab_parallel_head"] = vocab_head
-    sharded["scaling_source"] = f"{Path(dest).name} (by_rows_per_gpu.{best}; the 1-row pairs: at_1_row)"
+    sharded["scaling_source"] = (f"{Path(dest).name} (vocab_parallel_head, {best} rows per GPU; the plain pairs: "
+                                 f"by_rows_per_gpu.{best}; the 1-row pairs: at_1_row)" if split else
+                                 f"{Path(dest).name} (by_rows_per_gpu.{best}; the 1-row pairs: at_1_row)")
     Path(sharded_json).write_text(json.dumps(sharded, indent=1, default=str) + "\n")
     for rows, row in sorted(table.items(), key=lambda kv: int(kv[0])):
         print(rows, {k: row.get(k) for k in ("scaling", "scaling_runs", "per_gpu_ratio", "peak_mem_gib_per_gpu",

@@ -11,6 +11,14 @@ like ``load_qlora``) and drops the bf16 tensor before the next one: at most one 
 bf16 as in any QLoRA model. The weights are random, so losses are meaningless; memory and
 speed are those of the real shape.
 
+Built on the GPU, every rank holds the whole 4-bit model until sharding (about 37 GiB at 70B),
+more than a 24 GB card. ``nf4_device="cpu"`` (``--host-build``) moves each layer's packed words
+to host memory as soon as they are quantized (the quantization still runs on the GPU, one
+linear layer at a time); ``fully_shard`` then moves one decoder layer's words at a time back to
+the GPU, keeps this rank's shard and frees the rest, and the check of the packed bytes after
+sharding gathers one layer at a time (:func:`.fsdp.apply_fsdp2`). With ``--cpu-offload`` the
+shards go back to host memory, so the GPU holds at most a layer, the embedding and the LM head.
+
     torchrun --nproc-per-node 2 -m qlora_nb_utils.distributed.big_model --layers 20 --out big.json
 
 runs a few sharded training steps (NF4 sharded with the float32-word plan of
@@ -21,6 +29,7 @@ peak, tokens/s and, for a layer slice, the extrapolation to all layers (:func:`e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import sys
@@ -76,7 +85,8 @@ def _nf4_linear(in_f: int, out_f: int, device, compute_dtype, storage, gen) -> n
 
 def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.bfloat16,
                     quant_storage: torch.dtype = torch.float32, seed: int = 0,
-                    on_linear: Callable[[str], None] | None = None) -> nn.Module:
+                    on_linear: Callable[[str], None] | None = None,
+                    nf4_device: torch.device | str | None = None) -> nn.Module:
     """A ``LlamaForCausalLM`` of ``config`` with random NF4 linear layers (module docstring).
 
     Args:
@@ -86,6 +96,9 @@ def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype
         quant_storage: the packed words' dtype (float32: the sharding plan of ``packed_words``).
         seed: the same seed gives the same weights on every rank.
         on_linear: called with each quantized layer's name (tests measure memory there).
+        nf4_device: where each layer's packed 4-bit words wait once quantized (default: ``device``);
+            ``"cpu"`` keeps the whole 4-bit model off the GPU until sharding (module docstring).
+            Their quant state stays on ``device``.
 
     Returns:
         The model, frozen (no parameter requires grad), in train mode.
@@ -94,6 +107,7 @@ def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     device = torch.device(device)
+    park = torch.device(nf4_device) if nf4_device is not None else device
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -102,8 +116,10 @@ def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype
             parent_name, attr = name.split(".")
             parent = getattr(layer, parent_name)
             old = getattr(parent, attr)
-            setattr(parent, attr, _nf4_linear(old.in_features, old.out_features, device, compute_dtype,
-                                              quant_storage, gen))
+            lin = _nf4_linear(old.in_features, old.out_features, device, compute_dtype, quant_storage, gen)
+            if park != device:
+                lin.weight.data = lin.weight.data.to(park)
+            setattr(parent, attr, lin)
             if on_linear is not None:
                 on_linear(f"model.layers.{i}.{name}")
     for module in (model.model.embed_tokens, model.lm_head):
@@ -154,6 +170,37 @@ def build_named_qlora(name: str, *, device, dtype: torch.dtype = torch.bfloat16,
         return get_peft_model(base, lora), models.load_tokenizer(name)
 
 
+@contextlib.contextmanager
+def layers_visit_device(model: nn.Module, device: torch.device):
+    """While open, a forward through ``model`` moves each decoder layer's host-held 4-bit words to
+    ``device`` for that layer's forward and drops the copy after it: ``optimize()``'s probe forward
+    (it reads what the LM head does) on a host build, one layer on the GPU at a time."""
+    from ..compile import decoder_layers
+
+    held: dict[int, torch.Tensor] = {}
+
+    def words(layer: nn.Module) -> list[nn.Parameter]:
+        return [q for q in layer.parameters() if type(q).__name__ == "Params4bit" and q.device.type == "cpu"]
+
+    def arrive(layer: nn.Module, _args) -> None:
+        for q in words(layer):
+            held[id(q)] = q.data
+            q.data = q.data.to(device)
+
+    def leave(layer: nn.Module, _args, _out) -> None:
+        for q in layer.parameters():
+            if id(q) in held:
+                q.data = held.pop(id(q))
+
+    hooks = [h for layer in decoder_layers(model)
+             for h in (layer.register_forward_pre_hook(arrive), layer.register_forward_hook(leave))]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def cpu_ram_gib() -> dict:
     """This process's peak resident memory, and the machine's memory in use, in GiB (Linux)."""
     import resource
@@ -195,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1, help="rows per rank")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--host-build", action="store_true",
+                   help="keep the packed 4-bit words in host memory until sharding (module docstring): no GPU "
+                        "ever holds the whole 4-bit model")
     p.add_argument("--compile", action="store_true", help="compile each decoder layer (inductor)")
     p.add_argument("--fast-path", action="store_true",
                    help="compile.optimize()'s recipe on every rank, then FSDP2 (distributed/fast.py)")
@@ -216,9 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan, storage = sharded_nf4_precision(dtype)
     config = llama_config(args.shape, args.layers)
     t0 = time.perf_counter()
-    model = build_nf4_model(config, device=info.device, compute_dtype=dtype, quant_storage=storage)
+    model = build_nf4_model(config, device=info.device, compute_dtype=dtype, quant_storage=storage,
+                            nf4_device="cpu" if args.host_build else None)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
         n.split(".")[-1] for n in LINEARS], task_type="CAUSAL_LM"))
+    if args.host_build:  # PEFT made the adapters beside their base weights, in host memory: to the GPU
+        for q in model.parameters():
+            if q.requires_grad:
+                q.data = q.data.to(info.device)
     build_s = time.perf_counter() - t0
     build_peak = _max_over_ranks(peak_mem_gib(info.device), info.device)
     gen = torch.Generator().manual_seed(info.rank)
@@ -229,12 +284,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         ids = make()
         sample = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}]
-        fast = optimize_sharded(model, batches=sample, world_size=info.world_size, mp_policy=plan, nf4="shard",
-                                frozen="shard", cpu_offload=args.cpu_offload, grad_ckpt=True, shard_one=True)
+        with layers_visit_device(model, info.device) if args.host_build else contextlib.nullcontext():
+            fast = optimize_sharded(model, batches=sample, world_size=info.world_size, mp_policy=plan,
+                                    nf4="shard", frozen="shard", cpu_offload=args.cpu_offload, grad_ckpt=True,
+                                    shard_one=True)
         sharded, model = fast.sharded, fast.root
     else:
         sharded = apply_fsdp2(model, mp_policy=plan, nf4="shard", grad_ckpt=True, cpu_offload=args.cpu_offload,
                               compile_layers=args.compile, fullgraph=False, frozen="shard")
+    shard_peak = _max_over_ranks(peak_mem_gib(info.device), info.device)  # the build's and the sharding's
     breaks_before = _graph_break_total()[0]
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
@@ -263,7 +321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = _max_over_ranks(ram["machine_used"] or 0.0, info.device)
     measured = {"peak_mem_gib_per_gpu": peak, "tokens_per_s": args.batch * args.seq_len * info.world_size / step_s,
                 "median_step_s": step_s, "first_step_s": times[0], "build_s": build_s,
-                "build_peak_mem_gib_per_gpu": build_peak, "cpu_ram_gib": float(rss),
+                "build_peak_mem_gib_per_gpu": build_peak, "shard_peak_mem_gib_per_gpu": shard_peak,
+                "run_peak_mem_gib_per_gpu": max(peak, shard_peak),
+                "run_peak_note": "the most any GPU held from the build to the last step (build and sharding "
+                                 "included; peak_mem_gib_per_gpu: the training steps alone)",
+                "cpu_ram_gib": float(rss),
                 "cpu_ram_note": "sum over ranks of each process's peak resident memory (pinned CPU shards "
                                 "included); machine_used_gib: MemTotal - MemAvailable at the end, max over ranks",
                 "machine_used_gib": machine, "step_s": times,
@@ -273,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = {"shape": args.shape, "layers_run": config.num_hidden_layers, "layers_total": total,
               "world_size": info.world_size, "seq_len": args.seq_len, "batch_per_gpu": args.batch,
               "nf4": sharded.nf4, "quant_storage": str(storage).replace("torch.", ""), "grad_ckpt": True,
-              "cpu_offload": args.cpu_offload, "compile": args.compile or args.fast_path, "steps": args.steps,
+              "cpu_offload": args.cpu_offload, "host_build": args.host_build, "compile": args.compile or args.fast_path, "steps": args.steps,
               **measured, "fast_path": fast is not None,
               "optimize_choices": {k: str(v) for k, v in fast.opt.choices.items()} if fast is not None else None,
               "compile_stats": fast.compile_stats() if fast is not None else None,

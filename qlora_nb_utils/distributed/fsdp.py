@@ -129,63 +129,98 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def packed_checksums(model: nn.Module) -> dict[int, tuple[int, int]]:
-    """``{id(Linear4bit): (byte count, byte sum)}`` of each packed 4-bit weight, one at a time.
+def packed_checksums(model: nn.Module, modules: Iterable[nn.Module] | None = None) -> dict[int, tuple[int, int]]:
+    """``{id(Linear4bit): (byte count, byte sum)}`` of each packed 4-bit weight (of ``modules``, or of
+    every one in ``model``), one at a time.
 
     Taken before sharding and again on the all-gathered weights, it shows whether the round
     trip through FSDP2 kept the packed bytes exactly (see :func:`apply_fsdp2`'s ``verify``).
     """
     sums = {}
-    for m in _linear4bit_modules(model):
+    # words waiting in host memory (big_model's host build) are summed on the GPU, one weight at a time
+    gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    for m in _linear4bit_modules(model) if modules is None else modules:
         w = m.weight.detach()
         w = getattr(w, "_local_tensor", w)
+        if gpu is not None and w.device.type == "cpu":
+            w = w.to(gpu)
         b = w.contiguous().view(torch.uint8)
         sums[id(m)] = (int(b.numel()), int(b.sum(dtype=torch.int64)))
     return sums
+
+
+def _linear4bit_by_unit(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """Each FSDP unit of ``model`` with the 4-bit layers whose weights it shards (those under it and
+    under no deeper unit), in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owned: dict[int, tuple[nn.Module, list[nn.Module]]] = {}
+
+    def walk(module: nn.Module, unit: nn.Module | None) -> None:
+        if isinstance(module, FSDPModule):
+            unit = module
+            owned.setdefault(id(module), (module, []))
+        if unit is not None and type(module).__name__ == "Linear4bit" \
+                and type(module).__module__.startswith("bitsandbytes"):
+            owned[id(unit)][1].append(module)
+        for child in module.children():
+            walk(child, unit)
+
+    walk(model, None)
+    return list(owned.values())
 
 
 def _attach_quant_states(model: nn.Module, expected_sums: dict[int, tuple[int, int]] | None = None,
                          snapshot: dict | None = None) -> dict | None:
     """Give FSDP2's persistent all-gathered 4-bit weights their quant state (module docstring);
     with ``expected_sums`` (checksums) or ``snapshot`` (every byte, :func:`packed_words.snapshot_packed`),
-    also check that the all-gather gave back the packed bytes exactly. Returns the check's record."""
-    from .packed_words import compare_packed
+    also check that the all-gather gave back the packed bytes exactly. Returns the check's record.
 
-    modules = _fsdp_modules(model)
-    expected = {id(m): m.weight.dtype for m in _linear4bit_modules(model)}
-    for fsdp_module in modules:
-        fsdp_module.unshard()
-    try:
-        for m in _linear4bit_modules(model):
-            weight = m.weight
-            if weight.dtype != expected[id(m)]:
-                raise RuntimeError(
-                    f"FSDP2 all-gathered a 4-bit weight as {weight.dtype}, stored as "
-                    f"{expected[id(m)]}: the mixed-precision policy cast the packed bytes. Use "
-                    "quant_storage='auto' (the policy's param_dtype) or nf4='replicate'")
-            if getattr(weight, "quant_state", None) is None:
-                weight.quant_state = m.quant_state
-        record = None
-        if snapshot is not None:
-            record = {"method": "every byte", **compare_packed(model, snapshot)}
-            if not record["equal"]:
-                raise RuntimeError(
-                    f"FSDP2's all-gather changed {record['changed_bytes']} of {record['bytes']} packed 4-bit "
-                    f"bytes in {len(record['changed_weights'])}+ weights (16-bit words before->after: "
-                    f"{record['samples']}); see qlora_nb_utils/distributed/packed_words.py")
-        if expected_sums is not None:
-            now = packed_checksums(model)
-            bad = [n for n, m in model.named_modules() if id(m) in expected_sums and now.get(id(m)) != expected_sums[id(m)]]
-            if bad:
-                raise RuntimeError(
-                    f"FSDP2's all-gather changed the packed 4-bit bytes of {len(bad)} of {len(expected_sums)} "
-                    f"weights (first: {bad[0]}): a floating quant storage does not survive this "
-                    "backend's sharding round trip bit-exactly. Use nf4='replicate' (--nf4 replicate)")
-            record = {"method": "checksums", "equal": True, "weights": len(expected_sums)}
-        return record
-    finally:
-        for fsdp_module in modules:
-            fsdp_module.reshard()
+    One unit is all-gathered at a time, so the check holds no more of the whole weights than a
+    training step does (all of them at once would be the whole 4-bit model on every GPU).
+    """
+    from .packed_words import compare_packed, merge_comparisons
+
+    names = {id(m): n for n, m in model.named_modules()}
+    compared, bad = [], []
+    for unit, linears in _linear4bit_by_unit(model):
+        if not linears:
+            continue
+        expected = {id(m): m.weight.dtype for m in linears}
+        unit.unshard()
+        try:
+            for m in linears:
+                weight = m.weight
+                if weight.dtype != expected[id(m)]:
+                    raise RuntimeError(
+                        f"FSDP2 all-gathered a 4-bit weight as {weight.dtype}, stored as "
+                        f"{expected[id(m)]}: the mixed-precision policy cast the packed bytes. Use "
+                        "quant_storage='auto' (the policy's param_dtype) or nf4='replicate'")
+                if getattr(weight, "quant_state", None) is None:
+                    weight.quant_state = m.quant_state
+            if snapshot is not None:
+                compared.append(compare_packed(model, snapshot, only={names[id(m)] for m in linears}))
+            if expected_sums is not None:
+                now = packed_checksums(model, linears)
+                bad += [names[id(m)] for m in linears if id(m) in expected_sums and now[id(m)] != expected_sums[id(m)]]
+        finally:
+            unit.reshard()
+    record = None
+    if snapshot is not None:
+        record = {"method": "every byte", **merge_comparisons(compared, len(snapshot))}
+        if not record["equal"]:
+            raise RuntimeError(
+                f"FSDP2's all-gather changed {record['changed_bytes']} of {record['bytes']} packed 4-bit "
+                f"bytes in {len(record['changed_weights'])}+ weights (16-bit words before->after: "
+                f"{record['samples']}); see qlora_nb_utils/distributed/packed_words.py")
+    if expected_sums is not None:
+        if bad:
+            raise RuntimeError(
+                f"FSDP2's all-gather changed the packed 4-bit bytes of {len(bad)} of {len(expected_sums)} "
+                f"weights (first: {bad[0]}): a floating quant storage does not survive this "
+                "backend's sharding round trip bit-exactly. Use nf4='replicate' (--nf4 replicate)")
+        record = {"method": "checksums", "equal": True, "weights": len(expected_sums)}
+    return record
 
 
 def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shard",
@@ -276,6 +311,11 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
         snapshot = snapshot_packed(model)
     elif nf4 == "shard" and quantized and verify:
         expected = packed_checksums(model)
+    # hold no reference to the 4-bit weights while sharding: fully_shard moves each unit's whole weights to
+    # the GPU in place and frees them once sharded, unless something still holds them (a host build would
+    # then gather the whole 4-bit model on the GPU, one unit at a time)
+    nf4_count = len(quantized)
+    del quantized
     for layer in layers:
         fully_shard(layer, **kwargs)
     ignored_ids = {id(p) for p in ignored}
@@ -283,13 +323,13 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
         if any(id(p) not in ignored_ids for p in unit.parameters()):
             fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
-    if nf4 == "shard" and quantized:
+    if nf4 == "shard" and nf4_count:
         bytes_check = _attach_quant_states(model, expected, snapshot)
     prepared = None
     if compile_layers:
         prepared = prepare_for_compile(model, grad_ckpt=None, scope="regional", backend=backend,
                                        fullgraph=fullgraph)
-    return Sharded(model=model, layers=layers, nf4=nf4, nf4_count=len(quantized), prepared=prepared,
+    return Sharded(model=model, layers=layers, nf4=nf4, nf4_count=nf4_count, prepared=prepared,
                    bytes_check=bytes_check)
 
 

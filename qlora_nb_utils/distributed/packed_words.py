@@ -142,9 +142,10 @@ def nan_words(t: torch.Tensor) -> int:
     return int((((w & 0x7F80) == 0x7F80) & ((w & 0x007F) != 0)).sum())
 
 
-def compare_packed(model: nn.Module, snapshot: dict[str, torch.Tensor], samples: int = 8) -> dict[str, Any]:
+def compare_packed(model: nn.Module, snapshot: dict[str, torch.Tensor], samples: int = 8,
+                   only: set[str] | None = None) -> dict[str, Any]:
     """Compare the 4-bit weights as the model holds them now (FSDP2's all-gathered parameters,
-    while unsharded) with :func:`snapshot_packed`, byte for byte.
+    while unsharded) with :func:`snapshot_packed`, byte for byte (those named in ``only``, or all).
 
     Returns:
         ``equal`` (bool), ``weights``, ``bytes``, ``changed_bytes``, ``changed_weights`` (names,
@@ -153,7 +154,7 @@ def compare_packed(model: nn.Module, snapshot: dict[str, torch.Tensor], samples:
     """
     changed_bytes, changed, shown, total, nans = 0, [], [], 0, 0
     for n, m in model.named_modules():
-        if n not in snapshot:
+        if n not in snapshot or (only is not None and n not in only):
             continue
         before = snapshot[n]
         now = _local(m.weight).contiguous().view(torch.uint8).reshape(-1).cpu()
@@ -171,6 +172,16 @@ def compare_packed(model: nn.Module, snapshot: dict[str, torch.Tensor], samples:
                 w0, w1 = before.view(torch.int16), now.view(torch.int16)
                 for i in torch.nonzero(w0 != w1).flatten()[: samples - len(shown)].tolist():
                     shown.append(f"{int(w0[i]) & 0xFFFF:04x}->{int(w1[i]) & 0xFFFF:04x}")
-    return {"equal": not changed and total > 0, "weights": len(snapshot), "bytes": total,
-            "changed_bytes": changed_bytes, "changed_weights": changed[:10], "nan_words": nans,
+    return {"equal": not changed and total > 0, "weights": len(snapshot) if only is None else len(only),
+            "bytes": total, "changed_bytes": changed_bytes, "changed_weights": changed[:10], "nan_words": nans,
             "samples": shown}
+
+
+def merge_comparisons(parts: list[dict[str, Any]], weights: int, samples: int = 8) -> dict[str, Any]:
+    """One :func:`compare_packed` record from those of the units compared one at a time."""
+    total = sum(p["bytes"] for p in parts)
+    changed = [n for p in parts for n in p["changed_weights"]]
+    return {"equal": total > 0 and all(p["equal"] for p in parts), "weights": weights, "bytes": total,
+            "changed_bytes": sum(p["changed_bytes"] for p in parts), "changed_weights": changed[:10],
+            "nan_words": sum(p["nan_words"] for p in parts),
+            "samples": [w for p in parts for w in p["samples"]][:samples]}
