@@ -20,7 +20,13 @@ from pathlib import Path
 
 import torch
 
-from qlora_nb_utils.distributed.big_model import LINEARS, build_nf4_model, extrapolate, layers_visit_device, llama_config
+from qlora_nb_utils.distributed.big_model import (
+    LINEARS,
+    build_nf4_model,
+    extrapolate,
+    layers_visit_device,
+    llama_config,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=4,
