@@ -66,8 +66,10 @@ __all__ = ["CpuOffloader", "OffloadStats", "CheckpointPlan", "HostPool", "apply"
 MIN_OFFLOAD_BYTES = 0
 
 
-#: :func:`apply`'s default for ``exact_host_buffers`` (:class:`HostPool`).
-EXACT_HOST_BUFFERS = False
+#: :func:`apply`'s default for ``exact_host_buffers`` (:class:`HostPool`): on, since on a GPU it
+#: trained the same step in about half the host memory of torch's pinned allocator; False gives the
+#: allocator's rounded blocks back.
+EXACT_HOST_BUFFERS = True
 
 
 class HostPool:
