@@ -152,10 +152,11 @@ def try_ours(args, record: dict) -> None:
         knobs["tile_mlp"] = args.tile_mlp
     if args.sdpa_kernel:
         knobs["sdpa_kernel"] = args.sdpa_kernel
-    if args.exact_host_buffers:  # offloaded inputs in exact-size host buffers
-        from qlora_nb_utils.compile import offload
+    from qlora_nb_utils.compile import offload
 
+    if args.exact_host_buffers:  # offloaded inputs in exact-size host buffers (the product's default)
         offload.EXACT_HOST_BUFFERS = True
+    record["exact_host_buffers"] = offload.EXACT_HOST_BUFFERS  # what ran, flag or default
     opt = optimize(model, batches=[row], max_memory_gib=args.cap_gib, **knobs)
     record["choices"] = {k: str(v) for k, v in opt.choices.items()}
     record["optimize"] = opt.description
