@@ -152,6 +152,8 @@ def try_ours(args, record: dict) -> None:
         knobs["tile_mlp"] = args.tile_mlp
     if args.sdpa_kernel:
         knobs["sdpa_kernel"] = args.sdpa_kernel
+    if args.keep_attention:  # the checkpoint eager around each compiled layer: its two runs are two calls
+        knobs.update(keep_attention=True, scope="regional")
     from qlora_nb_utils.compile import offload
 
     if args.exact_host_buffers:  # offloaded inputs in exact-size host buffers (the product's default)
@@ -258,6 +260,7 @@ def run_try(args) -> dict:
     """One attempt in this process; never raises: a failure (OOM included) is ``ok: false`` with its error."""
     record: dict[str, Any] = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
                               "exact_host_buffers": args.exact_host_buffers,
+                              "keep_attention": args.keep_attention,
                               "seq_len": args.seq_len,
                               "cap_gib": args.cap_gib,
                               "model": args.model, "steps": args.steps, "lora_r": args.lora_r, "ok": False,
@@ -445,6 +448,8 @@ def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: 
         cmd += ["--sdpa-kernel", args.sdpa_kernel]
     if args.exact_host_buffers:
         cmd += ["--exact-host-buffers"]
+    if args.keep_attention:
+        cmd += ["--keep-attention"]
     if account:
         cmd += ["--account"]
     # one Inductor cache per driver: later tries reuse what earlier ones compiled (compile time only);
@@ -538,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--exact-host-buffers", action="store_true",
                         help="ours: offloaded layer inputs in host buffers of their exact size (compile.offload.HostPool) "
                              "instead of torch's pinned allocator; merged under its own key")
+    common.add_argument("--keep-attention", action="store_true",
+                        help="ours: optimize(keep_attention=True), each checkpointed layer's recompute takes its "
+                             "kept attention output (compile.patches.kept_attention)")
     common.add_argument("--account", action="store_true", help="ours: record the last step's allocations and "
                         "write what its peak is made of (lab.memory_account); slows that step")
     common.add_argument("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for the tries (e.g. expandable_segments:True): "

@@ -33,7 +33,8 @@ def variant_key(rec: dict) -> str:
     """A bisection file's key in the merged record: its peer (``ours``, ``unsloth``), then what it ran with
     besides: the MLP in pieces (``_tile4096``), an allocator setting (``_expandable_segments`` for
     ``expandable_segments:True``), a build of the product apart from the others (``engine``, e.g.
-    ``_mlp_op`` for the MLP tiled as one operator, kept apart from the runs of earlier builds)."""
+    ``_mlp_op`` for the MLP tiled as one operator, kept apart from the runs of earlier builds), the attention
+    output kept for the recompute (``_kept_attention``)."""
     key = rec["peer"]
     if rec.get("tile_mlp"):
         key += f"_tile{rec['tile_mlp']}"
@@ -43,6 +44,8 @@ def variant_key(rec: dict) -> str:
         key += f"_{rec['engine']}"
     if rec.get("exact_host_buffers"):
         key += "_exact_host"
+    if rec.get("keep_attention"):
+        key += "_kept_attention"
     if rec.get("alloc_conf"):
         key += "_" + re.sub(r"[^a-z0-9]+", "_", rec["alloc_conf"].split(":")[0].lower()).strip("_")
     return key

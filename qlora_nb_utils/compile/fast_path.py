@@ -100,6 +100,24 @@ def _note_unfused_numerics(model: torch.nn.Module, dtype: torch.dtype, autocast:
                                        f"without autocast (HF eager's numerics) take PEFT's own path")
 
 
+def _keep_attention(model: torch.nn.Module, plan: Any, choices: dict, reasons: dict) -> Any:
+    """:mod:`.patches.kept_attention` on the planned model, its outputs in host memory when the layer
+    inputs go there; the choice and its reason recorded."""
+    from .offload import EXACT_HOST_BUFFERS, CpuOffloader
+    from .patches import kept_attention
+
+    if plan.scope != "regional":
+        raise ValueError("keep_attention=True needs scope='regional' (the checkpoint eager around each compiled "
+                         "layer, whose two runs are then two calls)")
+    offloader = CpuOffloader(exact_host_buffers=EXACT_HOST_BUFFERS) if plan.offload else None
+    handle = kept_attention.apply(model, offloader=offloader)
+    where = "host memory, like the layer inputs" if plan.offload else "device memory"
+    choices["keep_attention"] = True
+    reasons["keep_attention"] = (f"{handle.details['layers']} checkpointed layers keep their attention output in "
+                                 f"{where}: the recompute skips the attention kernel")
+    return handle
+
+
 def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any] | None = None, *,
              batches: Iterable[dict] | None = None, **knobs: Any) -> Optimized:
     """Apply the fast recipe to a PEFT QLoRA model, making the choices it can from device and shapes.
@@ -121,6 +139,11 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             of at least 16384 positions without CUDA graphs, where a probe of the model's attention
             shape runs: ``ops.attention.choose_sdpa_kernel``), ``"cudnn"`` or ``"default"`` (SDPA's
             own order: flash first).
+        keep_attention: each checkpointed layer's recompute takes the attention output its forward
+            kept (in host memory when the layer inputs are offloaded) instead of running the
+            attention kernel again (:mod:`.patches.kept_attention`): False (the default; its speed on a
+            GPU is not yet measured) or True (needs checkpointed layers in regional scope on the
+            causal-only SDPA; refused otherwise, with the reason).
         ckpt_layers: with checkpointing, how many first decoder layers checkpoint (None: decided).
         dtype: the compute dtype (None: the model's).
         backend: the Dynamo backend.
@@ -224,6 +247,8 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             from .patches import tiled_mlp
 
             extra.append(tiled_mlp.apply(model, plan.tile_rows))
+        if opts.keep_attention:  # after checkpointing and offload: it wraps their checkpoint functions
+            extra.append(_keep_attention(model, plan, choices, reasons))
     except BaseException:  # refused when asked for: leave the model as it was given, but for the cast
         for handle in [*extra, fast]:
             handle.undo()
