@@ -263,6 +263,7 @@ def offload_supported(model: torch.nn.Module) -> str | None:
         return "no decoder layer checkpoints"
     for layer in layers:
         func = getattr(layer, "_gradient_checkpointing_func", None)
+        func = getattr(func, "inner", func)  # torch's checkpoint under a wrapper of ours
         keywords = getattr(func, "keywords", None) or {}
         if keywords.get("use_reentrant", True) is not False:
             return "the checkpoint is not torch's non-reentrant checkpoint"

@@ -176,17 +176,11 @@ def _kept_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 def supported(model: torch.nn.Module) -> str | None:
     """None when :func:`apply` can keep ``model``'s attention outputs, else why not."""
-    from ..checkpointing import decoder_layers
+    from ..offload import offload_supported
 
-    layers = [m for m in decoder_layers(model) if getattr(m, "gradient_checkpointing", False)]
-    if not layers:
-        return "no decoder layer checkpoints"
-    for layer in layers:
-        func = getattr(layer, "_gradient_checkpointing_func", None)
-        inner = getattr(func, "inner", func)
-        keywords = getattr(inner, "keywords", None) or {}
-        if keywords.get("use_reentrant", True) is not False:
-            return "the checkpoint is not torch's non-reentrant checkpoint"
+    why = offload_supported(model)  # the same need: torch's non-reentrant checkpoint around the layers
+    if why is not None:
+        return why
     configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
     from ...ops.attention import CAUSAL_SDPA, CAUSAL_SDPA_CUDNN
 
