@@ -45,12 +45,12 @@ def profile_totals(path: Path) -> dict | None:
             "collectives_device_ms": coll}
 
 
-def read_profiles(runs_dir: Path) -> dict:
-    """prof_1 / prof_2 totals per rank under RUNS_DIR/runs, with the rows per GPU they ran at."""
+def read_profiles(runs_dir: Path, runs: dict) -> dict:
+    """prof_1 / prof_2 totals per rank under RUNS_DIR/runs, with the rows per GPU they ran at (from
+    ``runs``, :func:`read_runs` of the same folder)."""
     profiles = {}
     for name in ("prof_1", "prof_2"):
-        summary = read_runs(runs_dir).get(name) if (runs_dir / "runs").is_dir() else None
-        rows = ((summary or {}).get("options") or {}).get("micro_batch_size")
+        rows = ((runs.get(name) or {}).get("options") or {}).get("micro_batch_size")
         for rank in (0, 1):
             got = profile_totals(runs_dir / "runs" / name / f"profile_rank{rank}.txt")
             if got:
@@ -66,7 +66,7 @@ def vocab_head_table(tgz: Path) -> dict:
         with tarfile.open(tgz) as tar:
             tar.extractall(tmp, filter="data")
         runs = read_runs(Path(tmp))
-        profiles = read_profiles(Path(tmp))
+        profiles = read_profiles(Path(tmp), runs)
     rows = runs["scale_2_1"]["options"]["micro_batch_size"]
     plain = runs.get("plain_2_1")
     return pair_fields(runs, "scale", rows) | {
@@ -109,7 +109,7 @@ def main(runs_dir: str, sharded_json: str, dest: str, command: str = "") -> None
             ref = runs.get("scale_2_1") or {}
             device, versions = ref.get("device", device), ref.get("versions", versions)
             run_commands[str(rows)] = {n: r.get("command") for n, r in runs.items()}
-            profiles.update(read_profiles(Path(tmp)))
+            profiles.update(read_profiles(Path(tmp), runs))
     best = max(table, key=int)
     rec = {
         "model": sharded.get("model"), "seq_len": sharded.get("seq_len"), "world_size": 2,

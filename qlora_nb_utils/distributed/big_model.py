@@ -176,14 +176,12 @@ def layers_visit_device(model: nn.Module, device: torch.device):
     ``device`` for that layer's forward and drops the copy after it: ``optimize()``'s probe forward
     (it reads what the LM head does) on a host build, one layer on the GPU at a time."""
     from ..compile import decoder_layers
+    from .fsdp import nf4_params
 
     held: dict[int, torch.Tensor] = {}
 
-    def words(layer: nn.Module) -> list[nn.Parameter]:
-        return [q for q in layer.parameters() if type(q).__name__ == "Params4bit" and q.device.type == "cpu"]
-
     def arrive(layer: nn.Module, _args) -> None:
-        for q in words(layer):
+        for q in (q for q in nf4_params(layer) if q.device.type == "cpu"):
             held[id(q)] = q.data
             q.data = q.data.to(device)
 

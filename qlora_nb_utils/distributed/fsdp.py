@@ -94,8 +94,9 @@ def nf4_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _linear4bit_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules()
-            if type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")]
+    from .packed_words import _is_bnb_linear4bit
+
+    return [m for m in model.modules() if _is_bnb_linear4bit(m)]
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -154,14 +155,15 @@ def _linear4bit_by_unit(model: nn.Module) -> list[tuple[nn.Module, list[nn.Modul
     under no deeper unit), in module order."""
     from torch.distributed.fsdp import FSDPModule
 
+    from .packed_words import _is_bnb_linear4bit
+
     owned: dict[int, tuple[nn.Module, list[nn.Module]]] = {}
 
     def walk(module: nn.Module, unit: nn.Module | None) -> None:
         if isinstance(module, FSDPModule):
             unit = module
             owned.setdefault(id(module), (module, []))
-        if unit is not None and type(module).__name__ == "Linear4bit" \
-                and type(module).__module__.startswith("bitsandbytes"):
+        if unit is not None and _is_bnb_linear4bit(module):
             owned[id(unit)][1].append(module)
         for child in module.children():
             walk(child, unit)
