@@ -66,9 +66,9 @@ __all__ = ["CpuOffloader", "OffloadStats", "CheckpointPlan", "HostPool", "apply"
 MIN_OFFLOAD_BYTES = 0
 
 
-#: :func:`apply`'s default for ``exact_host_buffers`` (:class:`HostPool`): on, since on a GPU it
-#: trained the same step in about half the host memory of torch's pinned allocator; False gives the
-#: allocator's rounded blocks back.
+#: :func:`apply`'s default for ``exact_host_buffers`` (:class:`HostPool`): on, since torch's pinned
+#: allocator rounds each input up to a power of two (up to twice the host memory) and the copies
+#: are as fast either way; False gives the allocator's rounded blocks back.
 EXACT_HOST_BUFFERS = True
 
 
