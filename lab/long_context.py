@@ -152,8 +152,10 @@ def try_ours(args, record: dict) -> None:
         knobs["tile_mlp"] = args.tile_mlp
     if args.sdpa_kernel:
         knobs["sdpa_kernel"] = args.sdpa_kernel
-    if args.keep_attention:  # the checkpoint eager around each compiled layer: its two runs are two calls
+    if args.keep_attention == "on":  # the checkpoint eager around each compiled layer: its two runs are two calls
         knobs.update(keep_attention=True, scope="regional")
+    elif args.keep_attention == "off":
+        knobs["keep_attention"] = False
     from qlora_nb_utils.compile import offload
 
     if args.exact_host_buffers:  # offloaded inputs in exact-size host buffers (the product's default)
@@ -161,6 +163,7 @@ def try_ours(args, record: dict) -> None:
     record["exact_host_buffers"] = offload.EXACT_HOST_BUFFERS  # what ran, flag or default
     opt = optimize(model, batches=[row], max_memory_gib=args.cap_gib, **knobs)
     record["choices"] = {k: str(v) for k, v in opt.choices.items()}
+    record["keep_attention_chosen"] = opt.choices.get("keep_attention", False)  # where the outputs were kept
     record["optimize"] = opt.description
     reserved: list[float] = []
     rec_stack = contextlib.ExitStack()
@@ -449,7 +452,7 @@ def subprocess_try(args, seq_len: int, timeout_s: float, work: Path, model_dir: 
     if args.exact_host_buffers:
         cmd += ["--exact-host-buffers"]
     if args.keep_attention:
-        cmd += ["--keep-attention"]
+        cmd += ["--keep-attention", args.keep_attention]
     if account:
         cmd += ["--account"]
     # one Inductor cache per driver: later tries reuse what earlier ones compiled (compile time only);
@@ -493,7 +496,7 @@ def run_bisect(args) -> dict:
         model_dir = args.model_dir or _model_dir(args.model)  # built once (the wrapper builds it first)
     probes = sorted({int(x) for x in args.probe.split(",") if x} | ({args.start} if args.start else set()))
     base = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
-            "exact_host_buffers": args.exact_host_buffers, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
+            "exact_host_buffers": args.exact_host_buffers, "keep_attention": args.keep_attention, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
             "model": args.model,
             "steps": args.steps, "lora_r": args.lora_r, "step_tokens": STEP, "deadline_s": args.deadline_s,
             "probes": probes, **_stamp()}
@@ -543,9 +546,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--exact-host-buffers", action="store_true",
                         help="ours: offloaded layer inputs in host buffers of their exact size (compile.offload.HostPool) "
                              "instead of torch's pinned allocator; merged under its own key")
-    common.add_argument("--keep-attention", action="store_true",
-                        help="ours: optimize(keep_attention=True), each checkpointed layer's recompute takes its "
-                             "kept attention output (compile.patches.kept_attention)")
+    common.add_argument("--keep-attention", choices=("auto", "on", "off"),
+                        help="ours: optimize(keep_attention=...): on (True, in regional scope: each checkpointed "
+                             "layer's recompute takes its kept attention output, compile.patches.kept_attention), "
+                             "off (False), auto (optimize()'s own, the default); on and off merged under their own keys")
     common.add_argument("--account", action="store_true", help="ours: record the last step's allocations and "
                         "write what its peak is made of (lab.memory_account); slows that step")
     common.add_argument("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for the tries (e.g. expandable_segments:True): "

@@ -34,7 +34,7 @@ def variant_key(rec: dict) -> str:
     besides: the MLP in pieces (``_tile4096``), an allocator setting (``_expandable_segments`` for
     ``expandable_segments:True``), a build of the product apart from the others (``engine``, e.g.
     ``_mlp_op`` for the MLP tiled as one operator, kept apart from the runs of earlier builds), the attention
-    output kept for the recompute (``_kept_attention``)."""
+    output kept for the recompute asked for (``_kept_attention``) or refused (``_no_kept_attention``)."""
     key = rec["peer"]
     if rec.get("tile_mlp"):
         key += f"_tile{rec['tile_mlp']}"
@@ -44,8 +44,11 @@ def variant_key(rec: dict) -> str:
         key += f"_{rec['engine']}"
     if rec.get("exact_host_buffers"):
         key += "_exact_host"
-    if rec.get("keep_attention"):
+    kept = rec.get("keep_attention")  # True: a try of the flag's first form
+    if kept in (True, "on"):
         key += "_kept_attention"
+    elif kept == "off":
+        key += "_no_kept_attention"
     if rec.get("alloc_conf"):
         key += "_" + re.sub(r"[^a-z0-9]+", "_", rec["alloc_conf"].split(":")[0].lower()).strip("_")
     return key

@@ -134,22 +134,60 @@ def test_optimize_keeps_attention_when_asked_and_says_so(tiny_dir, kernel_calls)
     plain = optimize(model, **kw)
     try:
         want = loss_and_grads(model, plain.forward, b)
-        assert "keep_attention" not in plain.choices
+        # on a CPU "auto" keeps nothing: it keeps outputs only with cuDNN's kernel, where that was measured
+        assert plain.choices["keep_attention"] is False and "cuDNN" in plain.reasons["keep_attention"]
+        assert kernel_calls == []  # SDPA's own kernel ran, not the kept operator
     finally:
         plain.undo()
     opt = optimize(model, keep_attention=True, offload=True, **kw)
     try:
         got = loss_and_grads(model, opt.forward, b)
-        assert opt.choices["keep_attention"] is True and "host memory" in opt.reasons["keep_attention"]
+        assert opt.choices["keep_attention"] == "host" and "host memory" in opt.reasons["keep_attention"]
         assert len(kernel_calls) == LAYERS  # none in the recompute
     finally:
         opt.undo()
     assert {m.config._attn_implementation for m in model.modules()
             if hasattr(getattr(m, "config", None), "_attn_implementation")} == {"sdpa"}
     _close(got, want)
-    with pytest.raises(ValueError, match="keep_attention=True needs scope='regional'"):
+    with pytest.raises(ValueError, match="keep_attention=True: the scope is whole"):
         optimize(model, batches=[b], backend="aot_eager", grad_ckpt=True, keep_attention=True)
     assert {m.config._attn_implementation for m in model.modules()
             if hasattr(getattr(m, "config", None), "_attn_implementation")} == {"sdpa"}
     with pytest.raises(ValueError, match="keep_attention must be one of"):
-        optimize(model, batches=[b], keep_attention="auto")
+        optimize(model, batches=[b], keep_attention="yes")
+
+
+def _keep(asked="auto", **kw):
+    from qlora_nb_utils.compile.choices import choose_keep_attention
+
+    args = dict(cudnn=True, scope="regional", ckpt_layers=32, unsupported=None, offload=False, planned=19.8,
+                estimate=15.0, kept_gib=4.0, transient_gib=0.3, host_gib=4.0, host_free_gib=100.0)
+    return choose_keep_attention(asked, **(args | kw))
+
+
+@pytest.mark.parametrize("kw, want, why", [
+    ({}, "device", "kept on the device"),  # room for every output under the target
+    ({"estimate": 19.5}, "host", "kept in host memory"),  # room only for the copies in flight
+    ({"offload": True, "estimate": 10.0}, "host", "host memory"),  # beside the offloaded inputs
+    ({"estimate": 19.6}, False, "no room under the target"),
+    ({"estimate": 19.5, "host_gib": 60.0}, False, "the host memory"),  # over half of what the host has free
+    ({"estimate": 19.5, "host_free_gib": None}, "host", "host memory"),  # unknown (not Linux): not refused
+    ({"cudnn": False}, False, "cuDNN"),
+    ({"planned": None, "estimate": None}, False, "no memory target"),
+    ({"scope": "whole"}, False, "scope is whole"),
+    ({"unsupported": "the model soft-caps its attention scores"}, False, "soft-caps"),
+])
+def test_auto_keeps_outputs_where_the_target_and_the_host_have_room(kw, want, why):
+    choice = _keep(**kw)
+    assert choice.value == want and why in choice.why
+
+
+def test_asked_for_it_keeps_or_refuses_with_the_reason():
+    assert _keep(False).value is False
+    assert _keep(True, cudnn=False, planned=None, estimate=None).value == "device"  # asked: no target needed
+    assert _keep(True, offload=True).value == "host"
+    assert _keep("auto", ckpt_layers=0) is None  # nothing is recomputed: nothing to say
+    with pytest.raises(ValueError, match="no layer is checkpointed"):
+        _keep(True, ckpt_layers=0)
+    with pytest.raises(ValueError, match="not the causal-only SDPA"):
+        _keep(True, unsupported="the model's attention is not the causal-only SDPA")

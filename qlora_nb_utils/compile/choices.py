@@ -24,7 +24,7 @@ from ..ops.losses import CHUNK_MIN_ROWS
 __all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "choose_recompute",
            "choose_warm_cache", "choose_head_choice", "choose_packing", "choose_mode", "choose_dynamic",
            "choose_pad_multiple", "choose_autocast", "chunk_rows", "choose_loss", "choose_loss_rows_scope",
-           "choose_eager_numerics", "choose_cast", "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show"]
+           "choose_eager_numerics", "choose_cast", "choose_keep_attention", "KEEP_HOST_SHARE", "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show"]
 
 #: At most this many distinct batch shapes get CUDA graphs (one graph each) under ``mode="auto"``.
 MAX_CUDAGRAPH_SHAPES = 4
@@ -187,3 +187,66 @@ def choose_eager_numerics(asked: bool | str, dtype: torch.dtype, backend: Any) -
 def choose_cast(cast: int) -> Choice:
     """How many non-LoRA weights the recipe cast (kbit prep's fp32 upcast undone)."""
     return Choice(cast, "non-LoRA weights cast to the compute dtype")
+
+
+#: The most of the host memory available that ``keep_attention="auto"`` lets the offloaded inputs and the
+#: kept attention outputs take together. Both are page-locked (never swapped out), and the process
+#: needs host memory of its own (data, compile workers); keeping the outputs is a speed choice, so it
+#: stays well clear of the limit that :func:`.offload.check_host_memory` refuses at.
+KEEP_HOST_SHARE = 0.5
+
+
+def choose_keep_attention(asked: bool | str, *, cudnn: bool, scope: str, ckpt_layers: int, unsupported: str | None,
+                          offload: bool, planned: float | None, estimate: float | None, kept_gib: float,
+                          transient_gib: float, host_gib: float | None, host_free_gib: float | None) -> Choice | None:
+    """Whether each checkpointed layer's recompute takes the attention output its forward kept, and where
+    it is kept: ``"device"``, ``"host"`` (page-locked memory, copied there and back on a side stream) or False.
+
+    ``cudnn``: the plan runs cuDNN's causal kernel (the kept operator's kernel on a GPU); ``unsupported``:
+    why the model's attention cannot be kept (:func:`.patches.kept_attention.supported`), or None;
+    ``planned``: the memory target less its headroom, and ``estimate`` the plan's peak estimate, both
+    GiB (None: no target); ``kept_gib``: the outputs of every checkpointed layer; ``transient_gib``:
+    what keeping them in host memory adds on the device (the copy on its way out, the next one
+    fetched ahead); ``host_gib``: what the offloaded inputs and the kept outputs take in host memory
+    together; ``host_free_gib``: the host memory available (None: unknown).
+
+    ``"auto"`` keeps them only where that was measured faster: cuDNN's kernel (Hopper, long rows),
+    checkpointed layers run eagerly around the compiled ones (regional scope), and a memory target to
+    place them under: on the device when the estimate has room for all of them, else in host memory
+    when the estimate has room for the transient and the host for :data:`KEEP_HOST_SHARE` of what
+    it has free. True keeps them (in host memory beside offloaded inputs, else on the device). None:
+    nothing to say (``"auto"`` and no layer checkpointed).
+
+    Raises:
+        ValueError: True where they cannot be kept (no checkpointed layer, whole scope, an attention
+            that is not the causal-only SDPA).
+    """
+    if asked is False:
+        return Choice(False, "asked for")
+    if asked == "auto" and ckpt_layers == 0:
+        return None
+    cannot = ("no layer is checkpointed (nothing is recomputed)" if ckpt_layers == 0 else
+              "the scope is whole (the checkpoints must run eagerly around each compiled layer: scope='regional')"
+              if scope != "regional" else unsupported)
+    if asked is True:
+        if cannot:
+            raise ValueError(f"keep_attention=True: {cannot}")
+        where = "host" if offload else "device"
+        return Choice(where, "asked for")
+    if cannot:
+        return Choice(False, cannot)
+    if not cudnn:
+        return Choice(False, "measured faster only with cuDNN's kernel (sdpa_kernel=cudnn: Hopper, long rows)")
+    if planned is None or estimate is None:
+        return Choice(False, "no memory target to place the kept outputs under (keep_attention=True keeps them)")
+    if not offload and estimate + kept_gib <= planned:
+        return Choice("device", f"the recompute skips the attention kernel; {kept_gib:.2f} GiB kept on the device: "
+                                f"estimated peak {estimate + kept_gib:.2f} <= {planned:.4g} GiB")
+    if estimate + transient_gib > planned:
+        return Choice(False, f"no room under the target: even kept in host memory the estimate would be "
+                             f"{estimate + transient_gib:.2f} > {planned:.4g} GiB")
+    if host_free_gib is not None and host_gib > KEEP_HOST_SHARE * host_free_gib:
+        return Choice(False, f"the host memory: {host_gib:.1f} GiB with the offloaded inputs, over "
+                             f"{KEEP_HOST_SHARE:.0%} of the {host_free_gib:.1f} GiB available")
+    return Choice("host", f"the recompute skips the attention kernel; {kept_gib:.2f} GiB kept in host memory "
+                          f"({host_gib:.1f} GiB with the offloaded inputs), {transient_gib:.2f} GiB more on the device")

@@ -101,20 +101,15 @@ def _note_unfused_numerics(model: torch.nn.Module, dtype: torch.dtype, autocast:
 
 
 def _keep_attention(model: torch.nn.Module, plan: Any, choices: dict, reasons: dict) -> Any:
-    """:mod:`.patches.kept_attention` on the planned model, its outputs in host memory when the layer
-    inputs go there; the choice and its reason recorded."""
+    """:mod:`.patches.kept_attention` on the planned model, its outputs where the plan keeps them
+    (``"host"``: page-locked memory, like offloaded layer inputs); the layer count added to the reason."""
     from .offload import EXACT_HOST_BUFFERS, CpuOffloader
     from .patches import kept_attention
 
-    if plan.scope != "regional":
-        raise ValueError("keep_attention=True needs scope='regional' (the checkpoint eager around each compiled "
-                         "layer, whose two runs are then two calls)")
-    offloader = CpuOffloader(exact_host_buffers=EXACT_HOST_BUFFERS) if plan.offload else None
-    handle = kept_attention.apply(model, offloader=offloader)
-    where = "host memory, like the layer inputs" if plan.offload else "device memory"
-    choices["keep_attention"] = True
+    host = plan.keep_attention == "host"
+    handle = kept_attention.apply(model, offloader=CpuOffloader(exact_host_buffers=EXACT_HOST_BUFFERS) if host else None)
     reasons["keep_attention"] = (f"{handle.details['layers']} checkpointed layers keep their attention output in "
-                                 f"{where}: the recompute skips the attention kernel")
+                                 f"{'host' if host else 'device'} memory: {reasons['keep_attention']}")
     return handle
 
 
@@ -140,10 +135,13 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             shape runs: ``ops.attention.choose_sdpa_kernel``), ``"cudnn"`` or ``"default"`` (SDPA's
             own order: flash first).
         keep_attention: each checkpointed layer's recompute takes the attention output its forward
-            kept (in host memory when the layer inputs are offloaded) instead of running the
-            attention kernel again (:mod:`.patches.kept_attention`): False (the default; its speed on a
-            GPU is not yet measured) or True (needs checkpointed layers in regional scope on the
-            causal-only SDPA; refused otherwise, with the reason).
+            kept instead of running the attention kernel again (:mod:`.patches.kept_attention`):
+            ``"auto"`` (under ``max_memory_gib``, with cuDNN's kernel and checkpointed layers in
+            regional scope: on the device where the estimate has room for every kept output, else in
+            host memory where it has room for the copies in flight and the host for them:
+            :func:`~qlora_nb_utils.compile.choices.choose_keep_attention`), True (in host memory
+            beside offloaded inputs, else on the device; needs checkpointed layers in regional scope
+            on the causal-only SDPA, refused otherwise, with the reason) or False.
         ckpt_layers: with checkpointing, how many first decoder layers checkpoint (None: decided).
         dtype: the compute dtype (None: the model's).
         backend: the Dynamo backend.
@@ -247,7 +245,7 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             from .patches import tiled_mlp
 
             extra.append(tiled_mlp.apply(model, plan.tile_rows))
-        if opts.keep_attention:  # after checkpointing and offload: it wraps their checkpoint functions
+        if plan.keep_attention:  # after checkpointing and offload: it wraps their checkpoint functions
             extra.append(_keep_attention(model, plan, choices, reasons))
     except BaseException:  # refused when asked for: leave the model as it was given, but for the cast
         for handle in [*extra, fast]:

@@ -38,7 +38,7 @@ _ONE_OF: dict[str, tuple[Any, ...]] = {
     "mode": MODES + (None,), "grad_ckpt": _AUTO, "attention": ("auto", "causal", "mask"), "autocast": _AUTO,
     "dynamic": _AUTO, "eager_numerics": _AUTO, "scope": ("whole", "regional"), "doc_attention": DOC_ATTENTION,
     "loss_rows": _AUTO, "recompute": _AUTO, "lora_addmm": LORA_ADDMM, "nf4_dequant": _AUTO, "warm_cache": _AUTO,
-    "offload": _AUTO, "sdpa_kernel": SDPA_KERNELS, "keep_attention": (False, True),
+    "offload": _AUTO, "sdpa_kernel": SDPA_KERNELS, "keep_attention": _AUTO,
 }
 
 
@@ -88,7 +88,7 @@ class OptimizeOptions:
     ce_min_rows: int | str = "auto"
     tile_mlp: bool | int | str = "auto"
     sdpa_kernel: str = "auto"
-    keep_attention: bool = False
+    keep_attention: bool | str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))

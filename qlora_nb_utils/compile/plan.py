@@ -22,10 +22,11 @@ from . import choices as table
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_terms, peak_from_terms
 from .model_patches import lora_addmm_expected
-from .offload import check_host_memory
+from .offload import _available_host_bytes, check_host_memory, host_bytes
 from .offload import plan as checkpoint_plan
 from .options import OptimizeOptions, RecipeOptions
 from .packed import choose_doc_kernel, packed_batches
+from .patches.kept_attention import attention_unsupported, output_bytes
 from .patches.tiled_mlp import find_mlps
 from .step_inputs import batch_shapes, choose_loss_rows
 
@@ -71,6 +72,9 @@ class Plan:
     offload: bool = False
     over_target: bool = False  # every saving taken and still over the memory target
     tile_rows: int = 0  # each MLP in pieces of this many positions (0: whole)
+    estimate_gib: float | None = None  # the peak estimate of the choices made (None: no memory target)
+    planned_gib: float | None = None  # the memory target less its headroom
+    keep_attention: Any = False  # the attention outputs kept for the recompute: "device", "host" or False
     packed: bool = False
     attention: str = "mask"
     sdpa_cudnn: bool = False  # causal-only SDPA with cuDNN's kernel first
@@ -183,6 +187,7 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
         opts.sdpa_kernel, p.attention, device, _capability(device),
         lambda: cudnn_attention_works(device, *_attention_shape(model), p.dtype),
         longest=max((shape[-1] for shape in shapes or []), default=0), cuda_graphs=p.cuda_graphs))) == "cudnn"
+    p.keep_attention = p.record("keep_attention", _keep_attention(p, model, shapes)) or False
     p.dynamic = p.record("dynamic", table.choose_dynamic(opts.dynamic, shapes))
     p.record("pad_multiple", table.choose_pad_multiple(opts.pad_multiple))
     p.autocast = p.record("autocast", table.choose_autocast(opts.autocast, p.dtype))
@@ -266,12 +271,31 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
         hidden = int(getattr(_config_of(model), "hidden_size", 0) or 0)
         check_host_memory(ck.ckpt_layers, b * s * hidden * (torch.finfo(p.dtype).bits // 8), f"{b} x {s}")
     p.tile_rows, tile_why = _tiles(opts.tile_mlp, model, est, planned, label, ck, n_layers, seq)
-    p.over_target = est is not None and est(ck.ckpt_layers, ck.offload, p.tile_rows) > planned
+    p.estimate_gib, p.planned_gib = (est(ck.ckpt_layers, ck.offload, p.tile_rows) if est is not None else None), planned
+    p.over_target = p.estimate_gib is not None and p.estimate_gib > planned
     p.record("ckpt_layers", table.Choice(f"{ck.ckpt_layers}/{n_layers}", ck.ckpt_why))
     p.record("offload", table.Choice(ck.offload, ck.offload_why))
     if ck.scope_why:
         p.record("scope", table.Choice(ck.scope, ck.scope_why))
     p.record("tile_mlp", table.Choice(p.tile_rows, tile_why))
+
+
+def _keep_attention(p: Plan, model: torch.nn.Module, shapes: Any) -> table.Choice | None:
+    """The kept attention outputs (:func:`.choices.choose_keep_attention`), sized at the largest batch."""
+    opts, gib = p.options, 2**30
+    b, s = max(shapes, key=lambda x: x[0] * x[1]) if shapes else (0, 0)
+    heads, _, dim = _attention_shape(model)
+    act = torch.finfo(p.dtype).bits // 8
+    out, lse = output_bytes(b, s, heads, dim, act)
+    hidden = int(getattr(_config_of(model), "hidden_size", 0) or 0)
+    inputs = host_bytes(p.ckpt_layers, b * s * hidden * act) if p.offload else 0
+    free = _available_host_bytes() if p.device.type == "cuda" else None
+    return table.choose_keep_attention(
+        opts.keep_attention, cudnn=p.sdpa_cudnn, scope=p.scope, ckpt_layers=p.ckpt_layers,
+        unsupported=attention_unsupported(model, causal=p.attention == "causal"), offload=p.offload,
+        planned=p.planned_gib, estimate=p.estimate_gib, kept_gib=p.ckpt_layers * (out + lse) / gib,
+        transient_gib=(2 * out + p.ckpt_layers * lse) / gib,  # the log-sum-exps stay on the device
+        host_gib=(inputs + host_bytes(p.ckpt_layers, out)) / gib, host_free_gib=None if free is None else free / gib)
 
 
 #: Under a memory target that every layer checkpointed and offloaded does not meet, the positions

@@ -271,3 +271,17 @@ def test_a_later_build_is_its_own_variant_and_the_first_primary_each_cap_has_sta
     args = lc.build_parser().parse_args(["try", "--peer", "ours", "--cap-gib", "22", "--out", "x.json", "--seq-len",
                                          "1024", "--exact-host-buffers"])
     assert args.exact_host_buffers is True
+
+
+def test_kept_attention_asked_on_or_off_is_a_variant_and_auto_is_the_product():
+    assert lcm.variant_key({"peer": "ours", "keep_attention": "on"}) == "ours_kept_attention"
+    assert lcm.variant_key({"peer": "ours", "keep_attention": True}) == "ours_kept_attention"
+    assert lcm.variant_key({"peer": "ours", "keep_attention": "off"}) == "ours_no_kept_attention"
+    assert lcm.variant_key({"peer": "ours", "keep_attention": "auto"}) == "ours"
+    assert lcm.variant_key({"peer": "ours", "keep_attention": None}) == "ours"
+    args = lc.build_parser().parse_args(["try", "--peer", "ours", "--cap-gib", "22", "--out", "x.json", "--seq-len",
+                                         "1024", "--keep-attention", "off"])
+    assert args.keep_attention == "off"
+    with pytest.raises(SystemExit):
+        lc.build_parser().parse_args(["try", "--peer", "ours", "--cap-gib", "22", "--out", "x.json", "--seq-len",
+                                      "1024", "--keep-attention", "yes"])

@@ -35,7 +35,7 @@ import torch
 
 from ...reversible import PatchHandle, set_attribute
 
-__all__ = ["apply", "KeptStore", "IMPLEMENTATION", "supported"]
+__all__ = ["apply", "KeptStore", "IMPLEMENTATION", "supported", "attention_unsupported", "output_bytes"]
 
 NAME = "kept_attention"
 OP = "qlora_nb::kept_sdpa"
@@ -174,23 +174,34 @@ def _kept_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return out.transpose(1, 2), None
 
 
-def supported(model: torch.nn.Module) -> str | None:
-    """None when :func:`apply` can keep ``model``'s attention outputs, else why not."""
-    from ..offload import offload_supported
-
-    why = offload_supported(model)  # the same need: torch's non-reentrant checkpoint around the layers
-    if why is not None:
-        return why
+def attention_unsupported(model: torch.nn.Module, causal: bool | None = None) -> str | None:
+    """None when ``model``'s attention can be kept, else why not. ``causal``: whether it runs (or the plan
+    will run it) as the causal-only SDPA; None reads that from the model's configs."""
     configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
     from ...ops.attention import CAUSAL_SDPA, CAUSAL_SDPA_CUDNN
 
-    if not configs or {c._attn_implementation for c in configs} - {CAUSAL_SDPA, CAUSAL_SDPA_CUDNN, IMPLEMENTATION}:
+    if causal is None:
+        causal = bool(configs) and not ({c._attn_implementation for c in configs}
+                                        - {CAUSAL_SDPA, CAUSAL_SDPA_CUDNN, IMPLEMENTATION})
+    if not configs or not causal:
         return "the model's attention is not the causal-only SDPA (packed documents, a sliding window or flex)"
     if any(float(getattr(c, "attention_dropout", 0.0) or 0.0) > 0 for c in configs):
         return "the model has attention dropout"
     if any(getattr(c, "attn_logit_softcapping", None) for c in configs):
         return "the model soft-caps its attention scores"
     return None
+
+
+def supported(model: torch.nn.Module) -> str | None:
+    """None when :func:`apply` can keep ``model``'s attention outputs now, else why not."""
+    from ..offload import offload_supported
+
+    return offload_supported(model) or attention_unsupported(model)
+
+
+def output_bytes(batch: int, positions: int, heads: int, head_dim: int, act_bytes: int) -> tuple[int, int]:
+    """What one layer keeps: (its attention output's bytes, its log-sum-exp's bytes, fp32)."""
+    return batch * positions * heads * head_dim * act_bytes, batch * heads * positions * 4
 
 
 def _kept(checkpoint: Callable[..., Any], store: KeptStore) -> Callable[..., Any]:
