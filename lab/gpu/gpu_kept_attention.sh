@@ -14,6 +14,7 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET=${BUDGET:-570}
 LENGTHS=${LENGTHS:-"16384 32768"}
+STEPS=${STEPS:-5}  # the first compiles: tokens/s is the median of the other steps
 source "$(dirname "$0")/gpu_env.sh"
 models_outside_tree
 unsloth_site
@@ -34,7 +35,7 @@ one() {  # one NAME LIMIT PEER SEQ ARGS...
   local path=$PYTHONPATH
   if [ "$peer" = unsloth ]; then path=${QLORA_NB_UNSLOTH_SITE:-}:$PYTHONPATH; set -- --model-dir "$UNSLOTH_DIR" "$@"; fi
   PYTHONPATH=$path timeout --signal=TERM --kill-after=10 "$limit" python3 -m lab.long_context try --peer "$peer" --seq-len "$seq" \
-    --cap-gib 22 --alloc-conf expandable_segments:True "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    --cap-gib 22 --steps "$STEPS" --alloc-conf expandable_segments:True "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "[kept_attention] $name exit $?"; grep "^\[long_context try\]" "$OUT/$name.log" | tail -1
 }
 for n in $LENGTHS; do
