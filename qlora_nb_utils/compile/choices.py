@@ -206,8 +206,8 @@ def choose_keep_attention(asked: bool | str, *, cudnn: bool, scope: str, ckpt_la
     why the model's attention cannot be kept (:func:`.patches.kept_attention.supported`), or None;
     ``planned``: the memory target less its headroom, and ``estimate`` the plan's peak estimate, both
     GiB (None: no target); ``kept_gib``: the outputs of every checkpointed layer; ``transient_gib``:
-    what keeping them in host memory adds on the device (the copy on its way out, the next one
-    fetched ahead); ``host_gib``: what the offloaded inputs and the kept outputs take in host memory
+    what keeping them in host memory adds on the device (an output on its way out or fetched ahead,
+    and the log-sum-exps); ``host_gib``: what the offloaded inputs and the kept outputs take in host memory
     together; ``host_free_gib``: the host memory available (None: unknown).
 
     ``"auto"`` keeps them only where that was measured faster: cuDNN's kernel (Hopper, long rows),

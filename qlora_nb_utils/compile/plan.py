@@ -294,7 +294,10 @@ def _keep_attention(p: Plan, model: torch.nn.Module, shapes: Any) -> table.Choic
         opts.keep_attention, cudnn=p.sdpa_cudnn, scope=p.scope, ckpt_layers=p.ckpt_layers,
         unsupported=attention_unsupported(model, causal=p.attention == "causal"), offload=p.offload,
         planned=p.planned_gib, estimate=p.estimate_gib, kept_gib=p.ckpt_layers * (out + lse) / gib,
-        transient_gib=(2 * out + p.ckpt_layers * lse) / gib,  # the log-sum-exps stay on the device
+        # in host memory: one output at a time on the device besides the one its layer's recompute needs
+        # anyway (the copy on its way out in the forward, the next one fetched ahead in the backward),
+        # and every log-sum-exp (they stay on the device)
+        transient_gib=(out + p.ckpt_layers * lse) / gib,
         host_gib=(inputs + host_bytes(p.ckpt_layers, out)) / gib, host_free_gib=None if free is None else free / gib)
 
 
