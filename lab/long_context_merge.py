@@ -66,6 +66,7 @@ def _expand(rec: dict, source: str) -> list[dict]:
                         "alloc_conf": b.get(f"{key}_alloc_conf"), "tile_mlp": b.get(f"{key}_tile_mlp"),
                         "sdpa_kernel": b.get(f"{key}_sdpa_kernel"), "engine": b.get(f"{key}_engine"),
                         "exact_host_buffers": b.get(f"{key}_exact_host_buffers"),
+                        "keep_attention": b.get(f"{key}_keep_attention"),
                         "stopped": b.get(f"{key}_stopped"), "prediction": b.get(f"{key}_prediction"),
                         "max_seq_len": b.get(f"{key}_max_seq_len"), "edge_found": b.get(f"{key}_edge_found"),
                         "bracket": b.get(f"{key}_bracket"),
@@ -117,7 +118,8 @@ def merge(files: list[Path], primary: dict[str, str] | None = None) -> dict:
         entry: dict[str, Any] = {"label": f"{card or '?'} card, cap {cap:g} GiB", "card": card, "cap_gib": cap}
         for peer in [*PEERS, *sorted(k for k in by if k not in PEERS)]:
             r = by.get(peer, {})
-            for knob in ("alloc_conf", "tile_mlp", "sdpa_kernel", "engine", "exact_host_buffers", "variant"):
+            for knob in ("alloc_conf", "tile_mlp", "sdpa_kernel", "engine", "exact_host_buffers", "keep_attention",
+                         "variant"):
                 if r.get(knob):
                     entry[f"{peer}_{knob}"] = r[knob]
             runs = sorted(r.get("runs", []), key=lambda x: x["seq_len"])
