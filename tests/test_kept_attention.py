@@ -160,7 +160,7 @@ def test_optimize_keeps_attention_when_asked_and_says_so(tiny_dir, kernel_calls)
 def _keep(asked="auto", **kw):
     from qlora_nb_utils.compile.choices import choose_keep_attention
 
-    args = dict(cudnn=True, scope="regional", ckpt_layers=32, unsupported=None, offload=False, planned=19.8,
+    args = dict(cudnn=True, scope="regional", ckpt_layers=32, unsupported=None, offload=False, tiled=False, planned=19.8,
                 estimate=15.0, kept_gib=4.0, transient_gib=0.3, host_gib=4.0, host_free_gib=100.0)
     return choose_keep_attention(asked, **(args | kw))
 
@@ -173,6 +173,9 @@ def _keep(asked="auto", **kw):
     ({"estimate": 19.5, "host_gib": 60.0}, False, "the host memory"),  # over half of what the host has free
     ({"estimate": 19.5, "host_free_gib": None}, "host", "host memory"),  # unknown (not Linux): not refused
     ({"cudnn": False}, False, "cuDNN"),
+    # the MLP in pieces: the target's edge, where the estimate counted less than the step held (the 24 GB
+    # runs near 127k tokens: estimate 17.96 GiB, peak 20.33) and the outputs in flight would not fit
+    ({"offload": True, "tiled": True, "estimate": 17.96, "transient_gib": 1.45}, False, "pieces"),
     ({"planned": None, "estimate": None}, False, "no memory target"),
     ({"scope": "whole"}, False, "scope is whole"),
     ({"unsupported": "the model soft-caps its attention scores"}, False, "soft-caps"),

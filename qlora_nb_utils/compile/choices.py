@@ -197,13 +197,14 @@ KEEP_HOST_SHARE = 0.5
 
 
 def choose_keep_attention(asked: bool | str, *, cudnn: bool, scope: str, ckpt_layers: int, unsupported: str | None,
-                          offload: bool, planned: float | None, estimate: float | None, kept_gib: float,
+                          offload: bool, tiled: bool, planned: float | None, estimate: float | None, kept_gib: float,
                           transient_gib: float, host_gib: float | None, host_free_gib: float | None) -> Choice | None:
     """Whether each checkpointed layer's recompute takes the attention output its forward kept, and where
     it is kept: ``"device"``, ``"host"`` (page-locked memory, copied there and back on a side stream) or False.
 
     ``cudnn``: the plan runs cuDNN's causal kernel (the kept operator's kernel on a GPU); ``unsupported``:
     why the model's attention cannot be kept (:func:`.patches.kept_attention.supported`), or None;
+    ``tiled``: the plan runs the MLPs in pieces (every other saving fell short of the target);
     ``planned``: the memory target less its headroom, and ``estimate`` the plan's peak estimate, both
     GiB (None: no target); ``kept_gib``: the outputs of every checkpointed layer; ``transient_gib``:
     what keeping them in host memory adds on the device (an output on its way out or fetched ahead,
@@ -212,7 +213,9 @@ def choose_keep_attention(asked: bool | str, *, cudnn: bool, scope: str, ckpt_la
 
     ``"auto"`` keeps them only where that was measured faster: cuDNN's kernel (Hopper, long rows),
     checkpointed layers run eagerly around the compiled ones (regional scope), and a memory target to
-    place them under: on the device when the estimate has room for all of them, else in host memory
+    place them under, short of the MLP pieces (where the step is at the target's edge and the estimate,
+    fitted on shorter sequences, counts less than the step holds): on the device when the estimate has
+    room for all of them, else in host memory
     when the estimate has room for the transient and the host for :data:`KEEP_HOST_SHARE` of what
     it has free. True keeps them (in host memory beside offloaded inputs, else on the device). None:
     nothing to say (``"auto"`` and no layer checkpointed).
@@ -239,6 +242,9 @@ def choose_keep_attention(asked: bool | str, *, cudnn: bool, scope: str, ckpt_la
         return Choice(False, "measured faster only with cuDNN's kernel (sdpa_kernel=cudnn: Hopper, long rows)")
     if planned is None or estimate is None:
         return Choice(False, "no memory target to place the kept outputs under (keep_attention=True keeps them)")
+    if tiled:
+        return Choice(False, "the MLP runs in pieces: the step is at the target's edge, where the estimate is "
+                             "least sure, and the kept outputs would add to it")
     if not offload and estimate + kept_gib <= planned:
         return Choice("device", f"the recompute skips the attention kernel; {kept_gib:.2f} GiB kept on the device: "
                                 f"estimated peak {estimate + kept_gib:.2f} <= {planned:.4g} GiB")

@@ -137,7 +137,7 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
         keep_attention: each checkpointed layer's recompute takes the attention output its forward
             kept instead of running the attention kernel again (:mod:`.patches.kept_attention`):
             ``"auto"`` (under ``max_memory_gib``, with cuDNN's kernel and checkpointed layers in
-            regional scope: on the device where the estimate has room for every kept output, else in
+            regional scope, short of the MLP pieces: on the device where the estimate has room for every kept output, else in
             host memory where it has room for the copies in flight and the host for them:
             :func:`~qlora_nb_utils.compile.choices.choose_keep_attention`), True (in host memory
             beside offloaded inputs, else on the device; needs checkpointed layers in regional scope

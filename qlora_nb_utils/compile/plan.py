@@ -293,6 +293,7 @@ def _keep_attention(p: Plan, model: torch.nn.Module, shapes: Any) -> table.Choic
     return table.choose_keep_attention(
         opts.keep_attention, cudnn=p.sdpa_cudnn, scope=p.scope, ckpt_layers=p.ckpt_layers,
         unsupported=attention_unsupported(model, causal=p.attention == "causal"), offload=p.offload,
+        tiled=bool(p.tile_rows),
         planned=p.planned_gib, estimate=p.estimate_gib, kept_gib=p.ckpt_layers * (out + lse) / gib,
         # in host memory: one output at a time on the device besides the one its layer's recompute needs
         # anyway (the copy on its way out in the forward, the next one fetched ahead in the backward),
