@@ -194,3 +194,34 @@ def test_asked_for_it_keeps_or_refuses_with_the_reason():
         _keep(True, ckpt_layers=0)
     with pytest.raises(ValueError, match="not the causal-only SDPA"):
         _keep(True, unsupported="the model's attention is not the causal-only SDPA")
+
+
+def test_the_plan_sizes_the_kept_outputs_from_the_batch_and_the_attention(tiny_dir, monkeypatch):
+    """What the plan hands the choice: one output (rows x positions x query heads x head dim, in the
+    compute dtype) and one fp32 log-sum-exp per checkpointed layer; the host's free memory only on a GPU."""
+    from qlora_nb_utils.compile import plan as plan_mod
+    from qlora_nb_utils.compile.options import OptimizeOptions
+
+    seen = {}
+    real = plan_mod.table.choose_keep_attention
+
+    def spy(asked, **kw):
+        seen.update(kw, asked=asked)
+        return real(asked, **kw)
+
+    monkeypatch.setattr(plan_mod.table, "choose_keep_attention", spy)
+    model = build(tiny_dir, quant=True, how="kbit")
+    b = batch(seq=64)
+    opts = OptimizeOptions(backend="aot_eager", scope="regional", grad_ckpt=True, offload=True, max_memory_gib=50.0)
+    p = plan_mod.decide(model, opts, [b], recompute_available=False, cache_available=False)
+    cfg = model.config
+    rows, positions = b["input_ids"].shape
+    out = rows * positions * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # fp32
+    lse = rows * cfg.num_attention_heads * positions * 4
+    assert seen["asked"] == "auto" and seen["ckpt_layers"] == p.ckpt_layers == LAYERS and seen["offload"] is True
+    assert seen["kept_gib"] * 2**30 == pytest.approx(LAYERS * (out + lse))
+    assert seen["transient_gib"] * 2**30 == pytest.approx(out + LAYERS * lse)
+    assert seen["host_gib"] * 2**30 == pytest.approx(LAYERS * (rows * positions * cfg.hidden_size * 4 + out))
+    assert seen["host_free_gib"] is None  # a CPU model: nothing page-locked to weigh
+    assert seen["planned"] == pytest.approx(50.0 * (1 - plan_mod.MEMORY_HEADROOM)) and seen["estimate"] > 0
+    assert p.keep_attention is False and "cuDNN" in p.reasons["keep_attention"]

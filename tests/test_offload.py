@@ -266,16 +266,16 @@ def test_an_offload_that_cannot_fit_in_host_memory_is_refused_before_any_step(mo
     assert offload.host_bytes(32, 3 * 2**29, exact=False) == 32 * 2**31  # 1.5 GiB takes 2 GiB
     assert offload.host_bytes(32, 3 * 2**29, exact=True) == 32 * 3 * 2**29
     assert offload.host_bytes(4, 2**20, exact=False) == 4 * 2**20  # a power of two already
-    monkeypatch.setattr(offload, "_available_host_bytes", lambda: 40 * 2**30)
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: 40 * 2**30)
     offload.check_host_memory(32, 2**30)  # 32 GiB of 40: fine
     with pytest.raises(ValueError, match=r"needs about 64.0 GiB of CPU memory, and 40.0 GiB is available"):
         offload.check_host_memory(32, 2**30 + 1, "1 x 131073")
     monkeypatch.setattr(offload, "EXACT_HOST_BUFFERS", True)
     offload.check_host_memory(32, 2**30 + 1)  # exact buffers: 32 GiB and 32 bytes
-    monkeypatch.setattr(offload, "_available_host_bytes", lambda: None)  # not Linux: nothing to check against
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: None)  # not Linux: nothing to check against
     offload.check_host_memory(10**6, 2**40)
 
 
 def test_the_host_memory_available_is_read_on_linux():
-    have = offload._available_host_bytes()
+    have = offload.available_host_bytes()
     assert have is not None and 2**26 < have < 2**50  # this machine: between 64 MiB and 1 PiB

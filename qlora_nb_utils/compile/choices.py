@@ -24,7 +24,8 @@ from ..ops.losses import CHUNK_MIN_ROWS
 __all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "choose_recompute",
            "choose_warm_cache", "choose_head_choice", "choose_packing", "choose_mode", "choose_dynamic",
            "choose_pad_multiple", "choose_autocast", "chunk_rows", "choose_loss", "choose_loss_rows_scope",
-           "choose_eager_numerics", "choose_cast", "choose_keep_attention", "KEEP_HOST_SHARE", "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show"]
+           "choose_eager_numerics", "choose_cast", "choose_keep_attention", "KEEP_HOST_SHARE",
+           "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show"]
 
 #: At most this many distinct batch shapes get CUDA graphs (one graph each) under ``mode="auto"``.
 MAX_CUDAGRAPH_SHAPES = 4
@@ -208,16 +209,15 @@ def choose_keep_attention(asked: bool | str, *, cudnn: bool, scope: str, ckpt_la
     ``planned``: the memory target less its headroom, and ``estimate`` the plan's peak estimate, both
     GiB (None: no target); ``kept_gib``: the outputs of every checkpointed layer; ``transient_gib``:
     what keeping them in host memory adds on the device (an output on its way out or fetched ahead,
-    and the log-sum-exps); ``host_gib``: what the offloaded inputs and the kept outputs take in host memory
-    together; ``host_free_gib``: the host memory available (None: unknown).
+    and the log-sum-exps); ``host_gib``: what the offloaded inputs and the kept outputs take in host
+    memory together; ``host_free_gib``: the host memory available (None: unknown).
 
     ``"auto"`` keeps them only where that was measured faster: cuDNN's kernel (Hopper, long rows),
     checkpointed layers run eagerly around the compiled ones (regional scope), and a memory target to
     place them under, short of the MLP pieces (where the step is at the target's edge and the estimate,
     fitted on shorter sequences, counts less than the step holds): on the device when the estimate has
-    room for all of them, else in host memory
-    when the estimate has room for the transient and the host for :data:`KEEP_HOST_SHARE` of what
-    it has free. True keeps them (in host memory beside offloaded inputs, else on the device). None:
+    room for all of them, else in host memory when the estimate has room for the transient and the
+    host for :data:`KEEP_HOST_SHARE` of what it has free. True keeps them (in host memory beside offloaded inputs, else on the device). None:
     nothing to say (``"auto"`` and no layer checkpointed).
 
     Raises:

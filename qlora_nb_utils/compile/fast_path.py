@@ -107,7 +107,8 @@ def _keep_attention(model: torch.nn.Module, plan: Any, choices: dict, reasons: d
     from .patches import kept_attention
 
     host = plan.keep_attention == "host"
-    handle = kept_attention.apply(model, offloader=CpuOffloader(exact_host_buffers=EXACT_HOST_BUFFERS) if host else None)
+    offloader = CpuOffloader(exact_host_buffers=EXACT_HOST_BUFFERS) if host else None
+    handle = kept_attention.apply(model, offloader=offloader)
     reasons["keep_attention"] = (f"{handle.details['layers']} checkpointed layers keep their attention output in "
                                  f"{'host' if host else 'device'} memory: {reasons['keep_attention']}")
     return handle
@@ -137,8 +138,9 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
         keep_attention: each checkpointed layer's recompute takes the attention output its forward
             kept instead of running the attention kernel again (:mod:`.patches.kept_attention`):
             ``"auto"`` (under ``max_memory_gib``, with cuDNN's kernel and checkpointed layers in
-            regional scope, short of the MLP pieces: on the device where the estimate has room for every kept output, else in
-            host memory where it has room for the copies in flight and the host for them:
+            regional scope, short of the MLP pieces: on the device where the estimate has room for
+            every kept output, else in host memory where it has room for the copies in flight and
+            the host for them:
             :func:`~qlora_nb_utils.compile.choices.choose_keep_attention`), True (in host memory
             beside offloaded inputs, else on the device; needs checkpointed layers in regional scope
             on the causal-only SDPA, refused otherwise, with the reason) or False.

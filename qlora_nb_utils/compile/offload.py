@@ -313,7 +313,7 @@ def host_bytes(layers: int, input_bytes: int, exact: bool | None = None) -> int:
     return layers * each
 
 
-def _available_host_bytes() -> int | None:
+def available_host_bytes() -> int | None:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none: not Linux)."""
     try:
         with open("/proc/meminfo") as f:
@@ -335,7 +335,7 @@ def check_host_memory(layers: int, input_bytes: int, shape: str = "") -> None:
     Raises:
         ValueError: the inputs need more than the memory available (the message says how much).
     """
-    need, have = host_bytes(layers, input_bytes), _available_host_bytes()
+    need, have = host_bytes(layers, input_bytes), available_host_bytes()
     if have is not None and need > have:
         gib = 2**30
         raise ValueError(

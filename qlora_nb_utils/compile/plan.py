@@ -19,10 +19,11 @@ import torch
 from ..ops.attention import choose_attention, choose_sdpa_kernel, cudnn_attention_works
 from ..ops.lm_head import choose_head
 from . import choices as table
+from . import offload as host
 from .checkpointing import decoder_layers
 from .memory_estimate import _config_of, estimate_terms, peak_from_terms
 from .model_patches import lora_addmm_expected
-from .offload import _available_host_bytes, check_host_memory, host_bytes
+from .offload import check_host_memory, host_bytes
 from .offload import plan as checkpoint_plan
 from .options import OptimizeOptions, RecipeOptions
 from .packed import choose_doc_kernel, packed_batches
@@ -289,7 +290,7 @@ def _keep_attention(p: Plan, model: torch.nn.Module, shapes: Any) -> table.Choic
     out, lse = output_bytes(b, s, heads, dim, act)
     hidden = int(getattr(_config_of(model), "hidden_size", 0) or 0)
     inputs = host_bytes(p.ckpt_layers, b * s * hidden * act) if p.offload else 0
-    free = _available_host_bytes() if p.device.type == "cuda" else None
+    free = host.available_host_bytes() if p.device.type == "cuda" else None
     return table.choose_keep_attention(
         opts.keep_attention, cudnn=p.sdpa_cudnn, scope=p.scope, ckpt_layers=p.ckpt_layers,
         unsupported=attention_unsupported(model, causal=p.attention == "causal"), offload=p.offload,
