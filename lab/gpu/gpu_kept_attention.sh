@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Writes: $OUT/check.json (lab/gpu/kept_attention_check.py), $OUT/<peer>_<L>.json, $OUT/logs.tgz (their logs), one `lab.long_context try` each (Llama-3.1-8B shape, LoRA r=32, one
 #   document, cap 22 GiB as the 24 GB budget, expandable segments), each in its own process.
-# Rerun: OUT=$OUT BUDGET=570 bash lab/gpu/gpu_kept_attention.sh (nvidia-h100-x1 or nvidia-h200; carry .whl
+# Rerun: OUT=$OUT BUDGET=570 bash lab/gpu/gpu_kept_attention.sh [LENGTHS=... CAP=GiB RUNS='ours unsloth'] (nvidia-h100-x1 or nvidia-h200; carry .whl
 #   .gpucache .unsloth; build .unsloth/usite.tar.gz first: lab/gpu/unsloth_bundle.sh).
 # The product as it chooses (optimize(max_memory_gib=22): keep_attention="auto" keeps each checkpointed layer's
 # attention output for its recompute where it has room, compile.patches.kept_attention), the same with
@@ -15,6 +15,8 @@ T0=$(date +%s)
 BUDGET=${BUDGET:-570}
 LENGTHS=${LENGTHS:-"16384 32768"}
 STEPS=${STEPS:-5}  # the first compiles: tokens/s is the median of the other steps
+CAP=${CAP:-22}  # GiB, for every run: 22 is the 24 GB budget; Unsloth's own peak compares at equal memory
+RUNS=${RUNS:-"ours ours_off unsloth"}
 source "$(dirname "$0")/gpu_env.sh"
 models_outside_tree
 unsloth_site
@@ -35,13 +37,17 @@ one() {  # one NAME LIMIT PEER SEQ ARGS...
   local path=$PYTHONPATH
   if [ "$peer" = unsloth ]; then path=${QLORA_NB_UNSLOTH_SITE:-}:$PYTHONPATH; set -- --model-dir "$UNSLOTH_DIR" "$@"; fi
   PYTHONPATH=$path timeout --signal=TERM --kill-after=10 "$limit" python3 -m lab.long_context try --peer "$peer" --seq-len "$seq" \
-    --cap-gib 22 --steps "$STEPS" --alloc-conf expandable_segments:True "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    --cap-gib "$CAP" --steps "$STEPS" --alloc-conf expandable_segments:True "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "[kept_attention] $name exit $?"; grep "^\[long_context try\]" "$OUT/$name.log" | tail -1
 }
 for n in $LENGTHS; do
-  one "ours_$n" 150 ours "$n" ${KEPT:+--keep-attention "$KEPT"}
-  one "ours_off_$n" 150 ours "$n" --keep-attention off
-  one "unsloth_$n" 150 unsloth "$n"
+  for run in $RUNS; do
+    case $run in
+      ours) one "ours_$n" 150 ours "$n" ${KEPT:+--keep-attention "$KEPT"} ;;
+      ours_off) one "ours_off_$n" 150 ours "$n" --keep-attention off ;;
+      unsloth) one "unsloth_$n" 150 unsloth "$n" ;;
+    esac
+  done
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log  # the call returns 8 files at most
 echo "[kept_attention] finished in $(( $(date +%s) - T0 )) s"
