@@ -42,7 +42,7 @@ def read_call(folder: Path) -> dict:
                 "device" if "attention output in device" in rec.get("optimize", "") else False)
         lengths.setdefault(int(m.group(2)), {})[m.group(1)] = row
         if rec.get("peer") == "ours" and not stamp:
-            stamp = {k: rec.get(k) for k in ("device", "versions", "date", "command")}
+            stamp = {k: rec.get(k) for k in ("device", "versions", "date", "command", "cap_gib")}
     check = folder / "check.json"
     return {"lengths": lengths, "stamp": stamp,
             "operator_check": json.loads(check.read_text()) if check.is_file() else None}
@@ -89,7 +89,7 @@ def main(runs_dir: str, out: str, headline: str) -> int:
     record = {
         "kind": "kept_attention",
         "what": ("Llama-3.1-8B shape QLoRA (LoRA r=32 on every linear layer), one document of each length, "
-                 "memory capped at 22 GiB (the 24 GB budget), expandable segments, 5 steps (tokens/s: the median "
+                 "memory capped at each call's cap_gib (22: the 24 GB budget), expandable segments, 5 steps (tokens/s: the median "
                  "of the 4 after the compiling one); ours = optimize(max_memory_gib=22) as it chooses "
                  "(keep_attention='auto'), ours_off = the same with keep_attention=False, unsloth = its "
                  "offloaded checkpointing; each run its own process, one call per entry of calls"),
