@@ -1,0 +1,49 @@
+"""lab.estimate_check: the plan's printed estimate read from a description, forced choices left out, the fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from lab import estimate_check as ec
+
+TILED = ("optimize: device=cuda (where the model is); ckpt_layers=32/32 (estimated peak above 19.8 GiB (the target "
+         "22.0 GiB less 10% headroom) even with every layer checkpointed and offloaded); offload=True (the inputs of 32 "
+         "checkpointed layers in CPU memory, copied on a side stream; checkpointing every layer is estimated at 30.1 GiB "
+         "> 19.8 GiB); tile_mlp=4096 (every layer checkpointed and offloaded is estimated at 33.91 GiB > 19.8 GiB (the "
+         "target 22.0 GiB less 10% headroom); each MLP in pieces of 4096 positions: 18.88 GiB); sdpa_kernel=cudnn (x)")
+PLAIN = ("optimize: device=cuda (where the model is); ckpt_layers=29/32 (estimated peak 19.51 GiB <= 19.8 GiB (the "
+         "target 22.0 GiB less 10% headroom) at 1 x 16384); offload=False (not needed); tile_mlp=0 (not needed); "
+         "keep_attention=False (the MLP runs in pieces)")
+
+
+def _run(desc, seq_len=1000, peak=20.0, ok=True):
+    return {"optimize": desc, "seq_len": seq_len, "peak_mem_gib": peak, "reserved_gib": peak and peak + 1, "ok": ok,
+            "cap_gib": 22.0}
+
+
+def test_the_estimate_is_the_one_of_the_choices_made():
+    assert ec.estimate_of(TILED) == 18.88  # the MLP pieces' figure, not the untiled 33.91
+    assert ec.estimate_of(PLAIN) == 19.51
+    assert ec.estimate_of("optimize: device=cpu (where the model is)") is None
+    row = ec.row_of(_run(TILED, peak=21.88), "x.json")
+    assert (row["tile_mlp"], row["offload"], row["keep_attention"]) == ("4096", "True", "False")
+    assert row["peak_minus_estimate_gib"] == pytest.approx(3.0)
+
+
+def test_tries_whose_estimate_does_not_count_a_forced_choice_are_left_out():
+    assert ec.row_of(_run(TILED.replace("tile_mlp=4096 (every", "tile_mlp=4096 (asked for; every")), "x") is None
+    kept = PLAIN.replace("keep_attention=False (the MLP runs in pieces)", "keep_attention=True (29 layers keep it)")
+    assert ec.row_of(_run(kept), "x") is None
+    host = PLAIN.replace("keep_attention=False (the MLP runs in pieces)", "keep_attention=host (29 layers keep it)")
+    assert ec.row_of(_run(host), "x")["keep_attention"] == "host"  # the plan's own choice: kept
+    assert ec.row_of(_run(PLAIN, ok=False), "x") is None
+    assert ec.row_of(_run(PLAIN, peak=None), "x") is None
+
+
+def test_the_fit_is_a_line_through_the_tiled_rows_only():
+    rows = [ec.row_of(_run(TILED, seq_len=n, peak=18.88 - 3 + n * 40 / 2**20), "x") for n in (10_000, 50_000, 90_000)]
+    rows.append(ec.row_of(_run(PLAIN, seq_len=20_000, peak=5.0), "x"))  # untiled: not in the fit
+    got = ec.fit(rows)
+    assert got["points"] == 3 and got["per_token_kib"] == pytest.approx(40.0) and got["intercept_gib"] == pytest.approx(-3.0)
+    assert got["max_abs_residual_gib"] < 1e-9
+    assert ec.fit(rows[:1]) is None
