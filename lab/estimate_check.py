@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from lab.index import RESULTS
+from lab.long_context import fit_line
 
 HERE = RESULTS / "long_context"
 #: the estimate of the choices made: the MLP pieces' figure when the plan chose them, else checkpointing's
@@ -91,14 +92,12 @@ def fit(rows: list[dict]) -> dict | None:
     inputs (the longest lengths' regime); None with fewer than two lengths."""
     pts = [(r["seq_len"], r["peak_minus_estimate_gib"]) for r in rows
            if r["tile_mlp"] not in (None, "0") and r["offload"] == "True"]
-    if len({x for x, _ in pts}) < 2:
+    line = fit_line(pts)
+    if line is None:
         return None
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-    a = my - b * mx
-    return {"rows": "the MLP in pieces, inputs offloaded", "points": n, "intercept_gib": a,
-            "per_token_kib": b * 2**20, "max_abs_residual_gib": max(abs(y - a - b * x) for x, y in pts)}
+    return {"rows": "the MLP in pieces, inputs offloaded", "points": len(pts), "intercept_gib": line["a_gib"],
+            "per_token_kib": line["b_gib_per_token"] * 2**20,
+            "max_abs_residual_gib": max(abs(r) for r in line["residuals_gib"])}
 
 
 def main(argv: list[str] | None = None) -> int:
