@@ -2,7 +2,8 @@
 
 Run: python3 lab/gpu/kept_attention_check.py OUT.json  (before any long run: seconds, and it says at
 once whether cuDNN's forward and backward take the operator's arguments).
-Writes: {"ok", "shapes": [{"shape", "max_abs_out", "max_abs_grad", "ref_grad_noise"}], device, versions, date}.
+Writes: {"ok", "shapes": [{"shape", "max_abs_out", "flash_max_abs_out", "max_abs_grad", "flash_max_abs_grad"}],
+device, versions, date, command} ("error" and "traceback" where the kernel refused).
 The reference is float32 math SDPA; the floor is bf16 flash SDPA against the same reference.
 """
 

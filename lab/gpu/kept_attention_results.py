@@ -60,6 +60,10 @@ def _loss_diff(a: dict | None, b: dict | None) -> float | None:
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
 
+def _kept(run: dict) -> bool:
+    return run.get("keep_attention_chosen") not in (None, False, "False")
+
+
 def summarize(call: dict) -> list[dict]:
     """Per length: the product as it ran (``vs_unsloth``), the run that kept attention outputs and the one
     that did not (``kept_*``, ``plain_*``: whichever runs chose so), their speed-up and loss difference."""
@@ -67,8 +71,8 @@ def summarize(call: dict) -> list[dict]:
     for length, runs in sorted(call["lengths"].items()):
         ours, unsloth = runs.get("ours"), runs.get("unsloth")
         ours_runs = [r for name, r in runs.items() if name != "unsloth" and r.get("ok")]
-        kept = next((r for r in ours_runs if r.get("keep_attention_chosen") not in (None, False, "False")), None)
-        plain = next((r for r in ours_runs if r.get("keep_attention_chosen") in (None, False, "False")), None)
+        kept = next((r for r in ours_runs if _kept(r)), None)
+        plain = next((r for r in ours_runs if not _kept(r)), None)
         rows.append({"shape": f"1 x {length}", "seq_len": length, "runs": runs,
                      "kept_where": kept.get("keep_attention_chosen") if kept else None,
                      "vs_unsloth": _ratio(ours, unsloth), "kept_vs_unsloth": _ratio(kept, unsloth),
@@ -90,7 +94,7 @@ def main(runs_dir: str, out: str, headline: str) -> int:
         "kind": "kept_attention",
         "what": ("Llama-3.1-8B shape QLoRA (LoRA r=32 on every linear layer), one document of each length, "
                  "memory capped at each call's cap_gib (22: the 24 GB budget), expandable segments, 5 steps (tokens/s: the median "
-                 "of the 4 after the compiling one); ours = optimize(max_memory_gib=22) as it chooses "
+                 "of the 4 after the compiling one); ours = optimize(max_memory_gib=cap_gib) as it chooses "
                  "(keep_attention='auto'), ours_off = the same with keep_attention=False, unsloth = its "
                  "offloaded checkpointing; each run its own process, one call per entry of calls"),
         "headline_call": headline, "target_vs_unsloth": TARGET, "target_met": all(met) and bool(met),

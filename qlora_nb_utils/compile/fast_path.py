@@ -100,7 +100,7 @@ def _note_unfused_numerics(model: torch.nn.Module, dtype: torch.dtype, autocast:
                                        f"without autocast (HF eager's numerics) take PEFT's own path")
 
 
-def _keep_attention(model: torch.nn.Module, plan: Any, choices: dict, reasons: dict) -> Any:
+def _keep_attention(model: torch.nn.Module, plan: Any, reasons: dict) -> Any:
     """:mod:`.patches.kept_attention` on the planned model, its outputs where the plan keeps them
     (``"host"``: page-locked memory, like offloaded layer inputs); the layer count added to the reason."""
     from .offload import EXACT_HOST_BUFFERS, CpuOffloader
@@ -248,7 +248,7 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
 
             extra.append(tiled_mlp.apply(model, plan.tile_rows))
         if plan.keep_attention:  # after checkpointing and offload: it wraps their checkpoint functions
-            extra.append(_keep_attention(model, plan, choices, reasons))
+            extra.append(_keep_attention(model, plan, reasons))
     except BaseException:  # refused when asked for: leave the model as it was given, but for the cast
         for handle in [*extra, fast]:
             handle.undo()
