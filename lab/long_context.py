@@ -68,6 +68,10 @@ CAP_NOTE = (
     "by nvidia-smi / torch, not measured in this run. The cap binds on reserved memory (an allocation that would "
     "take the reserved pool over it raises out-of-memory), so reserved_gib is the figure compared with the cap."
 )
+#: the build of the product our tries measure, recorded so that the merge keeps its runs apart from an earlier
+#: build's (whose failures would bound this one's longer successes): ``mlp_op``, the MLP in pieces as one
+#: opaque operator (compile.patches.tiled_mlp). Change it when a build moves the edge.
+ENGINE = "mlp_op"
 #: seconds a bisection with ``--account`` keeps for the recorded try at its longest length
 ACCOUNT_RESERVE_S = 160.0
 _GIB = 2**30
@@ -261,7 +265,7 @@ def is_oom(text: str | None) -> bool:
 
 def run_try(args) -> dict:
     """One attempt in this process; never raises: a failure (OOM included) is ``ok: false`` with its error."""
-    record: dict[str, Any] = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
+    record: dict[str, Any] = {"peer": args.peer, "engine": ENGINE if args.peer == "ours" else None, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
                               "exact_host_buffers": args.exact_host_buffers,
                               "keep_attention": args.keep_attention,
                               "seq_len": args.seq_len,
@@ -495,7 +499,7 @@ def run_bisect(args) -> dict:
 
         model_dir = args.model_dir or _model_dir(args.model)  # built once (the wrapper builds it first)
     probes = sorted({int(x) for x in args.probe.split(",") if x} | ({args.start} if args.start else set()))
-    base = {"peer": args.peer, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
+    base = {"peer": args.peer, "engine": ENGINE if args.peer == "ours" else None, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
             "exact_host_buffers": args.exact_host_buffers, "keep_attention": args.keep_attention, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
             "model": args.model,
             "steps": args.steps, "lora_r": args.lora_r, "step_tokens": STEP, "deadline_s": args.deadline_s,

@@ -55,7 +55,11 @@ def variant_key(rec: dict) -> str:
 
 
 def _expand(rec: dict, source: str) -> list[dict]:
-    """A driver's file as is; an earlier merged file as one driver record per (variant, cap) it holds."""
+    """A driver's file as is; one try's file (``lab.long_context try``) as a driver record of that one run;
+    an earlier merged file as one driver record per (variant, cap) it holds."""
+    if "runs" not in rec and "seq_len" in rec:
+        run = {k: v for k, v in rec.items() if k not in ("date", "command")}
+        return [{**rec, "max_seq_len": rec["seq_len"] if rec.get("ok") else None, "runs": [{**run, "source": source}]}]
     if rec.get("kind") != "long_context":
         return [{**rec, "runs": [{**x, "source": source} for x in rec.get("runs", [])]}]
     out = []

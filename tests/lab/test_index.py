@@ -40,6 +40,24 @@ def test_every_headline_row_names_its_file_device_and_date(rows):
         assert source in line and row["device"] in line and row["date"] in line
 
 
+def test_a_longest_length_whose_edge_was_not_found_reads_as_a_lower_bound(tmp_path):
+    budget = {"label": "40 GB card, cap 38.5 GiB", "ours_max_seq_len": 262144, "ours_edge_found": False,
+              "unsloth_max_seq_len": 122880, "unsloth_edge_found": True}
+    (tmp_path / "lc").mkdir()
+    (tmp_path / "lc" / "x.json").write_text(json.dumps({"budgets": [budget]}))
+    where = ("lc/x.json", "budgets/40 GB card, cap 38.5 GiB")
+    assert pages.lower_bound(*where, "ours_max_seq_len", results=tmp_path) is True
+    assert pages.lower_bound(*where, "unsloth_max_seq_len", results=tmp_path) is False
+    assert pages.lower_bound(*where, "unsloth_edge_found", results=tmp_path) is False  # not a length
+    assert pages.lower_bound("lc/x.json", "budgets/no such budget", "ours_max_seq_len", results=tmp_path) is False
+
+
+def test_the_headline_marks_each_lower_bound_it_shows(rows):
+    table = pages.headline_table(rows).splitlines()[2:]
+    for line, (_, source, configuration, metric, _) in zip(table, pages.HEADLINE):
+        assert ("| ≥ " in line) == pages.lower_bound(source, configuration, metric), line
+
+
 def test_a_missing_headline_row_is_an_error_not_a_blank(rows):
     with pytest.raises(KeyError, match="no row"):
         pages._find(rows, "step/fast_path_h200.json", "calls/4x512", "no_such_metric")

@@ -171,6 +171,7 @@ def test_one_real_try_trains_two_steps_on_the_cpu(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["ok"] is True, rec.get("error")
     assert rec["seq_len"] == 256 and len(rec["losses"]) == 2 and rec["step_s"] > 0
+    assert rec["engine"] == lc.ENGINE  # the build, so that the merge keeps an earlier build's runs apart
     assert rec["tokens_per_s"] == pytest.approx(256 / rec["step_s"])
     assert rec["cpu_ram_gib"] > 0 and rec["peak_mem_gib"] is None and rec["cap"]["cap_applied"] is False
     assert rec["compilations"] >= 1 and rec["graph_breaks"] == 0 and rec["choices"]["ckpt_layers"]
@@ -219,7 +220,8 @@ def test_an_account_bisection_keeps_time_for_one_recorded_try_at_its_longest_len
     assert last[0] == result["max_seq_len"] == fake.edge() and last[2] is True
     rec = json.loads(out.read_text())
     assert rec["memory_account"]["seq_len"] == fake.edge() and rec["memory_account"]["parts"] == {"other": 1.0}
-    merged = lcm.merge([out])
+    assert rec["engine"] == lc.ENGINE  # the build the driver measured: its runs merge under a key of their own
+    merged = lcm.merge([out], primary={"ours": f"ours_{lc.ENGINE}"})
     assert merged["budgets"][0]["ours_memory_account"]["peak_gib"] == 21.0
 
 
@@ -285,3 +287,36 @@ def test_kept_attention_asked_on_or_off_is_a_variant_and_auto_is_the_product():
     with pytest.raises(SystemExit):
         lc.build_parser().parse_args(["try", "--peer", "ours", "--cap-gib", "22", "--out", "x.json", "--seq-len",
                                       "1024", "--keep-attention", "yes"])
+
+
+def test_single_tries_settle_an_edge_an_earlier_bisection_left_open(tmp_path):
+    """``lab/gpu/gpu_edge_tries.sh`` writes one ``try`` file per length: merged with the earlier file, an ok
+    try raises the longest length, an out-of-memory one a step above it closes the bracket."""
+    xs = {"alloc_conf": "expandable_segments:True"}
+    older = json.loads(_driver_file(tmp_path, "unsloth", 38.5, 40, 40_960).read_text())
+    older["runs"] = [r for r in older["runs"] if r["ok"]]  # 16,384 ok; no failure yet: no edge
+    (a := tmp_path / "call2.json").write_text(json.dumps({**older, **xs, "edge_found": False, "stopped": "deadline"}))
+    first = lcm.merge([a], primary={"unsloth": "unsloth_expandable_segments"})
+    (m := tmp_path / "long_context_h100.json").write_text(json.dumps(first))
+    assert first["budgets"][0]["unsloth_edge_found"] is False
+
+    def try_file(L, ok):
+        rec = {"peer": "unsloth", **xs, "seq_len": L, "cap_gib": 38.5, "ok": ok, "wall_s": 100.0,
+               "peak_mem_gib": 30.0 if ok else None, "reserved_gib": 31.0 if ok else None,
+               "device": "NVIDIA H100 80GB HBM3", "versions": {"unsloth": "2026.10.9"},
+               "date": "2026-11-28T00:00:00+00:00", "command": "bash lab/gpu/gpu_edge_tries.sh"}
+        if not ok:
+            rec.update(oom=True, error="OutOfMemoryError: CUDA out of memory")
+        (p := tmp_path / f"unsloth_38.5_{L}.json").write_text(json.dumps(rec))
+        return p
+
+    merged = lcm.merge([try_file(41_984, True), try_file(43_008, False), m],
+                       primary={"unsloth": "unsloth_expandable_segments"})
+    (entry,) = merged["budgets"]
+    assert entry["unsloth_max_seq_len"] == 41_984 and entry["unsloth_edge_found"] is True
+    assert entry["unsloth_bracket"] == [41_984, 43_008] and entry["card"] == "40 GB"
+    assert [(r["seq_len"], r["source"]) for r in entry["unsloth_runs"]] == [
+        (16_384, "call2.json"), (41_984, "unsloth_38.5_41984.json"), (43_008, "unsloth_38.5_43008.json")]
+    # alone, a failed try bounds nothing it could stand for
+    alone = lcm.merge([try_file(43_008, False)])["budgets"][0]
+    assert alone["unsloth_expandable_segments_max_seq_len"] is None
