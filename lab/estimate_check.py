@@ -8,7 +8,8 @@ target can run out of memory. This table is what a refit of its terms starts fro
 try of ours, the estimate the plan printed for the choices it made (parsed from ``optimize()``'s
 description, so exactly what the plan saw), the peak allocated and reserved, and their differences.
 
-Reads: ``lab/results/long_context/call*_ours*.json`` (driver records, each run with its description) and
+Reads: ``lab/results/long_context/call*_ours*.json`` (driver records, each run with its description, or
+single tries) and
 ``lab/results/long_context/kept_attention_h200_runs/call*/ours*.json`` (one try each).
 Writes: ``--out`` (default ``lab/results/long_context/estimate_vs_peak_h200.json``): {"kind", "what",
 "rows": [{"label", "seq_len", "cap_gib", "ckpt_layers", "offload", "tile_mlp", "keep_attention",
@@ -72,7 +73,7 @@ def collect(here: Path = HERE) -> tuple[list[dict], dict]:
     rows, stamp = [], {}
     for path in sorted(here.glob("call*_ours*.json")):
         rec = json.loads(path.read_text())
-        for run in rec.get("runs", []):
+        for run in rec.get("runs") or ([rec] if "seq_len" in rec else []):  # a driver record, or one try
             row = row_of({**run, "cap_gib": run.get("cap_gib", rec.get("cap_gib"))}, path.name)
             if row:
                 rows.append(row)

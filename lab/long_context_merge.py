@@ -34,7 +34,11 @@ def variant_key(rec: dict) -> str:
     besides: the MLP in pieces (``_tile4096``), an allocator setting (``_expandable_segments`` for
     ``expandable_segments:True``), a build of the product apart from the others (``engine``, e.g.
     ``_mlp_op`` for the MLP tiled as one operator, kept apart from the runs of earlier builds), the attention
-    output kept for the recompute asked for (``_kept_attention``) or refused (``_no_kept_attention``)."""
+    output kept for the recompute asked for (``_kept_attention``) or refused (``_no_kept_attention``).
+
+    Not a key: exact-size host buffers for the offloaded inputs (``exact_host_buffers``), the product's default
+    since they were measured; they change the CPU RAM a run takes, not what the GPU holds, so runs with and
+    without them bound each other's edge."""
     key = rec["peer"]
     if rec.get("tile_mlp"):
         key += f"_tile{rec['tile_mlp']}"
@@ -42,8 +46,6 @@ def variant_key(rec: dict) -> str:
         key += f"_sdpa_{rec['sdpa_kernel']}"
     if rec.get("engine"):
         key += f"_{rec['engine']}"
-    if rec.get("exact_host_buffers"):
-        key += "_exact_host"
     kept = rec.get("keep_attention")  # True: a try of the flag's first form
     if kept in (True, "on"):
         key += "_kept_attention"

@@ -47,3 +47,17 @@ def test_the_fit_is_a_line_through_the_tiled_rows_only():
     assert got["points"] == 3 and got["per_token_kib"] == pytest.approx(40.0) and got["intercept_gib"] == pytest.approx(-3.0)
     assert got["max_abs_residual_gib"] < 1e-9
     assert ec.fit(rows[:1]) is None
+
+
+def test_single_try_files_are_read_beside_driver_records(tmp_path):
+    import json
+
+    stamp = {"device": {"name": "GPU X"}, "versions": {"torch": "2.11"}}
+    (tmp_path / "call1_ours_24.json").write_text(json.dumps({**stamp, "cap_gib": 22.0, "runs": [
+        {k: v for k, v in _run(TILED, seq_len=100_000, peak=21.0).items() if k != "cap_gib"}]}))
+    (tmp_path / "call2_ours_38.5_200000.json").write_text(json.dumps({**stamp, **_run(TILED, 200_000, 30.0),
+                                                                       "cap_gib": 38.5}))
+    rows, got_stamp = ec.collect(tmp_path)
+    assert [(r["seq_len"], r["cap_gib"], r["source"]) for r in rows] == [
+        (100_000, 22.0, "call1_ours_24.json"), (200_000, 38.5, "call2_ours_38.5_200000.json")]
+    assert got_stamp["device"] == {"name": "GPU X"}
