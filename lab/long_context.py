@@ -71,8 +71,10 @@ CAP_NOTE = (
 #: the build of the product our tries measure, recorded so that the merge keeps its runs apart from an earlier
 #: build's (whose successes near the edge the later build need not repeat, and whose failures would bound its
 #: longer successes). ``mlp_op``: the MLP in pieces as one opaque operator (compile.patches.tiled_mlp);
-#: ``mlp_op2``: the same with the kept-attention machinery and exact-size host buffers by default, which at
-#: 24 GB trains 139,264 tokens but no longer 141,312. Change it when a build moves an edge.
+#: ``mlp_op2``: the build since the kept-attention machinery, whose tries at 24 GB train 139,264 tokens and
+#: run out of memory at 141,312 (the same way three times, on two machines), where one try of the mlp_op build trained;
+#: with keep_attention off the code on that path did not change, so what moved it is not known. Change it
+#: when a build moves an edge.
 ENGINE = "mlp_op2"
 #: seconds a bisection with ``--account`` keeps for the recorded try at its longest length
 ACCOUNT_RESERVE_S = 160.0
