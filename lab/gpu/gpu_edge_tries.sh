@@ -13,13 +13,8 @@ set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 DEADLINE_S=${DEADLINE_S:-540}
 MODEL=${MODEL:-llama-3.1-8b-shape}
-T0=$(date +%s)
-left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/edge_tries_log.txt") 2>&1
 source "$(dirname "$0")/gpu_env.sh"
-models_outside_tree
-unsloth_site
+long_context_call edge_tries_log.txt
 nvidia-smi -L
 CMD="OUT=\$OUT DEADLINE_S=$DEADLINE_S$(for v in ${!TRIES_*}; do printf " %s='%s'" "$v" "${!v}"; done) bash lab/gpu/gpu_edge_tries.sh"
 export QLORA_NB_LONG_CONTEXT_CMD="$CMD"
@@ -27,7 +22,7 @@ UNSLOTH_DIR=""
 all_tries=$(for v in $(compgen -v TRIES_); do echo "${!v}"; done)
 if [[ "$all_tries" == *unsloth* ]]; then
   UNSLOTH_DIR=$(python3 -c "from lab.peers.common import _model_dir; print(_model_dir('$MODEL'))" | tail -1)
-  echo "[edge_tries] Unsloth's checkpoint folder $UNSLOTH_DIR ready at $(( $(date +%s) - T0 )) s"
+  echo "[edge_tries] Unsloth's checkpoint folder $UNSLOTH_DIR ready at $(elapsed) s"
 fi
 
 gpu_list() {  # GPU "PEER:CAP:L ...": the tries one after another on that GPU
@@ -39,7 +34,7 @@ gpu_list() {  # GPU "PEER:CAP:L ...": the tries one after another on that GPU
     local limit=$(( $(left) - 10 ))
     if [ "$limit" -lt 60 ]; then echo "[edge_tries] GPU $gpu: skip $name (${limit} s left)"; continue; fi
     if [ "$peer" = unsloth ]; then path=${QLORA_NB_UNSLOTH_SITE:-}:$PYTHONPATH; extra=(--model-dir "$UNSLOTH_DIR"); fi
-    echo "[edge_tries] GPU $gpu: $name, limit $limit s ($(( $(date +%s) - T0 )) s elapsed)"
+    echo "[edge_tries] GPU $gpu: $name, limit $limit s ($(elapsed) s elapsed)"
     CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$path timeout --signal=TERM --kill-after=10 "$limit" python3 -m lab.long_context try \
       --peer "$peer" --seq-len "$seq" --cap-gib "$cap" --model "$MODEL" --steps 2 --alloc-conf expandable_segments:True \
       "${extra[@]}" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
@@ -56,4 +51,4 @@ for v in $(compgen -v TRIES_ | sort); do
 done
 wait "${pids[@]}"
 (cd "$OUT" && tar -czf logs.tgz *.log && rm -f *.log)  # a call returns 8 files at most
-echo "[edge_tries] done at $(( $(date +%s) - T0 )) s"
+echo "[edge_tries] done at $(elapsed) s"

@@ -24,3 +24,16 @@ models_outside_tree() {
   mkdir -p /tmp/qlora_nb_cache && cp -rn .gpucache/qlora_nb/. /tmp/qlora_nb_cache/ 2>/dev/null
   export QLORA_NB_CACHE=/tmp/qlora_nb_cache
 }
+
+# long_context_call LOG: the start the long-context scripts share: the call's clock (T0; `left` prints the
+# seconds DEADLINE_S leaves, `elapsed` those gone), $OUT made, everything printed also written to $OUT/LOG,
+# the models built under /tmp and Unsloth's site unpacked.
+long_context_call() {
+  T0=$(date +%s)
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/$1") 2>&1
+  models_outside_tree
+  unsloth_site
+  left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }  # defined here: only for the scripts that call this
+  elapsed() { echo $(( $(date +%s) - T0 )); }
+}

@@ -24,17 +24,12 @@ PAIRS=${PAIRS:-ours:24 ours:40 unsloth:24 unsloth:40}
 CAP_24=${CAP_24:-22.0}; CAP_40=${CAP_40:-38.5}
 PROBES_24=${PROBES_24:-16384,32768}; PROBES_40=${PROBES_40:-32768,65536}
 MODEL=${MODEL:-llama-3.1-8b-shape}
-start=$(date +%s)
-left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/long_context_log.txt") 2>&1
 source "$(dirname "$0")/gpu_env.sh"
-unsloth_site
-models_outside_tree
+long_context_call long_context_log.txt
 export QLORA_NB_LONG_CONTEXT_CMD="OUT=\$OUT DEADLINE_S=$DEADLINE_S PAIRS='$PAIRS' bash lab/gpu/gpu_long_context.sh"
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$(( $(nproc) / 4 ))}
 nvidia-smi -L
-echo "[gpu_long_context] setup done at $(( $(date +%s) - start )) s; unsloth site: ${QLORA_NB_UNSLOTH_SITE:-none}"
+echo "[gpu_long_context] setup done at $(elapsed) s; unsloth site: ${QLORA_NB_UNSLOTH_SITE:-none}"
 
 driver() {  # GPU NAME CARD: one bisect driver in the background, its deadline what is left less the merge
   local gpu=$1 name=$2 card=$3 cap probes extra=()
@@ -70,10 +65,10 @@ fi
 # the drivers only: a bare `wait` also waits for the `tee` of the log's process substitution, which
 # ends only when this script does (a call that used it hung here until its time limit)
 wait "${pids[@]}"
-echo "[gpu_long_context] drivers done at $(( $(date +%s) - start )) s"
+echo "[gpu_long_context] drivers done at $(elapsed) s"
 for f in "$OUT"/*_24.log "$OUT"/*_40.log; do [ -f "$f" ] && grep -h "^\[long_context\]" "$f"; done
 tar -czf "$OUT/tries.tgz" -C /tmp/long_context --exclude=inductor . 2>/dev/null
 shopt -s nullglob
 files=("$OUT"/ours_*.json "$OUT"/ours-*_*.json "$OUT"/unsloth_*.json "$OUT"/unsloth-*_*.json)
 python3 -m lab.long_context merge "${files[@]}" --out-dir "$OUT"
-echo "[gpu_long_context] done at $(( $(date +%s) - start )) s"
+echo "[gpu_long_context] done at $(elapsed) s"
