@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from lab.index import RESULTS
-from lab.long_context import fit_line
+from lab.long_context import fit_line, runs_of
 
 HERE = RESULTS / "long_context"
 #: the estimate of the choices made: the MLP pieces' figure when the plan chose them, else checkpointing's
@@ -73,7 +73,7 @@ def collect(here: Path = HERE) -> tuple[list[dict], dict]:
     rows, stamp = [], {}
     for path in sorted(here.glob("call*_ours*.json")):
         rec = json.loads(path.read_text())
-        for run in rec.get("runs") or ([rec] if "seq_len" in rec else []):  # a driver record, or one try
+        for run in runs_of(rec):  # a driver record, or one try
             row = row_of({**run, "cap_gib": run.get("cap_gib", rec.get("cap_gib"))}, path.name)
             if row:
                 rows.append(row)

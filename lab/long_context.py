@@ -267,14 +267,25 @@ def is_oom(text: str | None) -> bool:
     return bool(text) and any(t in text.lower() for t in _OOM_TEXT)
 
 
+def setup_fields(args) -> dict[str, Any]:
+    """What a try and a bisection record of how they ran: the peer, the build (ours), the settings that make
+    a variant (:func:`lab.long_context_merge.variant_key`), the cap and the model's shape."""
+    return {"peer": args.peer, "engine": ENGINE if args.peer == "ours" else None, "alloc_conf": args.alloc_conf,
+            "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel, "exact_host_buffers": args.exact_host_buffers,
+            "keep_attention": args.keep_attention, "cap_gib": args.cap_gib, "model": args.model, "steps": args.steps,
+            "lora_r": args.lora_r}
+
+
+def runs_of(rec: dict) -> list[dict]:
+    """A driver record's runs, or a single try's file (``try``: no ``runs``, its own ``seq_len``) as its one run."""
+    if "runs" in rec:
+        return rec["runs"]
+    return [rec] if "seq_len" in rec else []
+
+
 def run_try(args) -> dict:
     """One attempt in this process; never raises: a failure (OOM included) is ``ok: false`` with its error."""
-    record: dict[str, Any] = {"peer": args.peer, "engine": ENGINE if args.peer == "ours" else None, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
-                              "exact_host_buffers": args.exact_host_buffers,
-                              "keep_attention": args.keep_attention,
-                              "seq_len": args.seq_len,
-                              "cap_gib": args.cap_gib,
-                              "model": args.model, "steps": args.steps, "lora_r": args.lora_r, "ok": False,
+    record: dict[str, Any] = {**setup_fields(args), "seq_len": args.seq_len, "ok": False,
                               "peak_mem_gib": None, "reserved_gib": None}
     t0 = time.perf_counter()
     try:
@@ -503,10 +514,8 @@ def run_bisect(args) -> dict:
 
         model_dir = args.model_dir or _model_dir(args.model)  # built once (the wrapper builds it first)
     probes = sorted({int(x) for x in args.probe.split(",") if x} | ({args.start} if args.start else set()))
-    base = {"peer": args.peer, "engine": ENGINE if args.peer == "ours" else None, "alloc_conf": args.alloc_conf, "tile_mlp": args.tile_mlp, "sdpa_kernel": args.sdpa_kernel,
-            "exact_host_buffers": args.exact_host_buffers, "keep_attention": args.keep_attention, "cap_gib": args.cap_gib, "card": f"{args.card_gb} GB" if args.card_gb else None,
-            "model": args.model,
-            "steps": args.steps, "lora_r": args.lora_r, "step_tokens": STEP, "deadline_s": args.deadline_s,
+    base = {**setup_fields(args), "card": f"{args.card_gb} GB" if args.card_gb else None,
+            "step_tokens": STEP, "deadline_s": args.deadline_s,
             "probes": probes, **_stamp()}
 
     def write(runs, prediction, extra=None):

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lab.long_context import CAP_NOTE, PEERS, STEP, _stamp, bracket
+from lab.long_context import CAP_NOTE, PEERS, STEP, _stamp, bracket, runs_of
 
 #: every merged run has these (None where a failed try has none); the extras where the try wrote them
 RUN_FIELDS = ("seq_len", "ok", "peak_mem_gib", "reserved_gib", "step_s", "tokens_per_s", "first_step_s", "cpu_ram_gib",
@@ -59,11 +59,9 @@ def variant_key(rec: dict) -> str:
 def _expand(rec: dict, source: str) -> list[dict]:
     """A driver's file as is; one try's file (``lab.long_context try``) as a driver record of that one run;
     an earlier merged file as one driver record per (variant, cap) it holds."""
-    if "runs" not in rec and "seq_len" in rec:
-        run = {k: v for k, v in rec.items() if k not in ("date", "command")}
-        return [{**rec, "max_seq_len": rec["seq_len"] if rec.get("ok") else None, "runs": [{**run, "source": source}]}]
     if rec.get("kind") != "long_context":
-        return [{**rec, "runs": [{**x, "source": source} for x in rec.get("runs", [])]}]
+        extra = {} if "runs" in rec else {"max_seq_len": rec["seq_len"] if rec.get("ok") else None}  # one try
+        return [{**rec, **extra, "runs": [{**x, "source": source} for x in runs_of(rec)]}]
     out = []
     for b in rec["budgets"]:
         for key in [k[: -len("_runs")] for k in b if k.endswith("_runs") and b[k]]:

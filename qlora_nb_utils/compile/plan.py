@@ -269,8 +269,7 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
     p.ckpt_layers, p.scope, p.offload = ck.ckpt_layers, ck.scope, ck.offload
     if ck.offload and ck.ckpt_layers and p.device.type == "cuda" and shapes:  # to page-locked host memory
         b, s = max(shapes, key=lambda x: x[0] * x[1])
-        hidden = int(getattr(_config_of(model), "hidden_size", 0) or 0)
-        check_host_memory(ck.ckpt_layers, b * s * hidden * (torch.finfo(p.dtype).bits // 8), f"{b} x {s}")
+        check_host_memory(ck.ckpt_layers, _layer_input_bytes(model, b, s, p.dtype), f"{b} x {s}")
     p.tile_rows, tile_why = _tiles(opts.tile_mlp, model, est, planned, label, ck, n_layers, seq)
     p.estimate_gib, p.planned_gib = (est(ck.ckpt_layers, ck.offload, p.tile_rows) if est is not None else None), planned
     p.over_target = p.estimate_gib is not None and p.estimate_gib > planned
@@ -281,6 +280,12 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
     p.record("tile_mlp", table.Choice(p.tile_rows, tile_why))
 
 
+def _layer_input_bytes(model: torch.nn.Module, rows: int, positions: int, dtype: torch.dtype) -> int:
+    """One decoder layer's input, what offload keeps in host memory: rows x positions x hidden size."""
+    hidden = int(getattr(_config_of(model), "hidden_size", 0) or 0)
+    return rows * positions * hidden * (torch.finfo(dtype).bits // 8)
+
+
 def _keep_attention(p: Plan, model: torch.nn.Module, shapes: Any) -> table.Choice | None:
     """The kept attention outputs (:func:`.choices.choose_keep_attention`), sized at the largest batch."""
     opts, gib = p.options, 2**30
@@ -288,8 +293,7 @@ def _keep_attention(p: Plan, model: torch.nn.Module, shapes: Any) -> table.Choic
     heads, _, dim = _attention_shape(model)
     act = torch.finfo(p.dtype).bits // 8
     out, lse = output_bytes(b, s, heads, dim, act)
-    hidden = int(getattr(_config_of(model), "hidden_size", 0) or 0)
-    inputs = host_bytes(p.ckpt_layers, b * s * hidden * act) if p.offload else 0
+    inputs = host_bytes(p.ckpt_layers, _layer_input_bytes(model, b, s, p.dtype)) if p.offload else 0
     free = host.available_host_bytes() if p.device.type == "cuda" else None
     return table.choose_keep_attention(
         opts.keep_attention, cudnn=p.sdpa_cudnn, scope=p.scope, ckpt_layers=p.ckpt_layers,
