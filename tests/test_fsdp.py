@@ -314,13 +314,21 @@ def test_trainer_mode_shards_with_fsdp2_on_cpu(trainer_run):
     assert summary["distributed_type"] == "FSDP" and summary["fsdp_wrapped"]
 
 
-def test_nf4_auto_mode_shards_on_gloo_and_replicates_on_nccl():
+def test_nf4_auto_mode_shards_on_every_backend():
     from qlora_nb_utils.distributed.fsdp_train import build_parser, resolve_nf4_mode
+    from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
 
     assert build_parser().parse_args(["--out", "x"]).nf4 == "auto"
     assert resolve_nf4_mode("auto", "gloo") == "shard"
-    assert resolve_nf4_mode("auto", "nccl") == "replicate"
-    assert resolve_nf4_mode("shard", "nccl") == "shard"  # explicit wins (apply_fsdp2 verifies the bytes)
+    assert resolve_nf4_mode("auto", "nccl") == "shard"
+    assert resolve_nf4_mode("replicate", "nccl") == "replicate"  # explicit wins
+    assert resolve_nf4_mode("replicate", "gloo") == "replicate"
+    with pytest.raises(ValueError, match="nf4 mode"):
+        resolve_nf4_mode("sharded", "nccl")
+    # what a sharded run then uses on a GPU: no param_dtype cast and float32 words, so no
+    # all-gather of packed words goes through a 16-bit float (packed_words.py)
+    policy, storage = sharded_nf4_precision(torch.bfloat16)
+    assert policy.param_dtype is None and storage == torch.float32
 
 
 def test_apply_fsdp2_refuses_packed_bytes_changed_by_the_round_trip(one_rank_group, monkeypatch):

@@ -79,12 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPUOffloadPolicy")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--frozen", default="auto", choices=("auto",) + tuple(FROZEN_MODES),
-                   help="shard or replicate the other frozen weights (embeddings, LM head, norms): "
-                        "replicate trades memory for no all-gather traffic; auto: replicate on CUDA "
-                        "(331 vs 375 ms/step on 2 H200s at the 8B shape), shard on CPU")
+                   help="the other frozen weights (embeddings, LM head, norms): shard splits them over the "
+                        "ranks; replicate keeps them whole on every rank (more memory, no all-gather traffic "
+                        "for them); auto: replicate on CUDA, shard on CPU")
     p.add_argument("--nf4", default="auto", choices=("auto",) + tuple(NF4_MODES),
-                   help="shard or replicate the 4-bit weights; auto: shard on CPU (gloo), replicate on "
-                        "CUDA until a 2-GPU run confirms the sharded fix (distributed/packed_words.py)")
+                   help="the 4-bit base weights: shard (what auto means, on every device) splits them over "
+                        "the ranks, the words stored as float32 (--quant-storage auto) so that no 16-bit all-gather changes a byte, and "
+                        "checksums them after the first all-gather; replicate keeps them whole on every rank "
+                        "(no all-gather traffic for them, no memory saved)")
     p.add_argument("--check-bytes", action="store_true",
                    help="compare every packed 4-bit byte after the first all-gather with a copy taken "
                         "before sharding (summary: bytes_check)")

@@ -133,17 +133,26 @@ def resolve_quant_storage(storage: str, param_dtype: torch.dtype | None,
 
 
 def resolve_nf4_mode(mode: str, backend: str) -> str:
-    """``--nf4 auto``: ``"shard"`` on gloo, ``"replicate"`` on NCCL.
+    """``--nf4``: ``"auto"`` is ``"shard"`` on every backend; ``"shard"`` and ``"replicate"`` stay.
 
-    Why: on 2 H200s (torch 2.11, NCCL) sharding the packed NF4 bytes in bf16 storage changed
-    0.07% of the 16-bit words: every word that reads as a bf16 NaN came back as the canonical
-    NaN 0x7fff (lab/results/fsdp/fsdp2_h200_diag.json), so the 2-GPU model computed
-    with different weights. Replicated 4-bit weights were bit-exact. On CPU/gloo sharding is exact
-    (tests/test_fsdp.py), and :func:`qlora_nb_utils.distributed.fsdp.apply_fsdp2` checks it on every run.
+    ``"shard"`` splits the packed 4-bit weights over the ranks like every other parameter, so
+    each GPU holds ``1/N`` of the base model; ``"replicate"`` keeps them whole on every rank
+    (no all-gather traffic for them, no memory saved). Sharding is the default because the
+    4-bit base is most of a QLoRA model's memory, and it is exact: the run stores the packed
+    words so that no 16-bit float copy touches them
+    (:func:`qlora_nb_utils.distributed.packed_words.sharded_nf4_precision`; a bf16 all-gather
+    on CUDA rewrites the words that read as NaNs), and
+    :func:`qlora_nb_utils.distributed.fsdp.apply_fsdp2` refuses a plan that would all-gather
+    them in a 16-bit float off the CPU and checksums them after the first all-gather
+    (``--check-bytes`` compares every byte). ``backend`` is kept for callers that pass it; the
+    choice no longer depends on it.
+
+    Raises:
+        ValueError: a mode other than ``"auto"``, ``"shard"`` or ``"replicate"``.
     """
-    if mode == "auto":
-        return "replicate" if backend == "nccl" else "shard"
-    return mode
+    if mode not in ("auto", "shard", "replicate"):
+        raise ValueError(f"nf4 mode must be 'auto', 'shard' or 'replicate'; got {mode!r}")
+    return "shard" if mode == "auto" else mode
 
 
 def load_qlora(name: str, *, quant: str = "nf4", dtype: str | torch.dtype = "bfloat16",
