@@ -27,8 +27,8 @@ import re
 import sys
 from pathlib import Path
 
-from lab.index import RESULTS
-from lab.long_context import fit_line, runs_of
+from lab.long_context_search import fit_line, runs_of
+from lab.paths import RESULTS
 
 HERE = RESULTS / "long_context"
 #: the estimate of the choices made: the MLP pieces' figure when the plan chose them, else checkpointing's

@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-LAB = Path(__file__).resolve().parent
-ROOT = LAB.parent
-RESULTS = LAB / "results"
+from lab import pages
+from lab.paths import RESULTS, ROOT
+
 INDEX = RESULTS / "index.csv"
 COLUMNS = ("topic", "source", "device", "date", "commit", "versions", "configuration", "metric", "value")
 
@@ -153,8 +153,6 @@ def read_index(path: Path = INDEX) -> list[dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lab import pages
-
     parser = argparse.ArgumentParser(prog="python -m lab.index", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="compare with what is committed; write nothing")
     args = parser.parse_args(argv)

@@ -1,9 +1,9 @@
 """Merge the long-context drivers' files into one record per GPU: ``lab/results/long_context/long_context_<gpu>.json``.
 
-Why apart from :mod:`lab.long_context`: that module measures (a try, the search, the driver); this
-one only combines what the drivers wrote. Files of one variant and cap from several calls (or an
-earlier merged file) become one variant with all their runs, each naming its source file, and
-the bracket is recomputed over all of them.
+Why apart from :mod:`lab.long_context`: that module measures (a try, the driver); this one only
+combines what the drivers wrote; what both need is :mod:`lab.long_context_search`. Files of one
+variant and cap from several calls (or an earlier merged file) become one variant with all their
+runs, each naming its source file, and the bracket is recomputed over all of them.
 
     python -m lab.long_context merge OUT/ours_22.json OUT/unsloth_22.json ... --out-dir OUT
 """
@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lab.long_context import CAP_NOTE, PEERS, STEP, _stamp, bracket, runs_of
+from lab.long_context_search import CAP_NOTE, PEERS, STEP, bracket, runs_of, stamp
 
 #: every merged run has these (None where a failed try has none); the extras where the try wrote them
 RUN_FIELDS = ("seq_len", "ok", "peak_mem_gib", "reserved_gib", "step_s", "tokens_per_s", "first_step_s", "cpu_ram_gib",
@@ -155,4 +155,4 @@ def merge(files: list[Path], primary: dict[str, str] | None = None) -> dict:
                     "of llama-3.1-8b-shape QLoRA (NF4, LoRA r 32 on every linear layer) under a memory cap, ours "
                     "(optimize(max_memory_gib=cap)) against Unsloth (offloaded checkpointing); one process per try",
             "cap_note": CAP_NOTE, "budgets": budgets, "device": device, "versions": versions,
-            "sources": [Path(f).name for f in files], **_stamp()}
+            "sources": [Path(f).name for f in files], **stamp()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from lab.index import LAB, RESULTS, ROOT
+from lab.paths import LAB, RESULTS, ROOT
 
 RESULTS_MD = LAB / "RESULTS.md"
 README = ROOT / "README.md"

@@ -16,7 +16,7 @@ curves and step times; ``bench`` measures a run of your own (eager against compi
 batches, judged against the eager floor, and the compile time); ``cli`` sits on top.
 ``docs/architecture.md`` draws the layers, and ``lint-imports`` (the ``[tool.importlinter]``
 contracts in ``pyproject.toml``) keeps them. What measured the product against other libraries
-is the lab, ``lab/`` in the repository, beside this package: it imports the package, never the
+is the repository's lab, a folder beside this package: it imports the package, never the
 reverse, and no install ships it.
 
 Importing the package is cheap and changes nothing: no patch is applied at import time, and

@@ -235,14 +235,14 @@ def test_parity_table_sets_compiled_against_eager_next_to_the_eager_floor_at_the
     assert empty.loc["lora", "eager runs"] == 0 and empty.loc["lora", "eager max max"] is None
 
 
-def test_committed_results_finds_the_labs_matrix_from_a_notebook_folder(tmp_path):
-    """A notebook run inside a checkout finds the lab's GPU matrix; alone (as on Colab), nothing."""
-    from qlora_nb_utils.bench.matrix_results import committed_results
+def test_largest_matrix_picks_the_fullest_file_of_the_folder_it_is_given(tmp_path):
+    """The caller names the folder (the product assumes no layout); a missing or empty one gives None."""
+    from qlora_nb_utils.bench.matrix_results import largest_matrix
 
-    assert committed_results(tmp_path) is None
-    folder = tmp_path / "lab" / "results" / "matrix"
-    folder.mkdir(parents=True)
-    (folder / "compile_matrix_small.json").write_text(json.dumps({"cells": [{}]}))
-    (folder / "compile_matrix_big.json").write_text(json.dumps({"cells": [{}, {}]}))
-    (tmp_path / "notebooks").mkdir()
-    assert committed_results(tmp_path / "notebooks") == folder / "compile_matrix_big.json"
+    assert largest_matrix(tmp_path / "absent") is None
+    assert largest_matrix(tmp_path) is None
+    (tmp_path / "compile_matrix_small.json").write_text(json.dumps({"cells": [{}]}))
+    (tmp_path / "compile_matrix_big.json").write_text(json.dumps({"cells": [{}, {}]}))
+    (tmp_path / "other.json").write_text(json.dumps({"cells": [{}, {}, {}]}))  # not a matrix file
+    assert largest_matrix(tmp_path) == tmp_path / "compile_matrix_big.json"
+    assert largest_matrix(str(tmp_path)) == tmp_path / "compile_matrix_big.json"

@@ -15,7 +15,7 @@ eager floor, and what the compile costs.
 - ``markdown``: the one table-header helper every Markdown table uses.
 
 What measures the product against other libraries (peers, profiles, the GPU scripts and their
-results) is the lab, ``lab/`` beside this package; nothing here imports it.
+results) is the repository's lab, beside this package; nothing here imports it.
 """
 
 from .._lazy import lazy_exports

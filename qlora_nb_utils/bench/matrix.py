@@ -13,7 +13,7 @@ warm-up: the first compiled step compiles and autotunes on real buffers) and med
 Each finished cell is written out at once, so a run cut short keeps its cells.
 
 This module runs the matrix (``python -m qlora_nb_utils.bench.matrix``, which also merges part
-files); reading its results (merging parts, the committed file, the summary, parity and
+files); reading its results (merging parts, a folder's fullest file, the summary, parity and
 Markdown tables, and the matrix's axes) is :mod:`qlora_nb_utils.bench.matrix_results`, whose
 names are re-exported here.
 """
@@ -43,15 +43,15 @@ from .matrix_results import (
     LENGTHS,
     SCOPES,
     cell_lr,
-    committed_results,
     config_lr,
+    largest_matrix,
     markdown_table,
     merge_results,
     parity_table,
     summary_frame,
 )
 
-__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "cell_lr", "committed_results", "config_lr", "markdown_table",
+__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "cell_lr", "config_lr", "largest_matrix", "markdown_table",
            "merge_results", "parity_table", "run_matrix", "summary_frame"]
 
 SEQ_DIMS = {"input_ids": 1, "attention_mask": 1, "labels": 1}

@@ -1,4 +1,4 @@
-"""Reading the compile matrix's results: merge parts, find the committed file, tables.
+"""Reading the compile matrix's results: merge parts, pick the fullest file of a folder, tables.
 
 Why it exists apart from :mod:`qlora_nb_utils.bench.matrix`: running the matrix needs a model,
 torch and a GPU; reading its results needs none of them, and the notebooks, the CLI's
@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 from .markdown import table_header
 
-__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "cell_lr", "committed_results", "config_lr", "markdown_table",
+__all__ = ["CONFIGS", "LENGTHS", "SCOPES", "cell_lr", "config_lr", "largest_matrix", "markdown_table",
            "merge_results", "parity_table", "summary_frame"]
 
 #: name -> (quant, lora)
@@ -84,19 +84,15 @@ def merge_results(results: Iterable[dict[str, Any]], command: str | None = None)
     return merged
 
 
-def committed_results(start: str | Path | None = None) -> Path | None:
-    """The repository's GPU matrix (`lab/results/matrix/compile_matrix_<device>.json`) with the most cells.
+def largest_matrix(folder: str | Path) -> Path | None:
+    """The matrix results file (`compile_matrix_<device>.json`) in `folder` with the most cells.
 
-    Searched under `start` (default: the working directory) and its parents, so a notebook in a
-    checkout finds the lab's file; None when there is none (a notebook opened on its own, in
-    Colab: the notebooks show it only in an optional cell).
+    A folder may hold one file per device, some of them partial runs; the fullest is the one to
+    show. None when `folder` holds none or does not exist (the caller says where results live:
+    nothing here assumes a folder layout).
     """
-    here = Path.cwd() if start is None else Path(start)
-    for folder in (here, *here.parents):
-        found = sorted((folder / "lab" / "results" / "matrix").glob("compile_matrix_*.json"))
-        if found:
-            return max(found, key=lambda f: len(json.loads(f.read_text())["cells"]))
-    return None
+    found = sorted(Path(folder).glob("compile_matrix_*.json"))
+    return max(found, key=lambda f: len(json.loads(f.read_text())["cells"])) if found else None
 
 
 def summary_frame(result: dict[str, Any]):
@@ -138,8 +134,9 @@ def parity_table(result: dict[str, Any], noise: Iterable[dict[str, Any]] = (), t
 
     For each config of the matrix `result`: the range over its cells of the max and of the mean
     per-step |loss compiled - loss eager| over the run, the cells within `target`, and the same
-    two statistics for the eager-vs-eager runs of `lab/gpu/bf16_noise.py` results (`noise`) of
-    that config trained at the same learning rate (the fp32-master full fine-tune is the noise
+    two statistics for the eager-vs-eager runs in `noise` (files whose cells' `losses` hold an
+    ``"eager"`` run and runs that differ from it in one thing, such as SDPA's kernel or the order
+    of a batch's rows) of that config trained at the same learning rate (the fp32-master full fine-tune is the noise
     file's "base-fp32"). A perturbation whose run equals the plain eager run bit for bit (a
     repeat, or a flag that changed nothing) is left out: it is not a second sample of the drift.
 

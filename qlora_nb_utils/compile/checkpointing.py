@@ -78,7 +78,7 @@ def _configure_checkpointing(model: torch.nn.Module, grad_ckpt, scope: str = "wh
         if scope == "whole" and any(m.gradient_checkpointing for m in layers):
             warnings.warn(
                 "grad_ckpt=None keeps the model's checkpoint function, whose recompute policy the "
-                "compiler may override (it saved 2x eager's activations on a GPU); pass "
+                "compiler may override (it can then save more activations than eager does); pass "
                 "grad_ckpt=True to pin it (see qlora_nb_utils.compile.must_recompute_context)",
                 UserWarning, stacklevel=3)
         return handle

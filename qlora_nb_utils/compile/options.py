@@ -1,8 +1,8 @@
 """The options of ``optimize()`` and of the recipe under it, each one validated object.
 
-Why this module exists: ``optimize()`` has two dozen knobs, and they used to run through three
-signatures (``optimize``, ``recipe.prepare_fast``, ``prepare.prepare_for_compile``), each with
-its own defaults and checks. Here each layer has one object instead:
+Why this module exists: ``optimize()`` has two dozen knobs, and they reach three layers
+(``optimize``, ``recipe.prepare_fast``, ``prepare.prepare_for_compile``); so that each knob has
+one default and one check, each layer takes one validated object:
 
 * :class:`OptimizeOptions`: what a user asks ``optimize()`` for, ``"auto"`` where it decides.
   Built from keyword arguments or from a plain dict (a config file, the CLI:
@@ -18,6 +18,7 @@ The choices themselves (what ``"auto"`` becomes, and why) are in :mod:`.choices`
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping
 
 import torch
@@ -36,7 +37,7 @@ _AUTO = ("auto", True, False)
 #: The options that take one of a fixed set of values, checked in this order.
 _ONE_OF: dict[str, tuple[Any, ...]] = {
     "mode": MODES + (None,), "grad_ckpt": _AUTO, "attention": ("auto", "causal", "mask"), "autocast": _AUTO,
-    "dynamic": _AUTO, "eager_numerics": _AUTO, "scope": ("whole", "regional"), "doc_attention": DOC_ATTENTION,
+    "dynamic": _AUTO, "eager_numerics": _AUTO, "scope": ("auto", "whole", "regional"), "doc_attention": DOC_ATTENTION,
     "loss_rows": _AUTO, "recompute": _AUTO, "lora_addmm": LORA_ADDMM, "nf4_dequant": _AUTO, "warm_cache": _AUTO,
     "offload": _AUTO, "sdpa_kernel": SDPA_KERNELS, "keep_attention": _AUTO,
 }
@@ -77,7 +78,7 @@ class OptimizeOptions:
     dynamic: bool | str = "auto"
     memory_budget: float | None = None
     eager_numerics: bool | str = "auto"
-    scope: str = "whole"
+    scope: str = "auto"
     doc_attention: str = "auto"
     offload: bool | str = "auto"
     loss_rows: bool | str = "auto"
@@ -89,6 +90,8 @@ class OptimizeOptions:
     tile_mlp: bool | int | str = "auto"
     sdpa_kernel: str = "auto"
     keep_attention: bool | str = "auto"
+    steps: int | None = None
+    compile_cache: bool | str | os.PathLike = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))
@@ -105,6 +108,11 @@ class OptimizeOptions:
             out.append(f"ce_min_rows must be 'auto' or an integer >= 0, got {self.ce_min_rows!r}")
         if not (self.tile_mlp is False or self.tile_mlp == "auto" or (_is_int(self.tile_mlp) and self.tile_mlp >= 1)):
             out.append(f"tile_mlp must be 'auto', False or an integer >= 1 (positions per piece), got {self.tile_mlp!r}")
+        if self.steps is not None and not (_is_int(self.steps) and self.steps >= 1):
+            out.append(f"steps must be None or an integer >= 1 (the optimizer steps the job runs), got {self.steps!r}")
+        if not (self.compile_cache in _AUTO or (isinstance(self.compile_cache, (str, os.PathLike))
+                                                  and str(self.compile_cache).strip())):
+            out.append(f"compile_cache must be 'auto', True, False or a folder, got {self.compile_cache!r}")
         if not (_is_int(self.ce_chunks) and self.ce_chunks >= 0):
             out.append(f"ce_chunks must be an integer >= 0, got {self.ce_chunks!r}")
         elif self.loss_rows is True and not self.ce_chunks:
@@ -175,6 +183,8 @@ class OptimizeOptions:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if isinstance(self.dtype, torch.dtype):
             out["dtype"] = str(self.dtype).removeprefix("torch.")
+        if isinstance(self.compile_cache, os.PathLike):
+            out["compile_cache"] = os.fspath(self.compile_cache)
         return out
 
 

@@ -249,10 +249,10 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
         fullgraph: make any graph break inside a layer an error.
         frozen: ``"shard"`` the other frozen parameters (embeddings, LM head, norms) like the
             trainable ones, or ``"replicate"`` them (``ignored_params``): no all-gather traffic
-            for weights that never change, at the cost of holding them whole on every rank. On
-            two GPUs with the 8B shape at batch 1 the sharded embeddings and LM head (128256 x
-            4096 each, 1 GiB each in bf16, gathered in forward and again in backward) are the
-            main per-step cost.
+            for weights that never change, at the cost of holding them whole on every rank. With
+            a large vocabulary and few rows per step, the sharded embeddings and LM head (at
+            Llama-3-8B's shape 128256 x 4096 each, 1 GiB each in bf16, gathered in forward and
+            again in backward) are much of a step's all-gather traffic.
         verify: with ``nf4="shard"``, checksum every packed 4-bit weight before sharding and
             after the first all-gather (``True``), or compare every byte (``"exact"``: a CPU
             copy of the packed bytes is kept until then), and refuse a model whose bytes

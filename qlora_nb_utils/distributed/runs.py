@@ -1,8 +1,8 @@
 """Driving ``fsdp_train`` runs from a parent process and reading what they wrote.
 
-Why this module exists: notebook 07 and ``lab/gpu/gpu_fsdp.sh`` start the ``torchrun`` runs as
-child processes and then read their ``log.jsonl`` and ``summary.json`` into the FSDP2 results
-record; that side joins no process group and needs no torch, so it lives apart from the
+Why this module exists: notebook 07 and any script that compares FSDP2 runs start the
+``torchrun`` runs as child processes and then read their ``log.jsonl`` and ``summary.json`` into
+one record; that side joins no process group and needs no torch, so it lives apart from the
 entry point and imports nothing heavy. Rank 0 of a run uses :func:`read_log` as well, to
 build its summary from the log it appended to.
 """
@@ -25,7 +25,7 @@ __all__ = ["launch", "read_log", "compare_runs"]
 def launch(nproc: int, args: Sequence[str], *, timeout: float | None = None, echo: bool = True):
     """Run ``torchrun --standalone --nproc-per-node nproc -m qlora_nb_utils.distributed.fsdp_train args``.
 
-    What the notebook and ``lab/gpu/gpu_fsdp.sh`` call. ``OMP_NUM_THREADS`` is left to torchrun
+    What the notebook and the repository's FSDP2 scripts call. ``OMP_NUM_THREADS`` is left to torchrun
     (1 per process when nproc > 1) unless already set.
 
     Returns:

@@ -13,6 +13,7 @@ import pytest
 
 from lab import long_context as lc
 from lab import long_context_merge as lcm
+from lab import long_context_search as lcs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +35,7 @@ class FakeTry:
         return {"seq_len": L, "ok": True, "peak_mem_gib": peak - 0.5, "reserved_gib": peak, "wall_s": self.secs,
                 "choices": {"ckpt_layers": "32/32", "offload": "True", "scope": "regional"}}
 
-    def edge(self, step=lc.STEP):
+    def edge(self, step=lcs.STEP):
         return int((self.cap - self.a) / self.b) // step * step
 
 
@@ -47,11 +48,11 @@ class Clock:
 
 def test_the_linear_fit_and_its_prediction():
     runs = [{"seq_len": L, "ok": True, "reserved_gib": 3.0 + 1e-4 * L} for L in (8192, 16384, 32768)]
-    pred = lc.predict(runs, cap_gib=10.0)
+    pred = lcs.predict(runs, cap_gib=10.0)
     assert pred["a_gib"] == pytest.approx(3.0) and pred["b_gib_per_token"] == pytest.approx(1e-4)
     assert pred["edge_tokens"] == pytest.approx(70_000) and pred["max_seq_len"] == 68 * 1024
     assert max(map(abs, pred["residuals_gib"])) < 1e-9 and pred["of"] == "reserved_gib"
-    assert lc.fit_line([(8192, 1.0)]) is None and lc.predict(runs[:1], 10.0) is None
+    assert lcs.fit_line([(8192, 1.0)]) is None and lcs.predict(runs[:1], 10.0) is None
 
 
 def test_the_fit_keeps_to_the_regime_of_the_longest_try():
@@ -59,7 +60,7 @@ def test_the_fit_keeps_to_the_regime_of_the_longest_try():
     runs = [{"seq_len": 4096, "ok": True, "reserved_gib": 20.0, "choices": {"ckpt_layers": "0/32"}}]
     runs += [{"seq_len": L, "ok": True, "reserved_gib": 3.0 + 1e-4 * L, "choices": {"ckpt_layers": "32/32"}}
              for L in (16384, 32768)]
-    pred = lc.predict(runs, cap_gib=10.0)
+    pred = lcs.predict(runs, cap_gib=10.0)
     assert pred["regime"] == "same" and pred["b_gib_per_token"] == pytest.approx(1e-4)
 
 
@@ -68,11 +69,11 @@ def test_the_search_finds_the_edge_to_1024_in_few_tries(cap, b):
     clock = Clock()
     fake = FakeTry(cap=cap, b=b, clock=clock)
     written = []
-    res = lc.search(fake, cap_gib=cap, probes=[8192, 16384, 32768], deadline_s=10_000, clock=clock,
+    res = lcs.search(fake, cap_gib=cap, probes=[8192, 16384, 32768], deadline_s=10_000, clock=clock,
                     on_run=lambda runs, pred: written.append(len(runs)))
     assert res["edge_found"] and res["stopped"] == "edge found"
     assert res["max_seq_len"] == fake.edge()
-    assert any(r["seq_len"] == fake.edge() + lc.STEP and not r["ok"] for r in res["runs"])
+    assert any(r["seq_len"] == fake.edge() + lcs.STEP and not r["ok"] for r in res["runs"])
     assert len(fake.calls) <= 6  # a linear peak: probes, the predicted edge, its neighbour
     assert written == list(range(1, len(res["runs"]) + 1))  # the file is rewritten after every try
     assert [r for r in res["runs"] if not r["ok"]] and all(r["oom"] for r in res["runs"] if not r["ok"])
@@ -89,7 +90,7 @@ def test_a_curved_peak_is_bisected_and_still_found():
             return run
 
     fake = Curved()
-    res = lc.search(fake, cap_gib=22.0, probes=[8192, 16384], deadline_s=10_000, clock=Clock())
+    res = lcs.search(fake, cap_gib=22.0, probes=[8192, 16384], deadline_s=10_000, clock=Clock())
     edge = max(L for L in range(1024, 200_000, 1024) if fake.a + fake.b * L + 2e-10 * L * L <= fake.cap)
     assert res["edge_found"] and res["max_seq_len"] == edge and len(fake.calls) <= 12
 
@@ -97,7 +98,7 @@ def test_a_curved_peak_is_bisected_and_still_found():
 def test_the_search_respects_its_deadline_and_records_what_it_had():
     clock = Clock()
     fake = FakeTry(secs=100.0, clock=clock)
-    res = lc.search(fake, cap_gib=22.0, probes=[8192, 16384, 32768], deadline_s=350, clock=clock)
+    res = lcs.search(fake, cap_gib=22.0, probes=[8192, 16384, 32768], deadline_s=350, clock=clock)
     assert clock.t <= 350 and len(fake.calls) == 3  # a fourth 100 s try would not fit the 50 s left
     assert res["stopped"] == "deadline" and not res["edge_found"] and res["max_seq_len"] == 32768
     assert all(timeout <= 350 - 5 - done * 100 for done, (_, timeout) in enumerate(fake.calls))
@@ -106,13 +107,13 @@ def test_the_search_respects_its_deadline_and_records_what_it_had():
 def test_failures_bound_the_search_and_a_setup_error_stops_it():
     runs = [{"seq_len": 8192, "ok": True}, {"seq_len": 16384, "ok": False, "timeout": True},
             {"seq_len": 32768, "ok": False, "oom": True}]
-    assert lc.bracket(runs) == (8192, 32768)  # a timeout bounds nothing
+    assert lcs.bracket(runs) == (8192, 32768)  # a timeout bounds nothing
     broken = lambda L, t: {"seq_len": L, "ok": False, "error": "ImportError: no bitsandbytes", "wall_s": 1}  # noqa: E731
-    res = lc.search(broken, cap_gib=22.0, probes=[8192, 16384], deadline_s=1000, clock=Clock())
+    res = lcs.search(broken, cap_gib=22.0, probes=[8192, 16384], deadline_s=1000, clock=Clock())
     assert res["stopped"].startswith("setup error") and len(res["runs"]) == 1 and res["max_seq_len"] is None
     # all probes out of memory: it halves below the shortest failure
     fake = FakeTry(b=15.0 / 3000)
-    res = lc.search(fake, cap_gib=22.0, probes=[8192], deadline_s=10_000, clock=Clock())
+    res = lcs.search(fake, cap_gib=22.0, probes=[8192], deadline_s=10_000, clock=Clock())
     assert res["edge_found"] and res["max_seq_len"] == fake.edge()
 
 

@@ -7,8 +7,8 @@ inference layout (``_convert_weight_packed_for_cpu``; ``quant_state.packing_form
 and keeps it so. From then on the layer computes through ``bitsandbytes::gemv_4bit``, which has
 no autograd kernel: backward through it warns ("an autograd kernel was not registered to the
 Autograd key(s) ...") and the gradient that flows through the frozen base weight to the layers
-below is lost, and the repacked kernel computes differently too. On the tiny model (fp32) the
-loss moves by 5e-5 while layer 0's LoRA gradient norms land at 65-126% of the right ones. So a
+below is lost, and the repacked kernel computes differently too. The loss barely moves, so
+nothing looks wrong, while the LoRA gradients of the first layers are far from the right ones. So a
 run that evaluates before it trains (a held-out loss at step 0, a "before" sample) trains on
 wrong gradients, and a resumed run, which does not evaluate first, follows another curve.
 (``from_pretrained`` hands a model back in eval mode: a first forward before ``.train()``
@@ -17,7 +17,7 @@ repacks the layers whose input does not require grad.)
 The repack is lossy, too: it casts the block scales (absmax) to bf16, and bitsandbytes' own
 inverse (``_convert_weight_packed_for_cpu_inverse``, which ``state_dict()`` and ``.cuda()``
 call) re-quantizes those rounded scales ("best-effort inverse"), so a model evaluated once is
-changed for good (LoRA gradients 0.4% off on the tiny model once converted back).
+changed for good (its LoRA gradients stay slightly off once converted back).
 
 The fix: ``Linear4bit.__init__`` stores ``support_avx512bf16_for_cpu = has_avx512bf16()`` and the
 repack runs only when it is True. :func:`apply` sets it False on each ``Linear4bit`` of the model

@@ -4,7 +4,7 @@ Not a graph-break workaround: a memory (and speed) patch. PEFT's ``Linear4bit.fo
 computes a LoRA projection as ``result = base(x).clone()``, ``out = lora_B(lora_A(x)) * scaling``,
 ``result = result + out``. Compiled, that is the base output, the ``lora_B`` matmul's output and
 their sum: three output-sized buffers where one is needed. With every layer checkpointed, the
-backward's recompute of one MLP had several of them alive at once beside the base outputs (the
+backward's recompute of one MLP holds several of them alive at once beside the base outputs (a
 memory profile's live tensors at the peak, allocated in PEFT's ``lora/bnb.py``). Here the update
 is one matmul that adds into the base output itself
 (:func:`qlora_nb_utils.ops.lora_update.add_lora_`, in place: an out-of-place ``torch.addmm``
