@@ -58,9 +58,13 @@ RUNTIME = "runtime"
 MACHINE_PATH = re.compile(r"(?<![\w.~<])(/tmp/|/root/|/home/|/work/|/usr/|/opt/|/var/|/check/|[A-Za-z]:\\\\)")
 
 # The executor runs inside the fresh environment (its nbclient, its kernel). It writes the notebook
-# back when it ends, passed or not, and interrupts the kernel when the budget runs out.
+# back when it ends, passed or not, and interrupts the kernel when the budget runs out. nbclient's
+# kernel manager is asynchronous: its interrupt_kernel() is a coroutine, which a timer thread can
+# only create, never run. An IPython kernel is interrupted by SIGINT (its interrupt mode is
+# "signal"), and a signal may be sent from any thread: the timer sends it to the kernel's process
+# group, as the kernel manager would. A budget spent between two cells stops before the next one.
 _EXECUTE = r"""
-import sys, threading, time, nbformat
+import os, signal, sys, threading, time, nbformat
 from nbclient import NotebookClient
 path, budget, cell_timeout = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 nb = nbformat.read(path, as_version=4)
@@ -68,15 +72,31 @@ client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", record_
                         resources={"metadata": {"path": "."}})
 t0 = time.monotonic()
 timer = None
+spent = threading.Event()
 ok = False
+
+
+def interrupt(km):
+    process = getattr(getattr(km, "provisioner", None), "process", None)
+    if process is None or process.poll() is not None:
+        return
+    try:
+        os.killpg(os.getpgid(process.pid), signal.SIGINT)
+    except (AttributeError, OSError):  # no process groups (Windows), or the group is gone
+        process.send_signal(signal.SIGINT)
+
+
 try:
     with client.setup_kernel():
         def stop():
+            spent.set()
             print(f"time budget of {budget:.0f} s spent: interrupting the kernel", flush=True)
-            client.km.interrupt_kernel()
+            interrupt(client.km)
         timer = threading.Timer(budget, stop)
         timer.start()
         for index, cell in enumerate(nb.cells):
+            if spent.is_set():
+                raise TimeoutError(f"time budget of {budget:.0f} s spent before cell {index}")
             client.execute_cell(cell, index)
             nbformat.write(nb, path)  # what ran so far survives a kill from outside
     ok = True

@@ -2,6 +2,9 @@
 stamped, with no path of the machine that ran them."""
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +54,29 @@ def test_the_runtime_sees_no_repository_and_no_project_settings(tmp_path):
     assert env["CUDA_VISIBLE_DEVICES"] == "2" and env["QLORA_NB_PROFILE"] == "gpu-short"
     online = cr.clean_env(base, tmp_path / "home", tmp_path / "house", "cpu", None, online=True)
     assert "PIP_NO_INDEX" not in online and online["CUDA_VISIBLE_DEVICES"] == "" and "QLORA_NB_PROFILE" not in online
+
+
+def test_a_cell_that_runs_past_the_budget_is_interrupted(tmp_path):
+    # the executor as the rehearsal runs it, in this environment's Jupyter kernel: a cell that would
+    # sleep for minutes is interrupted once the 1 s budget is spent, the next cell never runs, and the
+    # notebook is written back with the interrupt in its outputs
+    nb = {"cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": src}
+                    for src in ("import time\ntime.sleep(600)", "print('after')")],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    for i, cell in enumerate(nb["cells"]):
+        cell["id"] = f"c{i}"
+    (tmp_path / "nb.ipynb").write_text(json.dumps(nb))
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", cr._EXECUTE, "nb.ipynb", "1", "900"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert run.returncode != 0 and "time budget of 1 s spent: interrupting the kernel" in run.stdout, run.stdout
+    assert "nb.ipynb: failed" in run.stdout and "never awaited" not in run.stderr, run.stderr[-2000:]
+    first, second = json.loads((tmp_path / "nb.ipynb").read_text())["cells"]
+    assert [o.get("ename") for o in first["outputs"]] == ["KeyboardInterrupt"]
+    assert second["execution_count"] is None and second["outputs"] == []
+    assert took < 100, f"{took:.0f} s: the sleep ran on"
 
 
 def _nb(*outputs):
