@@ -11,13 +11,14 @@ the device and multiplies by it, because "importable" and "runs on this device" 
 questions. The answer is cached per device type.
 """
 
+import contextlib
 import importlib
 import importlib.metadata
 import logging
 import os
 import platform
 import re
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -233,48 +234,79 @@ def bnb_status(device: DeviceLike = "auto") -> Tuple[bool, str]:
         ValueError: as :func:`resolve_device`.
     """
     dev = resolve_device(device)
-    quiet_bnb_cpu_kernel_note()  # before bitsandbytes is imported
     if dev.type not in _BNB_CACHE:
         _BNB_CACHE[dev.type] = _check_bnb(dev)
     return _BNB_CACHE[dev.type]
 
 
-#: What bitsandbytes' CPU backend logs at import on a CPU with AVX512-BF16 when the optional
-#: ``kernels`` package (its fused NF4 kernel, fetched from the Hugging Face Hub) is missing.
+#: The start of the warning bitsandbytes' CPU backend logs once, when bitsandbytes is imported on a CPU
+#: with AVX512-BF16 and its optional fused 4-bit kernel (the ``kernels`` package, which fetches it from
+#: the Hugging Face Hub) cannot be loaded.
 BNB_CPU_KERNEL_NOTE = "Failed to load CPU gemm_4bit_forward"
+#: What :func:`bnb_cpu_kernel_note_in_plain_words` makes of that warning (an INFO record).
+BNB_CPU_KERNEL_PLAIN = ("bitsandbytes: 4-bit matmuls on this CPU use bitsandbytes' built-in CPU path, slower than "
+                        "its optional fused kernel (the `kernels` package, fetched from the Hugging Face Hub, is not "
+                        "available); the results are the same and nothing needs fixing")
 _BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 
 
 class _BnbCpuKernelNote(logging.Filter):
-    """Turns bitsandbytes' warning about its optional CPU kernel into one INFO line saying what it means.
-
-    The warning reads like a broken install and came with every CPU model load, while nothing is
-    wrong: NF4 runs on bitsandbytes' built-in CPU path. Other records pass unchanged.
-    """
+    """Turns that one warning into :data:`BNB_CPU_KERNEL_PLAIN` at INFO level; other records pass unchanged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith(BNB_CPU_KERNEL_NOTE):
-            return True
-        record.msg = ("bitsandbytes: its optional fused NF4 kernel for this CPU (the `kernels` package, fetched "
-                      "from the Hugging Face Hub) is not installed; NF4 runs on bitsandbytes' own CPU path")
-        record.args, record.levelno, record.levelname = (), logging.INFO, "INFO"
+        if str(record.msg).startswith(BNB_CPU_KERNEL_NOTE):
+            record.msg, record.args = BNB_CPU_KERNEL_PLAIN, ()
+            record.levelno, record.levelname = logging.INFO, "INFO"
         return True
 
 
-def quiet_bnb_cpu_kernel_note() -> None:
-    """Keep bitsandbytes' import-time note about its optional CPU kernel out of the way (idempotent).
+@contextlib.contextmanager
+def bnb_cpu_kernel_note_in_plain_words() -> Iterator[None]:
+    """While open, bitsandbytes' warning about its optional CPU kernel is one INFO line in plain words.
 
-    Called before bitsandbytes is first imported for a model load; the note stays available at
-    INFO level (``logging.getLogger("bitsandbytes.backends.cpu.ops")``).
+    The warning ("Failed to load CPU gemm_4bit_forward ... pip install kernels") reads like a broken
+    install, while nothing is wrong: 4-bit matmuls run on bitsandbytes' built-in CPU path. It is
+    logged when bitsandbytes is imported, so the import has to happen inside this block; a filter
+    on bitsandbytes' logger does the rewording and is removed on exit, leaving logging as it was.
+    INFO is below what Python shows by default, so the line is quiet unless the user turns on
+    INFO logging, and then it appears once (bitsandbytes is imported once per process). It is a
+    scoped filter rather than one installed when this package is imported because the package
+    changes nothing in other libraries at import time.
     """
     logger = logging.getLogger(_BNB_CPU_LOGGER)
-    if not any(isinstance(f, _BnbCpuKernelNote) for f in logger.filters):
-        logger.addFilter(_BnbCpuKernelNote())
+    note = _BnbCpuKernelNote()
+    logger.addFilter(note)
+    try:
+        yield
+    finally:
+        logger.removeFilter(note)
+
+
+def import_bitsandbytes(required: bool = True) -> Any:
+    """``import bitsandbytes`` inside :func:`bnb_cpu_kernel_note_in_plain_words`.
+
+    Model loads call this before anything else imports bitsandbytes (PEFT imports it whenever it is
+    installed): once it has been imported elsewhere, its warning has already been printed.
+
+    Args:
+        required: when False, return None instead of raising where bitsandbytes is missing or
+            fails to import (the caller does not need it; whoever does reports the error).
+
+    Raises:
+        ImportError (or what a broken install raises), only with ``required=True``.
+    """
+    with bnb_cpu_kernel_note_in_plain_words():
+        try:
+            return importlib.import_module("bitsandbytes")
+        except Exception:
+            if required:
+                raise
+            return None
 
 
 def _check_bnb(dev: torch.device) -> Tuple[bool, str]:
     try:
-        bnb = importlib.import_module("bitsandbytes")
+        bnb = import_bitsandbytes()
     except ImportError as exc:
         return False, (
             f"bitsandbytes is not installed ({exc}); install it with `pip install bitsandbytes` "

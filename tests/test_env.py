@@ -160,25 +160,46 @@ def test_bnb_without_backend_is_reported(monkeypatch):
     assert "installed but cannot run NF4 on cpu" in reason and "no kernel registered" in reason
 
 
-def test_bitsandbytes_cpu_kernel_note_is_one_quiet_line(caplog):
-    """bitsandbytes' import-time warning about its optional CPU kernel reads like a broken install:
-    once the loader has run, it is an INFO line saying what it means, and other records pass."""
+def test_bitsandbytes_cpu_kernel_note_is_said_plainly_inside_the_block_only(caplog):
+    """bitsandbytes' warning about its optional CPU kernel reads like a broken install: inside the
+    block it is one INFO line in plain words, other records pass, and the filter is gone after."""
     import logging
 
-    from qlora_nb_utils import env
-
-    env.bnb_status("cpu")  # what every model load runs first
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    before = list(logger.filters)
     with caplog.at_level(logging.INFO, logger="bitsandbytes.backends.cpu.ops"):
-        logger.warning(env.BNB_CPU_KERNEL_NOTE + " from kernels-community: %s. Please pip install kernels",
-                       "No module named 'kernels'")
-        logger.warning("something else: %s", 1)
-    (note, other) = caplog.records
-    assert note.levelno == logging.INFO and "NF4 runs on bitsandbytes' own CPU path" in note.getMessage()
-    assert "Failed" not in note.getMessage()
+        with env.bnb_cpu_kernel_note_in_plain_words():
+            logger.warning(env.BNB_CPU_KERNEL_NOTE + " from kernels-community: %s. Please pip install kernels",
+                           "No module named 'kernels'")
+            logger.warning("something else: %s", 1)
+        logger.warning(env.BNB_CPU_KERNEL_NOTE + " outside the block")
+    (note, other, outside) = caplog.records
+    assert note.levelno == logging.INFO and note.getMessage() == env.BNB_CPU_KERNEL_PLAIN
     assert other.levelno == logging.WARNING and other.getMessage() == "something else: 1"
-    env.quiet_bnb_cpu_kernel_note()
-    assert len(logger.filters) == 1  # idempotent
+    assert outside.levelno == logging.WARNING and outside.getMessage().startswith(env.BNB_CPU_KERNEL_NOTE)
+    assert logger.filters == before  # reversible: nothing left on bitsandbytes' logger
+
+
+def test_loading_nf4_on_the_cpu_says_the_bitsandbytes_note_once_in_plain_words():
+    """A fresh process (bitsandbytes logs the note when first imported) loads a tiny NF4 model on
+    the CPU twice with INFO logging on: the raw warning never shows, the plain line at most once,
+    exactly once where bitsandbytes has the note to give (AVX512-BF16 and no ``kernels``)."""
+    import subprocess
+
+    code = """
+import importlib.util, logging
+logging.basicConfig(level=logging.INFO)
+from qlora_nb_utils import models
+for _ in range(2):
+    models.load_model("tiny", quant="nf4", lora=False, device="cpu")
+from bitsandbytes.functional import has_avx512bf16
+print("EXPECT_NOTE", int(has_avx512bf16() and importlib.util.find_spec("kernels") is None))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    expect = int(result.stdout.split("EXPECT_NOTE")[1].split()[0])
+    assert env.BNB_CPU_KERNEL_NOTE not in result.stderr + result.stdout
+    assert result.stderr.count(env.BNB_CPU_KERNEL_PLAIN) == expect, result.stderr[-2000:]
 
 
 def test_prefer_expandable_segments_sets_it_only_when_nothing_chose(monkeypatch):

@@ -98,7 +98,6 @@ def _merge_and_save(run: TrainedRun, out: Path, *, base: str, dtype: str, device
                     log: Callable[[str], None]) -> Path:
     """The merge and save of :func:`export_run`, for a run and ``out`` already checked."""
     import torch
-    from peft import PeftModel
 
     from .. import env, models
 
@@ -120,6 +119,8 @@ def _merge_and_save(run: TrainedRun, out: Path, *, base: str, dtype: str, device
         finally:
             hf_logging.set_verbosity(level)
     log(f"==> merging the adapter from {run.adapter}")
+    from peft import PeftModel  # after load_model, which imports bitsandbytes first (env.import_bitsandbytes)
+
     merged = PeftModel.from_pretrained(model, run.adapter).merge_and_unload()
     if save_dtype != run_dtype:
         merged = merged.to(save_dtype)

@@ -70,11 +70,11 @@ def load_trained(path: str | Path, *, merged: bool = False, device: str = "auto"
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(dev)
         tok = AutoTokenizer.from_pretrained(source)
     else:
-        from peft import PeftModel
-
         from .. import models
 
         base, tok = models.load_model(source.model, quant="nf4", lora=False, dtype=dtype, device=dev)
+        from peft import PeftModel  # after load_model, which imports bitsandbytes first (env.import_bitsandbytes)
+
         model = PeftModel.from_pretrained(base, source.adapter)
         if dev.type == "cpu":
             from ..compile.patches import bnb_cpu_packing
