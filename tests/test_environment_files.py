@@ -206,7 +206,8 @@ def fake_program(sandbox, name, body):
 
 def run_setup(sandbox, *args, **env):
     full_env = {k: v for k, v in os.environ.items()
-                if k not in ("PYTHON", "TORCH_CHANNEL", "TORCH_INDEX_URL")}
+                if k not in ("PYTHON", "TORCH_CHANNEL", "TORCH_INDEX_URL", "QLORA_NB_WHEEL_CACHE",
+                             "QLORA_NB_LLAMA_CMAKE_ARGS", "CMAKE_ARGS")}
     full_env["PATH"] = f"{sandbox / 'bin'}{os.pathsep}{full_env['PATH']}"
     full_env.update(env)
     return subprocess.run(["bash", str(sandbox / "setup.sh"), *args], cwd=sandbox, env=full_env,
@@ -268,11 +269,81 @@ def test_setup_adds_llama_cpp_only_when_asked_with_its_pin_and_wheel_cache(sandb
     assert dry_run(sandbox)["llama.cpp"].startswith("no")
     plan = dry_run(sandbox, "--with-llama-cpp", QLORA_NB_WHEEL_CACHE=str(tmp_path / "wheels"))
     pin = pin_map("requirements-llama.txt")["llama-cpp-python"]
-    assert plan["llama.cpp"] == f"llama-cpp-python=={pin} (its wheel built once into {tmp_path / 'wheels'})"
+    match = re.fullmatch(r"llama-cpp-python==(\S+) \(its wheel built once into (.+)\)", plan["llama.cpp"])
+    assert match and match[1] == pin, plan["llama.cpp"]
+    folder = Path(match[2])
+    # in a folder of its own under the cache, never the cache itself (where an older setup kept a native build)
+    assert folder.parent == tmp_path / "wheels" and re.fullmatch(rf"llama-cpp-python-{re.escape(pin)}-[0-9a-f]{{12}}",
+                                                                  folder.name), folder
     (sandbox / "requirements-llama.txt").write_text("# nothing pinned\n")
     fake = fake_program(sandbox, "fakepython", 'echo 3.11.7')
     result = run_setup(sandbox, "--dry-run", "--with-llama-cpp", PYTHON=str(fake))
     assert result.returncode != 0 and "requirements-llama.txt has no 'llama-cpp-python==VERSION' line" in result.stderr
+
+
+def llama_plan(sandbox, **env):
+    """(wheel folder, CMake flags) that ``setup.sh --dry-run --with-llama-cpp`` reports."""
+    fake = fake_program(sandbox, "fakepython", 'echo 3.11.7')
+    result = run_setup(sandbox, "--dry-run", "--with-llama-cpp", PYTHON=str(fake), **env)
+    assert result.returncode == 0, result.stderr
+    folder = re.search(r"^\s+llama\.cpp:.*built once into (.+)\)$", result.stdout, re.MULTILINE)[1]
+    flags = re.search(r'^\s+llama\.cpp build: CMAKE_ARGS="(.*)"$', result.stdout, re.MULTILINE)[1]
+    return folder, flags.split()
+
+
+def test_setup_builds_llama_cpp_portable_not_for_the_build_machine(sandbox):
+    folder, flags = llama_plan(sandbox)
+    assert "-DGGML_NATIVE=OFF" in flags and not any("NATIVE=ON" in f or "march=native" in f for f in flags)
+    assert not any(f.startswith("-DGGML_BACKEND_DL=ON") or f.startswith("-DGGML_CPU_ALL_VARIANTS=ON") for f in flags)
+    if os.uname().machine in ("x86_64", "amd64"):
+        # the x86-64-v3 level, nothing above it
+        for on in ("AVX", "AVX2", "FMA", "F16C"):
+            assert f"-DGGML_{on}=ON" in flags, flags
+        for off in ("AVX512", "AMX_TILE", "AMX_INT8", "AMX_BF16"):
+            assert f"-DGGML_{off}=OFF" in flags, flags
+    # CMAKE_ARGS from the environment neither changes the build nor its cache folder
+    assert llama_plan(sandbox, CMAKE_ARGS="-DGGML_NATIVE=ON") == (folder, flags)
+
+
+def test_llama_cpp_wheel_cache_is_keyed_by_the_build_flags(sandbox, tmp_path):
+    wheels = str(tmp_path / "wheels")
+    folder, flags = llama_plan(sandbox, QLORA_NB_WHEEL_CACHE=wheels)
+    assert llama_plan(sandbox, QLORA_NB_WHEEL_CACHE=wheels) == (folder, flags)  # stable: a second setup reuses it
+    native = "-DGGML_NATIVE=ON -DGGML_AVX512=ON"
+    other, other_flags = llama_plan(sandbox, QLORA_NB_WHEEL_CACHE=wheels, QLORA_NB_LLAMA_CMAKE_ARGS=native)
+    assert other_flags == native.split()
+    assert other != folder and Path(other).parent == Path(folder).parent == Path(wheels)
+    (sandbox / "requirements-llama.txt").write_text("llama-cpp-python==0.0.1\n")  # another version: another folder
+    assert llama_plan(sandbox, QLORA_NB_WHEEL_CACHE=wheels)[0] not in (folder, other)
+
+
+def test_setup_help_shows_the_whole_header(sandbox):
+    result = run_setup(sandbox, "--help")
+    assert result.returncode == 0
+    assert "QLORA_NB_LLAMA_CMAKE_ARGS" in result.stdout and "GGML_NATIVE=OFF" in result.stdout
+    assert "a second run installs nothing" in result.stdout and "set -E" not in result.stdout
+
+
+def _llama_cpp_check_script():
+    text = (ROOT / "setup.sh").read_text()
+    return re.search(r"^llama_cpp_check\(\) \{.*?<<'EOF'\n(.*?)^EOF$", text, re.MULTILINE | re.DOTALL)[1]
+
+
+def test_setup_llama_cpp_check_is_python():
+    script = _llama_cpp_check_script()
+    compile(script, "setup.sh:llama_cpp_check", "exec")
+    assert "Llama(" in script and ".eval(" in script and "isfinite" in script
+
+
+@needs_repo_venv
+def test_installed_llama_cpp_evaluates_a_gguf_file():
+    """What ``setup.sh --with-llama-cpp`` checks, run again on what it installed (a separate process:
+    a build that does not run on this CPU dies of a signal)."""
+    pytest.importorskip("llama_cpp", reason="setup.sh --with-llama-cpp installs it")
+    result = subprocess.run([sys.executable, "-c", _llama_cpp_check_script()], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    assert "finite logits" in result.stdout
 
 
 def test_setup_takes_the_torch_pin_from_requirements_txt(sandbox):
