@@ -42,8 +42,8 @@ __all__ = ["to_device", "pad_batch", "batch_shapes", "prepare_batch", "step_forw
 LOSS_ROWS_WHEN_IGNORED_OVER = 0.1
 
 #: The per-token keys padding extends and the dynamic marks cover.
-SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "document_ids")
-_PAD_FILL = {"attention_mask": 0, "labels": -100, "document_ids": -1}
+SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "document_ids", "shift_labels")
+_PAD_FILL = {"attention_mask": 0, "labels": -100, "document_ids": -1, "shift_labels": -100}
 
 
 def pad_batch(batch: dict, multiple: int, pad_token_id: int = 0) -> dict:
@@ -121,10 +121,12 @@ def prepare_batch(batch: dict, *, multiple: int, pad_id: int, mark_dynamic: bool
             value = batch.get(key)
             if torch.is_tensor(value) and value.dim() >= 2:
                 torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
-    labels = batch.get("labels")
+    shifted = torch.is_tensor(batch.get("shift_labels"))  # targets already shifted (a row split by position)
+    labels = batch.get("shift_labels" if shifted else "labels")
     if loss_rows and torch.is_tensor(labels) and labels.dim() == 2 and not batch.get("token_stats"):
-        rows = labelled_rows(labels, buckets=labels[:, 1:].numel() if fine_rows else ROW_BUCKETS, multiple=loss_rows,
-                             at_least=min_loss_rows, overflow_to_all=not dynamic_rows)
+        targets = labels.numel() if shifted else labels[:, 1:].numel()
+        rows = labelled_rows(labels, buckets=targets if fine_rows else ROW_BUCKETS, multiple=loss_rows,
+                             at_least=min_loss_rows, overflow_to_all=not dynamic_rows, shifted=shifted)
         if dynamic_rows:
             torch._dynamo.maybe_mark_dynamic(rows, 0)
         else:  # never made dynamic by torch's automatic dynamic shapes either
@@ -163,11 +165,14 @@ def choose_loss_rows(asked: bool | str, ce_chunks: int, batches: list[dict] | No
                 if asked == "auto" else ("all", "asked for")) + (None,)
     ignored = total = most = 0
     for batch in batches or ():
-        labels = pad_batch(batch, multiple)["labels"] if "labels" in batch else None
+        shifted = "shift_labels" in batch
+        key = "shift_labels" if shifted else "labels"
+        labels = pad_batch(batch, multiple)[key] if key in batch else None
         if torch.is_tensor(labels) and labels.dim() == 2:
-            ignored += int((labels[:, 1:] == -100).sum())
-            total += labels[:, 1:].numel()
-            most = max(most, labelled_rows(labels, multiple=ce_chunks).numel())
+            targets = labels if shifted else labels[:, 1:]
+            ignored += int((targets == -100).sum())
+            total += targets.numel()
+            most = max(most, labelled_rows(labels, multiple=ce_chunks, shifted=shifted).numel())
     share = ignored / total if total else 0.0
     if asked != "auto":
         return ("labelled", "asked for", most or None) if asked else ("all", "asked for", None)

@@ -68,7 +68,8 @@ CHUNK_MIN_ROWS = 512
 
 
 def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple: int = 1,
-                  ignore_index: int = IGNORE_INDEX, at_least: int = 0, overflow_to_all: bool = False) -> torch.Tensor:
+                  ignore_index: int = IGNORE_INDEX, at_least: int = 0, overflow_to_all: bool = False,
+                  shifted: bool = False) -> torch.Tensor:
     """The next-token target rows that carry a label, as indices for ``chunked_cross_entropy(rows=)``.
 
     Rows are numbered as :func:`causal_lm_targets` flattens them (``b * (S-1) + s`` predicts
@@ -89,6 +90,8 @@ def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple:
             one graph and not one per bucket (``optimize`` passes the most any batch shown needs).
         overflow_to_all: a count over ``at_least``'s length takes every row's length instead of
             its own bucket: two lengths at most (for a graph whose length is static).
+        shifted: ``labels`` are already each position's next-token target (:func:`causal_lm_targets`'
+            ``shifted``): rows are numbered ``b * S + s``.
 
     Returns:
         A 1-D int64 tensor on ``labels``' device.
@@ -97,12 +100,12 @@ def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple:
         ValueError: ``labels`` not 2-D with at least 2 positions, ``buckets`` or ``multiple`` < 1,
             ``at_least`` < 0.
     """
-    if labels.dim() != 2 or labels.shape[1] < 2:
-        raise ValueError(f"labels must be (B, S) with S >= 2, got shape {tuple(labels.shape)}")
+    if labels.dim() != 2 or labels.shape[1] < (1 if shifted else 2):
+        raise ValueError(f"labels must be (B, S) with S >= {1 if shifted else 2}, got shape {tuple(labels.shape)}")
     for name, value, low in (("buckets", buckets, 1), ("multiple", multiple, 1), ("at_least", at_least, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    valid = labels[:, 1:].reshape(-1) != ignore_index
+    valid = (labels if shifted else labels[:, 1:]).reshape(-1) != ignore_index
     rows = valid.nonzero().squeeze(1)
     n, total = rows.numel(), valid.numel()
     unit = math.lcm(64, multiple)
@@ -115,18 +118,25 @@ def labelled_rows(labels: torch.Tensor, *, buckets: int = ROW_BUCKETS, multiple:
     return torch.cat([rows, rows.new_full((cap - n,), total)])
 
 
-def causal_lm_targets(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
+def causal_lm_targets(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+                      shifted: bool = False):
     """Shift for next-token prediction: positions ``0..S-2`` predict labels ``1..S-1``.
 
     Args:
         hidden: ``(B, S, D)`` final hidden states (after the final norm).
         labels: ``(B, S)`` token ids, ``ignore_index`` where no loss is taken.
         ignore_index: the label value that is skipped.
+        shifted: ``labels[b, s]`` is already position ``s``'s target (HF's ``shift_labels``): no
+            shift, every position predicts. A row split over ranks by position (context
+            parallelism) needs this: a shard's last position predicts the next shard's first token.
 
     Returns:
-        ``(hidden_2d, targets_1d)`` of shapes ``(B*(S-1), D)`` and ``(B*(S-1),)``.
+        ``(hidden_2d, targets_1d)`` of shapes ``(B*(S-1), D)`` and ``(B*(S-1),)`` (``B*S`` rows when
+        ``shifted``).
     """
     d = hidden.shape[-1]
+    if shifted:
+        return hidden.reshape(-1, d), labels.reshape(-1)
     return hidden[:, :-1, :].reshape(-1, d), labels[:, 1:].reshape(-1)
 
 
@@ -229,7 +239,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                           chunks: int = 4, ignore_index: int = IGNORE_INDEX,
                           rows: torch.Tensor | None = None, compiled_math: bool = False,
                           min_chunk_rows: int = 0, bias: torch.Tensor | None = None,
-                          logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+                          logit_scale: float = 1.0, softcap: float | None = None,
+                          shifted: bool = False) -> torch.Tensor:
     """Causal-LM loss of an LM head without materialising all logits.
 
     Equal to ``F.cross_entropy(logits.float(), labels[:, 1:], ignore_index=ignore_index)`` (mean
@@ -258,6 +269,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         logit_scale: the factor the model multiplies its logits by (Cohere's ``logit_scale``,
             one over Granite's ``logits_scaling``); 1: none.
         softcap: the model's final-logit soft cap (Gemma-2/3's ``final_logit_softcapping``), or None.
+        shifted: ``labels`` are each position's target already (:func:`causal_lm_targets`); ``rows``
+            then from ``labelled_rows(..., shifted=True)``.
 
     Returns:
         The scalar fp32 loss.
@@ -267,7 +280,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
             finite number > 0.
     """
     _check_head_inputs(hidden, weight, labels, chunks, bias, logit_scale, softcap)
-    h, t = causal_lm_targets(hidden, labels, ignore_index)
+    h, t = causal_lm_targets(hidden, labels, ignore_index, shifted)
     if rows is not None:  # index total (the padding of labelled_rows) reads row total-1, ignored
         inside = rows < t.shape[0]
         safe = rows.clamp(max=t.shape[0] - 1)
@@ -388,6 +401,9 @@ class ChunkedLossLM(torch.nn.Module):
     With ``token_stats=True`` it returns the :class:`TokenStats` of
     :func:`chunked_token_log_probs` instead (for trainers that reduce per-token losses themselves).
     ``loss_rows`` (from :func:`labelled_rows`) limits the head and the loss to those rows.
+    ``shift_labels`` (instead of ``labels``) gives each position's target already shifted, as
+    transformers' losses take it: a row split over ranks by position (context parallelism) shifts
+    before it is split, so that a shard's last position keeps its target.
     ``compiled_math``: :func:`chunked_cross_entropy`'s, for a loss run outside a compiled graph.
     ``min_chunk_rows``: :func:`chunked_cross_entropy`'s (0: always ``chunks`` pieces).
     ``head``: what the model's head does after ``hidden @ W^T`` (:class:`~.lm_head.LMHead`); None
@@ -444,33 +460,38 @@ class ChunkedLossLM(torch.nn.Module):
         self.vocab_split = {"start": start, "stop": stop, "vocab": vocab, "group": group}
         return start, stop
 
-    def _vocab_parallel_loss(self, hidden, weight, labels):
+    def _vocab_parallel_loss(self, hidden, weight, labels, shifted=False):
         from .vocab_parallel import vocab_parallel_cross_entropy
 
-        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-        y = labels[:, 1:].reshape(-1)
+        h, y = causal_lm_targets(hidden, labels, IGNORE_INDEX, shifted)
         keep = (y != IGNORE_INDEX).nonzero()[:, 0]
         return vocab_parallel_cross_entropy(h[keep], weight, y[keep], vocab_start=self.vocab_split["start"],
                                             chunk_rows=1024, logit_scale=self.head.scale, softcap=self.head.softcap,
                                             group=self.vocab_split["group"])
 
     def forward(self, input_ids, attention_mask=None, labels=None, token_stats: bool = False,
-                loss_rows=None, **kwargs):
+                loss_rows=None, shift_labels=None, **kwargs):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        shifted = shift_labels is not None  # each position's target given (a row split by position)
+        if shifted:
+            if token_stats:
+                raise ValueError("per-token statistics take labels, not shift_labels")
+            labels = shift_labels
         causal_lm = causal_lm_of(self.model)
         hidden = decoder_of(causal_lm)(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
         out = causal_lm.get_output_embeddings()
         if self.vocab_split is not None:
             if token_stats:
                 raise ValueError("per-token statistics need the whole vocabulary: not with a split head")
-            return CausalLMOutputWithPast(loss=self._vocab_parallel_loss(hidden, out.weight, labels))
+            return CausalLMOutputWithPast(loss=self._vocab_parallel_loss(hidden, out.weight, labels, shifted))
         head = {"bias": out.bias, "logit_scale": self.head.scale, "softcap": self.head.softcap}
         if token_stats:
             return chunked_token_log_probs(hidden, out.weight, labels, chunks=self.chunks, **head)
         return CausalLMOutputWithPast(loss=chunked_cross_entropy(hidden, out.weight, labels, chunks=self.chunks,
                                                                  rows=loss_rows, compiled_math=self.compiled_math,
-                                                                 min_chunk_rows=self.min_chunk_rows, **head))
+                                                                 min_chunk_rows=self.min_chunk_rows, shifted=shifted,
+                                                                 **head))
 
 
 def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
