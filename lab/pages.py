@@ -17,8 +17,9 @@ RESULTS_MD = LAB / "RESULTS.md"
 README = ROOT / "README.md"
 START, END = "<!-- headline:start (python -m lab.index) -->", "<!-- headline:end -->"
 NB_START, NB_END = "<!-- notebooks:start (python -m lab.index) -->", "<!-- notebooks:end -->"
-#: the repository on GitHub, named here once: the README's Colab badges are made from it (the
-#: notebooks' install cell names the same one as its default, tests/lab/test_index.py checks)
+#: the repository on GitHub and the branch, named here once: the README's Colab badges are made from
+#: them, and the notebooks' install cell installs the same repository at the same branch by default
+#: (tests/lab/test_index.py and tests/test_packaging.py check)
 REPOSITORY = "qlora-compile/qlora-compile"
 BRANCH = "main"
 

@@ -67,6 +67,14 @@ def test_the_wheel_installs_into_a_fresh_venv_with_its_data_and_cli(tmp_path):
     assert all(word in cli.stdout for word in ("bench", "diagnose", "report"))
 
 
+def test_the_version_is_the_same_in_the_package_and_its_metadata():
+    import tomllib
+
+    import qlora_nb_utils
+
+    assert qlora_nb_utils.__version__ == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
 def test_every_notebook_has_the_same_install_cell():
     assert len({install_cell(p) for p in NOTEBOOKS}) == 1
 
@@ -108,14 +116,16 @@ def test_install_cell_takes_the_wheel_named_by_the_environment(tmp_path, monkeyp
         _run_install_cell(tmp_path, monkeypatch, {"QLORA_NB_WHEEL": str(tmp_path / "missing.whl")})
 
 
-def test_install_cell_falls_back_to_the_git_url_at_the_release_tag(tmp_path, monkeypatch):
-    import tomllib
+def test_install_cell_falls_back_to_the_git_url_at_the_branch_the_badges_open(tmp_path, monkeypatch):
+    # the default ref exists before any release: the branch the Colab badge opened the notebook
+    # from, so the notebook and the package it installs are the same snapshot; a tag pins a release
+    from lab import pages
 
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     cmd = _run_install_cell(tmp_path, monkeypatch, {"QLORA_NB_REPO": "https://example.org/fork"})
-    assert cmd[5] == f"qlora-nb-utils[quant,smollm2,trl] @ git+https://example.org/fork@v{version}"
-    cmd = _run_install_cell(tmp_path, monkeypatch, {"QLORA_NB_REF": "main"})
-    assert cmd[5].endswith("/qlora-compile@main")
+    assert cmd[5] == f"qlora-nb-utils[quant,smollm2,trl] @ git+https://example.org/fork@{pages.BRANCH}"
+    assert f"/blob/{pages.BRANCH}/notebooks/" in pages.colab_url(NOTEBOOKS[0].name)
+    cmd = _run_install_cell(tmp_path, monkeypatch, {"QLORA_NB_REF": "v1.2.3"})
+    assert cmd[5].endswith("/qlora-compile@v1.2.3")
 
 
 def test_install_cell_installs_from_the_repository_the_colab_badges_open():
