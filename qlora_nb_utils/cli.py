@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--grad-ckpt", choices=("auto", "on", "off"), default="auto",
                    help="the fast path's checkpointing: auto (off, or the fewest layers that fit --max-memory-gib)")
     b.add_argument("--max-memory-gib", type=float, default=None, help="the fast path's peak-memory target")
+    b.add_argument("--scope", choices=("auto", "whole", "regional"), default="auto",
+                   help="what the fast path compiles: auto (by what pays over --steps), whole (one graph: the "
+                        "fastest step on a GPU) or regional (one decoder layer's graph, reused)")
     b.add_argument("--packing", action="store_true", help="packed against padded on the same examples, in real "
                    "tokens/s: hf-eager (packed), fast-padded, fast (packed; the whole epoch if --steps allows)")
     b.add_argument("--limit", type=_positive_int, default=None, help="read only the first N examples of the data")
@@ -149,6 +152,11 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--backend", default="inductor")
     t.add_argument("--max-memory-gib", type=float, default=None, help="peak-memory target: checkpoint layers to fit")
     t.add_argument("--grad-ckpt", choices=("auto", "on", "off"), default="auto")
+    t.add_argument("--scope", choices=("auto", "whole", "regional"), default="auto",
+                   help="what compiles: auto (by what pays over --steps: one decoder layer's graph reused by every "
+                        "layer for a short job, the whole model for a long one on a GPU), whole or regional")
+    t.add_argument("--compile-cache", choices=("auto", "on", "off"), default="auto",
+                   help="keep the compiled graphs for the next run in the package's cache folder (auto: on a GPU)")
     t.add_argument("--packing", choices=("auto", "on", "off"), default="auto",
                    help="pack whole examples into rows of --seq-len, each attending to itself only (auto: when "
                         "padded batches would be more than a quarter padding)")
@@ -236,9 +244,10 @@ def _non_negative_int(text: str) -> int:
 def _train_options(args: argparse.Namespace) -> dict:
     keys = ("model", "data", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "lora_r", "lora_alpha",
             "eval_every", "eval_size", "save_every", "mode", "backend", "max_memory_gib", "device", "dtype", "seed",
-            "check_parity")
+            "check_parity", "scope")
     opts = {k: getattr(args, k) for k in keys}
     opts["grad_ckpt"] = {"auto": "auto", "on": True, "off": False}[args.grad_ckpt]
+    opts["compile_cache"] = {"auto": "auto", "on": True, "off": False}[args.compile_cache]
     opts["packing"] = {"auto": "auto", "on": True, "off": False}[args.packing]
     return opts
 
@@ -308,7 +317,7 @@ def _bench(args: argparse.Namespace) -> int:
         padding=args.padding, device=args.device, dtype=args.dtype, lr=args.lr, warmup=args.warmup,
         seed=args.seed, mode=args.mode, backend=args.backend, data=args.data,
         grad_ckpt={"auto": "auto", "on": True, "off": False}[args.grad_ckpt], max_memory_gib=args.max_memory_gib,
-        packing=args.packing, limit=args.limit, doc_attention=args.doc_attention,
+        packing=args.packing, limit=args.limit, doc_attention=args.doc_attention, scope=args.scope,
     )
     paths = bench.write_results(results, args.out)
     print_bench_table(results)

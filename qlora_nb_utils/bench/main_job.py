@@ -87,6 +87,7 @@ DEFAULTS: dict[str, Any] = {
     "packing": False,
     "limit": None,
     "doc_attention": "auto",
+    "scope": "auto",
 }
 
 
@@ -121,6 +122,8 @@ def validate_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"backend must be one of {valid_backends()}, got {opts['backend']!r}")
     if opts["grad_ckpt"] not in ("auto", True, False):
         raise ValueError(f"grad_ckpt must be 'auto', True or False, got {opts['grad_ckpt']!r}")
+    if opts["scope"] not in ("auto", "whole", "regional"):
+        raise ValueError(f"scope must be 'auto', 'whole' or 'regional', got {opts['scope']!r}")
     if opts["packing"] not in (True, False):
         raise ValueError(f"packing must be True or False, got {opts['packing']!r}")
     from ..compile.packed import DOC_ATTENTION
@@ -219,8 +222,8 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
     torch.compiler.reset()
 
     load_trainable_state(model, start)
-    opt = optimize(model, batches=batches, mode=opts["mode"], backend=opts["backend"],
-                   grad_ckpt=opts["grad_ckpt"], max_memory_gib=opts["max_memory_gib"])
+    opt = optimize(model, batches=batches, mode=opts["mode"], backend=opts["backend"], scope=opts["scope"],
+                   grad_ckpt=opts["grad_ckpt"], max_memory_gib=opts["max_memory_gib"], steps=opts["steps"])
     log(f"==> {opt.description}")
     try:
         run("fast-eager", forward=opt.eager)

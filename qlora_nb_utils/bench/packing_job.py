@@ -91,7 +91,7 @@ def run_packing_bench(opts: dict[str, Any], progress: bool = True, log=print, co
 
     run("hf-eager", with_document_mask(model, "sdpa"), packed)
     opt = optimize(model, batches=padded, mode=opts["mode"], backend=opts["backend"], grad_ckpt=opts["grad_ckpt"],
-                   max_memory_gib=opts["max_memory_gib"])
+                   max_memory_gib=opts["max_memory_gib"], scope=opts["scope"])
     try:
         run("fast-padded", opt.forward, padded)
         padded_stats = opt.counter.to_dict()
@@ -100,7 +100,7 @@ def run_packing_bench(opts: dict[str, Any], progress: bool = True, log=print, co
     _reset()
     load_trainable_state(model, start)
     opt = optimize(model, batches=packed, mode=opts["mode"], backend=opts["backend"], grad_ckpt=opts["grad_ckpt"],
-                   max_memory_gib=opts["max_memory_gib"], doc_attention=opts["doc_attention"])
+                   max_memory_gib=opts["max_memory_gib"], doc_attention=opts["doc_attention"], scope=opts["scope"])
     log(f"==> {opt.description}")
     try:
         run("fast-eager", opt.eager, packed)

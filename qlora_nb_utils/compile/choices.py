@@ -21,7 +21,8 @@ import torch
 
 from ..ops.losses import CHUNK_MIN_ROWS
 
-__all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "choose_recompute",
+__all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "regional_pays_until",
+           "WHOLE_COMPILE_S_PER_LAYER", "REGIONAL_STEP_S_PER_LAYER", "choose_recompute",
            "choose_warm_cache", "choose_head_choice", "choose_packing", "choose_mode", "choose_dynamic",
            "choose_pad_multiple", "choose_autocast", "chunk_rows", "choose_loss", "choose_loss_rows_scope",
            "choose_eager_numerics", "choose_cast", "choose_keep_attention", "KEEP_HOST_SHARE",
@@ -54,9 +55,52 @@ def choose_dtype(asked: torch.dtype | None, model_dtype: torch.dtype) -> Choice:
     return Choice(dtype, "the model's compute dtype" if dtype == model_dtype else "asked for")
 
 
-def choose_scope(scope: str) -> Choice:
-    """What is compiled, as asked (offload may make it regional later: :func:`.offload.plan`)."""
-    return Choice(scope, "one graph" if scope == "whole" else "one decoder layer's graph, shared")
+#: A whole-model graph's cold compile, per decoder layer, in seconds on a GPU: Dynamo traces, and
+#: Inductor compiles, every layer of the unrolled stack again, so its compile grows with the depth,
+#: where a regional compile traces one layer that every layer then reuses.
+WHOLE_COMPILE_S_PER_LAYER = 5.0
+#: What each decoder layer adds to a regional step on a GPU, in seconds, against a whole graph under
+#: CUDA graphs: the layer's kernels are launched one by one instead of replayed as one graph.
+REGIONAL_STEP_S_PER_LAYER = 1.5e-3
+
+
+def regional_pays_until(layers: int) -> int:
+    """The steps up to which a regional compile finishes a GPU job first: the whole graph's longer
+    compile (:data:`WHOLE_COMPILE_S_PER_LAYER` for each layer beyond the one compiled regionally) over
+    its faster step (:data:`REGIONAL_STEP_S_PER_LAYER` for every layer). Both grow with the depth, so
+    this hardly depends on the model's size."""
+    return int(WHOLE_COMPILE_S_PER_LAYER * (layers - 1) / (REGIONAL_STEP_S_PER_LAYER * layers))
+
+
+def choose_scope(scope: str, *, steps: int | None = None, device_type: str = "cpu", layers: int = 0,
+                 cuda_graphs: bool = False) -> Choice:
+    """What is compiled: the whole model as one graph, or one decoder layer's graph that every layer
+    reuses (offload may make it regional later: :func:`.offload.plan`).
+
+    ``"auto"`` weighs what pays over the job. One layer compiles in a fraction of the whole stack's
+    time, and its step is as fast wherever the whole graph would not take CUDA graphs (a CPU, batch
+    shapes too many for them): regional there. On a GPU with CUDA graphs the whole graph's step is
+    faster (one replay instead of each layer's launches), which repays its longer compile only over a
+    long job (:func:`regional_pays_until`): regional for ``steps`` below that, whole above it. Without
+    ``steps`` the job is not known: whole, as ``optimize()`` always compiled. ``cuda_graphs``: whether
+    the whole graph would take CUDA graphs (:func:`choose_mode` in whole scope).
+    """
+    if scope != "auto":
+        return Choice(scope, "one graph" if scope == "whole" else "one decoder layer's graph, shared")
+    if steps is None:
+        return Choice("whole", "the job's steps not given: one graph (pass steps to weigh its compile)")
+    if layers < 2:
+        return Choice("whole", f"one graph ({layers} decoder layer(s): nothing for a layer's graph to be shared with)")
+    shared = f"one decoder layer's graph, compiled once for all {layers}"
+    if not cuda_graphs:
+        why = f"no CUDA graphs on {device_type}" if device_type != "cuda" else "no CUDA graphs for these shapes"
+        return Choice("regional", f"{shared}: {why}, so the step is as fast as the whole graph's")
+    until = regional_pays_until(layers)
+    if steps < until:
+        return Choice("regional", f"{shared}: over {steps} steps its shorter compile outweighs the whole graph's "
+                                  f"faster steps (CUDA graphs), which would pay only after about {until}")
+    return Choice("whole", f"one graph, CUDA graphs: over {steps} steps its faster step repays its longer compile "
+                           f"(from about {until})")
 
 
 def choose_recompute(asked: bool | str, available: bool) -> Choice:

@@ -50,6 +50,17 @@ overridable by passing it explicitly:
   weight and step replaced by one Triton kernel (:mod:`~qlora_nb_utils.compile.patches.nf4_dequant`).
 * **Autocast** for bf16/fp16 compute (the LoRA matmuls in bf16, fp32 master weights); nothing
   for fp32.
+* **The compile scope by what pays over the job** (``scope``, told ``steps``): one decoder
+  layer's graph, compiled once and reused by every layer, where the whole model's graph would not
+  repay its longer compile (wherever it gets no CUDA graphs, and on a GPU for jobs short of many
+  thousand steps); the whole model otherwise, or when the job's length is not told
+  (:func:`~qlora_nb_utils.compile.choices.choose_scope`).
+* **The compiled graphs kept for the next run** (``compile_cache``): PyTorch's cache artifacts,
+  loaded before the first compile and saved after the first step, in the user's cache folder
+  (:mod:`.compile_cache`), so that a new runtime with empty temporary caches starts warm.
+* **No autotuning unless asked**: the modes ``optimize()`` picks are the default and
+  ``"reduce-overhead"``; Inductor's ``max-autotune`` benchmarks kernel variants on the first step
+  and is taken only when passed as ``mode``.
 * **A warm start that skips AOTAutograd** (``warm_cache``): its on-disk cache refused every
   graph of the recipe (each holds an autograd Function), so a second process traced and
   partitioned them again; torch's setting for it lets the cache take them
@@ -69,11 +80,14 @@ training steps (a Trainer's ``eval_steps``) cannot repack them and lose LoRA gra
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from ..ops.doc_attention import with_document_mask
+from ..reversible import PatchHandle
+from . import compile_cache as _artifacts
 from .choices import LORA_NO_GROUP_WHY, LORA_OUT_OF_PLACE_WHY, MAX_CUDAGRAPH_SHAPES, choose_cast
 from .memory_estimate import _config_of, estimate_peak_gib
 from .model_patches import keep_bnb_training_layout, use_lora_addmm, use_nf4_dequant
@@ -112,6 +126,24 @@ def _keep_attention(model: torch.nn.Module, plan: Any, reasons: dict) -> Any:
     reasons["keep_attention"] = (f"{handle.details['layers']} checkpointed layers keep their attention output in "
                                  f"{'host' if host else 'device'} memory: {reasons['keep_attention']}")
     return handle
+
+
+def _compile_cache(model: torch.nn.Module, opts: OptimizeOptions, device: torch.device, choices: dict,
+                   reasons: dict, forward: Any) -> tuple[Any, list[PatchHandle]]:
+    """The run's cache artifacts (:mod:`.compile_cache`): loaded now, before anything compiles, and saved
+    after the first step (by the ``forward`` returned) or at ``undo()`` (by the handle returned)."""
+    choice = _artifacts.choose_compile_cache(opts.compile_cache, opts.backend, device.type)
+    if choice.value is False:
+        choices["compile_cache"], reasons["compile_cache"] = choice
+        return forward, []
+    cache = _artifacts.CompileCache(Path(choice.value) / _artifacts.cache_key(model, device, choices))
+    said = cache.load()
+    choices["compile_cache"] = "loaded" if cache.loaded_bytes else "kept"
+    reasons["compile_cache"] = f"{choice.why}: {said}"
+    forward, finish = _artifacts.save_after_first_step(forward, cache)
+    handle = PatchHandle("compile_cache", {"path": str(cache.path)})
+    handle.add_undo(finish)
+    return forward, [handle]
 
 
 def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any] | None = None, *,
@@ -160,9 +192,15 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
         memory_budget: Inductor's ``activation_memory_budget`` (0..1) for the compile; None leaves it.
         eager_numerics: ``"auto"`` (on for bf16/fp16 with Inductor), True or False: the compiled
             step rounds where eager does (Inductor's ``emulate_precision_casts``).
-        scope: ``"whole"`` (one graph: the fastest step) or ``"regional"`` (each decoder layer
-            compiled once for all of them, the rest eager: the shortest cold compile, see
+        scope: ``"auto"`` (by what pays over ``steps``:
+            :func:`~qlora_nb_utils.compile.choices.choose_scope`), ``"whole"`` (one graph: the
+            fastest step on a GPU, under CUDA graphs) or ``"regional"`` (one decoder layer's graph,
+            compiled once and reused by every layer, the rest eager: the shortest cold compile, see
             notebook 06); regional never uses CUDA graphs under ``mode="auto"``.
+        steps: the optimizer steps the job will run (None: not known), what ``scope="auto"``
+            weighs a compile against: a short job compiles one decoder layer, a long one on a GPU
+            the whole model. ``train``'s callers in the package (``qlora-nb train``, ``qlora-nb
+            bench``) pass it.
         doc_attention: for packed batches, ``"auto"`` (flex attention on CUDA, SDPA elsewhere),
             ``"flex_attention"`` or ``"sdpa"``.
         offload: keep checkpointed layers' inputs in pinned CPU memory (:mod:`.offload`):
@@ -203,6 +241,11 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             hold autograd Functions (:func:`~qlora_nb_utils.compile.recipe.can_cache_functions`):
             ``"auto"`` (on where this torch has the setting and the backend is Inductor), True
             (refused where torch lacks it) or False.
+        compile_cache: keep the run's compiled graphs for the next run, PyTorch's cache artifacts
+            (:mod:`~qlora_nb_utils.compile.compile_cache`: loaded here before anything compiles,
+            saved after the first step, one file per model shape, device, torch and choices):
+            ``"auto"`` (on CUDA with Inductor, in ``<the package's cache folder>/compile``), True
+            (there on any device), a folder, or False.
 
     Returns:
         An :class:`Optimized`; train with ``opt.forward(**batch).loss``; ``opt.undo()`` when done.
@@ -264,6 +307,8 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
                            min_loss_rows=plan.min_rows,
                            dynamic_rows=not plan.cuda_graphs,  # a dynamic count overshot a held run's target
                            cache_functions=plan.cache_functions, fine_rows=plan.fine_rows, device=device)
+    forward, cache_handles = _compile_cache(model, opts, device, choices, reasons, forward)
+    extra += cache_handles
     return Optimized(forward=forward, module=fast.prepared.model, counter=fast.counter, choices=choices,
                      reasons=reasons, fast=fast, options=opts, _pad_id=pad_id, _extra=extra,
                      _row_chunks=plan.row_chunks, _min_rows=plan.min_rows, _fine_rows=plan.fine_rows,

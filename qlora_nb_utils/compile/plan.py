@@ -167,8 +167,11 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
     p = Plan(options=opts, device=device)
     p.record("device", table.Choice(device.type, "where the model is"))
     p.dtype = p.record("dtype", table.choose_dtype(opts.dtype, compute_dtype(model, device)))
-    p.scope = p.record("scope", table.choose_scope(opts.scope))
     shapes = batch_shapes(batches, opts.pad_multiple)
+    whole_mode = table.choose_mode(opts.mode, opts.backend, "whole", device, shapes).value
+    p.scope = p.record("scope", table.choose_scope(
+        opts.scope, steps=opts.steps, device_type=device.type, layers=len(decoder_layers(model)),
+        cuda_graphs=whole_mode in ("reduce-overhead", "max-autotune")))
     # what the backward recomputes: decided first, the memory estimate counts it
     p.recompute = p.record("recompute", table.choose_recompute(opts.recompute, recompute_available)) == "elementwise"
     p.cache_functions = p.record("warm_cache", table.choose_warm_cache(opts.warm_cache, opts.backend, cache_available))

@@ -23,7 +23,7 @@ DEFAULTS: dict[str, Any] = {
     "model": "smollm2-135m", "data": None, "steps": 60, "batch_size": 4, "seq_len": 128, "lr": 2e-4,
     "warmup_steps": 5, "lora_r": 16, "lora_alpha": 32, "eval_every": 20, "eval_size": 32, "save_every": 20,
     "mode": "auto", "backend": "inductor", "max_memory_gib": None, "grad_ckpt": "auto", "device": "auto",
-    "dtype": "auto", "seed": 0, "check_parity": 0, "packing": "auto",
+    "dtype": "auto", "seed": 0, "check_parity": 0, "packing": "auto", "scope": "auto", "compile_cache": "auto",
 }
 #: What ``packing`` accepts.
 PACKING_CHOICES = ("auto", True, False)
@@ -60,6 +60,10 @@ def _check_numbers(opts: dict[str, Any]) -> None:
         raise ValueError(f"grad_ckpt must be 'auto', True or False, got {opts['grad_ckpt']!r}")
     if opts["packing"] not in PACKING_CHOICES:
         raise ValueError(f"packing must be 'auto', True or False, got {opts['packing']!r}")
+    if opts["scope"] not in ("auto", "whole", "regional"):
+        raise ValueError(f"scope must be 'auto', 'whole' or 'regional', got {opts['scope']!r}")
+    if opts["compile_cache"] not in ("auto", True, False):
+        raise ValueError(f"compile_cache must be 'auto', True or False, got {opts['compile_cache']!r}")
 
 
 def check_options(*, out: str | Path, resume: bool = False, overwrite: bool = False,
@@ -97,6 +101,8 @@ def check_options(*, out: str | Path, resume: bool = False, overwrite: bool = Fa
         raise ValueError(f"mode must be one of {list(MODES)}, got {opts['mode']!r}")
     if opts["backend"] not in valid_backends():
         raise ValueError(f"backend must be one of {valid_backends()}, got {opts['backend']!r}")
+    if opts["compile_cache"] is True and opts["backend"] != "inductor":
+        raise ValueError(f"compile_cache keeps Inductor's compiled graphs; backend {opts['backend']!r} leaves none")
     env.resolve_device_dtype(opts["device"], opts["dtype"])
     n = validate_source(opts["data"])
     if n <= opts["batch_size"]:

@@ -182,14 +182,50 @@ def _show(value: Any) -> Any:
 
 
 def median_tokens_per_s(rows: list[dict], skip: int = 3) -> float | None:
-    """Median real tokens/s over the steps after the first ``skip`` of each session (all if fewer)."""
-    steady, seen = [], {}
+    """Median real tokens/s over the steps after the first ``skip`` of each session, or, in a session
+    that short, after its first; None when only first steps ran.
+
+    A session's first step compiles (each process compiles anew, a resumed one too), and a rate
+    with the compile in it says nothing of the training's speed: it never counts. The next few
+    steps still settle (allocator, caches), so they count only where there is nothing else.
+    """
+    by_session: dict[Any, list[float]] = {}
     for row in rows:
-        seen[row["session"]] = seen.get(row["session"], 0) + 1
-        if seen[row["session"]] > skip:
-            steady.append(row["tokens_per_s"])
-    values = steady or [row["tokens_per_s"] for row in rows]
+        by_session.setdefault(row["session"], []).append(row["tokens_per_s"])
+    steady = [v for values in by_session.values() for v in values[skip:]]
+    values = steady or [v for values in by_session.values() for v in values[1:]]
     return float(statistics.median(values)) if values else None
+
+
+def _since_launch() -> float | None:
+    """Seconds since this process started (None where the start cannot be read)."""
+    try:
+        import psutil
+
+        return round(time.time() - psutil.Process().create_time(), 3)
+    except Exception:  # psutil missing, or no such process information here
+        return None
+
+
+class _Ticker:
+    """Say every ``every`` seconds, until stopped, how long the first step has run: a compile can
+    take minutes, and a bar that does not move looks like a hang."""
+
+    def __init__(self, say: Callable[[str], None], message: str, every: float = 15.0) -> None:
+        import threading
+
+        self._done = threading.Event()
+        self._t0 = time.perf_counter()
+
+        def tick() -> None:
+            while not self._done.wait(every):
+                say(message.format(time.perf_counter() - self._t0))
+
+        self._thread = threading.Thread(target=tick, name="qlora-nb-first-step", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
 
 
 class Run:
@@ -240,7 +276,9 @@ class Run:
         self._breaks_cm = count_graph_breaks()
         self.breaks = self._breaks_cm.__enter__()
         self.opt = optimize(self.model, batches=self.train_batches, max_memory_gib=o["max_memory_gib"],
-                            mode=o["mode"], backend=o["backend"], grad_ckpt=o["grad_ckpt"])
+                            mode=o["mode"], backend=o["backend"], grad_ckpt=o["grad_ckpt"], scope=o["scope"],
+                            compile_cache=o["compile_cache"],
+                            steps=o["steps"] - self.start_step)  # the steps this process runs: the compile's job
         self.log(self.opt.description)
         self.autocast = self.opt.choices["dtype"] if self.opt.choices["autocast"] else None
         history = o.get("resume_history")
@@ -281,14 +319,26 @@ class Run:
         else:
             torch.manual_seed(o["seed"])  # train() seeds too: the RNG of boundary 0 is this one
         self.boundary_rng = rng_state(self.device)
-        train(self.model, self.train_batches, cfg, forward=self.opt.forward, label="train",
-              optimizer=self.optimizer, scheduler=self.scheduler, start_step=self.start_step, on_step=self.on_step)
+        self._say(self._compiling_note())
+        self._ticker = _Ticker(self._say, "    still on the first step (compiling): {:.0f} s")
+        try:
+            train(self.model, self.train_batches, cfg, forward=self.opt.forward, label="train",
+                  optimizer=self.optimizer, scheduler=self.scheduler, start_step=self.start_step, on_step=self.on_step)
+        finally:
+            self._ticker.stop()
         self.stop.immediate = True  # nothing left to save: a signal now stops at once
         self.sample["after"] = self._complete()
 
     def on_step(self, step: int, row: dict) -> None:
         """At each step boundary: record, evaluate and checkpoint when due, then honour a stop."""
         self.stop.immediate = False
+        if step == self.start_step:  # this process's first step: the one that compiled
+            self._ticker.stop()
+            self.first_step = {"first_step_s": round(row["step_ms"] / 1e3, 3), "first_step_end_unix": time.time(),
+                               "time_to_first_step_s": _since_launch()}
+            c = self.opt.counter
+            self._say(f"==> first step: {row['step_ms'] / 1e3:.1f} s, of which compiling {c.compile_s:.1f} s "
+                      f"({c.compilations} compilation(s)); the steps after it reuse what was compiled")
         self.steps_done = step + 1
         self.boundary_rng = rng_state(self.device)
         self.history["rows"].append({**{k: row[k] for k in _ROW_KEYS}, "session": self.session})
@@ -359,6 +409,16 @@ class Run:
             tqdm.write(message)
         else:
             self.log(message)
+
+    def _compiling_note(self) -> str:
+        """What the first step will do, said before it starts (it is the long one)."""
+        choices = self.opt.choices
+        if self.opt.options.backend == "eager":
+            return "==> training (backend eager: nothing compiles)"
+        what = ("one decoder layer's graph, reused by every layer" if choices["scope"] == "regional"
+                else "the whole model as one graph")
+        cached = " from an earlier run's compiled graphs" if choices.get("compile_cache") == "loaded" else ""
+        return f"==> the first step compiles {what}{cached}; the steps after it reuse it"
 
     def _as_loaded(self) -> Any:
         """The model's own attention for padded batches and generation (packing switched it)."""
@@ -438,6 +498,7 @@ class Run:
             "losses": [r["loss"] for r in rows], "eval_losses": self.history["eval_losses"],
             "final_eval_loss": self.history["eval_losses"][-1]["loss"],
             "tokens_per_s": median_tokens_per_s(rows),
+            **getattr(self, "first_step", {}),
             "packing": self.packed, "pad_fraction": self.pad_fraction,
             "graph_breaks": self.breaks.total, "break_reasons": self.breaks.by_reason,
             "compilations": counter, "compile_s": counter["compile_s"],
@@ -472,11 +533,14 @@ class Run:
         losses, ev, k = metrics["losses"], metrics["eval_losses"], min(5, len(metrics["losses"]))
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
         tps = metrics["tokens_per_s"]
-        self.log(f"==> done: {metrics['steps_done']} steps in {metrics['wall_s']:.0f} s (compile "
-                 f"{metrics['compile_s']:.0f} s); train loss {first:.3f} -> {last:.3f} (mean of {k} steps), "
-                 f"held-out loss {ev[0]['loss']:.3f} (step {ev[0]['step']}) -> {ev[-1]['loss']:.3f} "
+        first_step = f", the first step {metrics['first_step_s']:.1f} s" if "first_step_s" in metrics else ""
+        self.log(f"==> done: {metrics['steps_done']} steps in {metrics['wall_s']:.0f} s (compiling "
+                 f"{metrics['compile_s']:.1f} s{first_step}); train loss {first:.3f} -> {last:.3f} (mean of {k} "
+                 f"steps), held-out loss {ev[0]['loss']:.3f} (step {ev[0]['step']}) -> {ev[-1]['loss']:.3f} "
                  f"(step {ev[-1]['step']})")
-        self.log(f"    {tps:.0f} real tokens/s (median), graph breaks {metrics['graph_breaks']}, "
+        speed = ("real tokens/s: not measured (only the compiling first step ran; run more steps)" if tps is None
+                 else f"{tps:.0f} real tokens/s (median, the compiling first step left out)")
+        self.log(f"    {speed}, graph breaks {metrics['graph_breaks']}, "
                  f"compilations {metrics['compilations']['compilations']}")
         s = metrics["sample"]
         self.log(f"prompt:   {s['prompt']!r}\nbefore:   {s['before']!r}\nafter:    {s['after']!r}\n"

@@ -128,7 +128,9 @@ def optimized_trainer(trainer: Any, *, sample_batches: int = 64, **options: Any)
             chosen (a later batch could add a graph per new shape).
         **options: passed to :func:`~qlora_nb_utils.compile.fast_path.optimize` (``grad_ckpt``,
             ``max_memory_gib``, ``mode``, ``backend``, ...). Without ``grad_ckpt``, the trainer's
-            ``gradient_checkpointing=True`` becomes ``grad_ckpt=True``.
+            ``gradient_checkpointing=True`` becomes ``grad_ckpt=True``; without ``steps``, the
+            trainer's ``max_steps`` (times its gradient accumulation) is the job the compile
+            scope is weighed against.
 
     Yields:
         The :class:`~qlora_nb_utils.compile.fast_path.Optimized` handle.
@@ -155,6 +157,8 @@ def optimized_trainer(trainer: Any, *, sample_batches: int = 64, **options: Any)
     took_ckpt = bool(getattr(args, "gradient_checkpointing", False))
     if took_ckpt:
         options.setdefault("grad_ckpt", True)
+    if getattr(args, "max_steps", -1) > 0:  # the job's length, for the compile scope: one compiled step a micro-batch
+        options.setdefault("steps", args.max_steps * max(1, getattr(args, "gradient_accumulation_steps", 1)))
     shapes = {tuple(b["input_ids"].shape) for b in batches}
     guard_graphs = options.get("mode", "auto") == "auto" and not whole and len(shapes) > 1
     if guard_graphs:

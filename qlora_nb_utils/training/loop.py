@@ -267,7 +267,8 @@ def train(
             row["peak_mem_gib"] = max(row["step_peak_mem_gib"], rows[-1]["peak_mem_gib"] if rows else 0.0)
             rows.append(row)
             bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            # a first step's rate holds its warm-up (a compiled step's compile): not shown as the speed
+            bar.set_postfix(loss=f"{row['loss']:.4f}", **({"tok_s": f"{row['tokens_per_s']:.0f}"} if rows[1:] else {}))
             if on_step is not None:
                 on_step(step, row)
     except KeyboardInterrupt:
