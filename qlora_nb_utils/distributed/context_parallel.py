@@ -55,7 +55,8 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["head_tail_order", "shard_positions", "shard_multiple", "shift_targets", "target_count", "shard_batch",
-           "ContextParallel", "optimize_context_parallel", "build_parser", "validate", "run", "main"]
+           "ContextParallel", "optimize_context_parallel", "train_step", "eval_loss", "build_parser", "add_arguments",
+           "validate", "run", "main"]
 
 IGNORE = -100
 
@@ -85,9 +86,10 @@ def shard_positions(seq_len: int, world_size: int, rank: int, load_balance: bool
     return order[rank * per:(rank + 1) * per]
 
 
-def shard_multiple(world_size: int, pad_multiple: int = 8) -> int:
-    """Rows are padded to a multiple of this: ``2N`` chunks, each a multiple of the fast path's padding."""
-    return 2 * world_size * max(1, pad_multiple)
+def shard_multiple(world_size: int, pad_multiple: int = 8, load_balance: bool = True) -> int:
+    """Rows are padded to a multiple of this: ``2N`` head-tail chunks (``N`` shards), each a multiple of the
+    fast path's padding, so that no shard is padded again (which would put positions in the middle of the row)."""
+    return (2 if load_balance else 1) * world_size * max(1, pad_multiple)
 
 
 def shift_targets(batch: dict) -> torch.Tensor:
@@ -129,7 +131,7 @@ def shard_batch(batch: dict, rank: int, world_size: int, *, load_balance: bool =
     ids = batch["input_ids"]
     targets = shift_targets(batch)
     b, s = ids.shape
-    extra = -s % shard_multiple(world_size, pad_multiple if load_balance else 1)
+    extra = -s % shard_multiple(world_size, pad_multiple, load_balance)
     if extra:
         ids = torch.nn.functional.pad(ids, (0, extra), value=pad_id)
         targets = torch.nn.functional.pad(targets, (0, extra), value=IGNORE)
@@ -203,11 +205,11 @@ def optimize_context_parallel(model: torch.nn.Module, *, batches: Sequence[dict]
     from .fast import optimize_sharded
     from .ring_attention import use_ring_attention
 
-    group = group if group is not None else dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     for key in ("world_size", "one_scope", "vocab_head", "keep_attention", "sdpa_kernel"):
         if key in kwargs:  # the ring runs the flash kernel and keeps nothing for a recompute
             raise ValueError(f"optimize_context_parallel sets {key!r} itself")
+    group = group if group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     pad_multiple = int(kwargs.get("pad_multiple", 8))
     cfg = getattr(model, "config", None)
     pad_id = int(getattr(cfg, "pad_token_id", None) or 0)
@@ -228,12 +230,19 @@ def optimize_context_parallel(model: torch.nn.Module, *, batches: Sequence[dict]
 
 # ----------------------------------------------------------------------------- the command
 def build_parser() -> argparse.ArgumentParser:
-    """The command-line options: ``qlora-nb train``'s data, model and output options, the FSDP2 ones."""
-    from .fsdp import FROZEN_MODES, NF4_MODES
-
+    """The command-line options (:func:`add_arguments`)."""
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m qlora_nb_utils.distributed.context_parallel",
                                 description="QLoRA on long rows split by position over N processes "
                                             "(context parallelism: ring attention, FSDP2, the fast path).")
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options: the layouts' shared model, data, batch and output options (``qlora-nb train``'s
+    names), the memory target, the shards and the FSDP2 ones (``launch --layout context`` takes them)."""
+    from .fsdp import FROZEN_MODES, NF4_MODES
+
     p.add_argument("--model", default="tiny", help="a named model (models.MODEL_NAMES), a folder or a hub id")
     p.add_argument("--data", default=None, help="a JSONL file or a save_to_disk folder (default: the shipped set)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps")
@@ -267,7 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing-warmup", type=int, default=1, help="steps left out of the tokens/s median")
     p.add_argument("--eval", action="store_true", help="the mean loss over the first batch after training")
     p.add_argument("--no-adapter", action="store_true")
-    return p
 
 
 _DEFAULTS = {name: a.default for a in build_parser()._actions for name in [a.dest] if name != "help"}
@@ -302,7 +310,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     micro = args.micro_batch_size or args.global_batch_size
     if micro < 1 or args.global_batch_size % micro:
         raise ValueError(f"--micro-batch-size {micro} must divide --global-batch-size {args.global_batch_size}")
-    need = shard_multiple(world_size) if args.load_balance else world_size
+    need = shard_multiple(world_size, 8, args.load_balance)
     if args.seq_len < need:
         raise ValueError(f"--seq-len {args.seq_len} is shorter than {need}: {world_size} ranks need at least that "
                          "many positions (rows are padded to a multiple of it)")
