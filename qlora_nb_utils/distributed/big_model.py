@@ -34,7 +34,7 @@ import datetime as _dt
 import json
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -86,7 +86,9 @@ def _nf4_linear(in_f: int, out_f: int, device, compute_dtype, storage, gen) -> n
 def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.bfloat16,
                     quant_storage: torch.dtype = torch.float32, seed: int = 0,
                     on_linear: Callable[[str], None] | None = None,
-                    nf4_device: torch.device | str | None = None) -> nn.Module:
+                    nf4_device: torch.device | str | None = None,
+                    keep_layers: Collection[int] | None = None,
+                    placeholder: Callable[[int], nn.Module] | None = None) -> nn.Module:
     """A ``LlamaForCausalLM`` of ``config`` with random NF4 linear layers (module docstring).
 
     Args:
@@ -99,6 +101,12 @@ def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype
         nf4_device: where each layer's packed 4-bit words wait once quantized (default: ``device``);
             ``"cpu"`` keeps the whole 4-bit model off the GPU until sharding (module docstring).
             Their quant state stays on ``device``.
+        keep_layers: build only these decoder layers (a pipeline rank's); each other one becomes
+            ``placeholder(index)`` and is never materialised. Given (even with every layer), each
+            layer's weights come from a generator seeded by ``seed`` and its index, and the
+            embedding and head from their own, so a layer has the same weights whichever others are
+            built (a pipeline stage and one process on the same model agree).
+        placeholder: what stands in for a layer not kept (required with ``keep_layers``).
 
     Returns:
         The model, frozen (no parameter requires grad), in train mode.
@@ -111,7 +119,14 @@ def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    if keep_layers is not None and placeholder is None:
+        raise ValueError("keep_layers needs a placeholder for the layers not kept")
     for i, layer in enumerate(model.model.layers):
+        if keep_layers is not None:
+            if i not in keep_layers:
+                model.model.layers[i] = placeholder(i)
+                continue
+            gen.manual_seed(seed * 1_000_003 + i + 1)  # this layer's weights whatever else is built
         for name in LINEARS:
             parent_name, attr = name.split(".")
             parent = getattr(layer, parent_name)
@@ -122,6 +137,8 @@ def build_nf4_model(config, *, device: torch.device | str = "cpu", compute_dtype
             setattr(parent, attr, lin)
             if on_linear is not None:
                 on_linear(f"model.layers.{i}.{name}")
+    if keep_layers is not None:
+        gen.manual_seed(seed)
     for module in (model.model.embed_tokens, model.lm_head):
         module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=compute_dtype, device=device)
                                      .normal_(0.0, 0.02, generator=gen))

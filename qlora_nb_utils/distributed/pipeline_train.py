@@ -1,0 +1,408 @@
+"""The ``torchrun`` entry of the pipeline layout: QLoRA with the decoder split into stages over the ranks.
+
+    torchrun --nproc-per-node 2 -m qlora_nb_utils.distributed.launch --layout pipeline \\
+        --model llama-3.1-8b-shape --build layerwise --schedule 1f1b --seq-len 2048 --pack \\
+        --global-batch-size 8 --micro-batch-size 1 --steps 200 --out runs/pipeline
+
+Why a loop of its own and not ``fsdp_train``'s: a pipeline step is one call of the schedule over
+the whole global batch (it runs every micro-batch's forward and backward in its own order), every
+rank holds different weights (no rank holds the whole adapter, and none of its optimizer state is
+shared), and the loss exists only on the rank of the last stage. What stays the same is what a
+user reads: ``OUT/log.jsonl`` (one line per step), ``OUT/summary.json`` (``summary.py``'s fields
+plus the schedule, the stages and their layers), ``OUT/adapter/`` (one plain PEFT adapter, the
+ranks' LoRA weights gathered to rank 0 under their global layer names: it loads into a
+single-process model) and, with ``--eval``, the loss of the first global batch after training.
+
+Every rank builds the same global batches from the same data (``--data``, the shipped set by
+default; ``--pack``: whole examples packed into rows with per-document attention), and builds
+only its own decoder layers (:mod:`.pipeline`). Bad input (a global batch the micro-batch size
+does not divide, fewer layers than stages, an unknown schedule) stops every rank before any model
+is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+__all__ = ["build_parser", "validate", "run", "main", "load_stage_model"]
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every layout shares (model, data, output, batch, optimizer): ``qlora-nb train``'s names."""
+    p.add_argument("--model", default="tiny", help="a named model (models.MODEL_NAMES), a folder or a hub id")
+    p.add_argument("--data", default=None,
+                   help="prompt/response, prompt/completion or chat JSONL, or a save_to_disk folder (default: the shipped set)")
+    p.add_argument("--out", required=True, help="output folder (log.jsonl, summary.json, adapter/)")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps")
+    p.add_argument("--global-batch-size", type=int, default=4, help="rows per optimizer step")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--pack", action="store_true",
+                   help="whole examples packed into rows of --seq-len, attending per document")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend ('eager' traces only)")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0 disables clipping")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timing-warmup", type=int, default=3, help="steps left out of the tokens/s median")
+    p.add_argument("--eval", action="store_true", help="after training, the loss of the first global batch")
+    p.add_argument("--no-adapter", action="store_true", help="do not save the adapter at the end")
+    p.add_argument("--optimize", action="append", default=[], metavar="KEY=VALUE",
+                   help="an optimize() option on every rank (e.g. grad_ckpt=true, offload=true); repeatable")
+    p.add_argument("--build", default="load", choices=("load", "layerwise"),
+                   help="load: the named or given checkpoint; layerwise: the named shape with random NF4 weights, "
+                        "each rank making only its own layers, one linear layer at a time")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The pipeline layout's options (see ``--help``)."""
+    from .pipeline import SCHEDULES
+
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m qlora_nb_utils.distributed.launch --layout pipeline",
+                                description="QLoRA with the decoder layers split into pipeline stages over the ranks "
+                                            "(torch.distributed.pipelining), each stage compiled.")
+    add_common_arguments(p)
+    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
+                   help="gpipe, 1f1b, or a zero-bubble one (zbv, interleaved-zb: two stages per rank)")
+    p.add_argument("--layers-per-stage", default=None, metavar="N,N,...",
+                   help="decoder layers of each stage, comma-separated (default: an even split)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="with --build layerwise: the named shape with this many decoder layers (random weights)")
+    p.add_argument("--max-mem-gib", type=float, default=None,
+                   help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction): a smaller card")
+    p.add_argument("--dump-grads", action="store_true",
+                   help="write each rank's LoRA gradients of the first step (OUT/grads_rank<R>.pt), for checks")
+    p.add_argument("--permute-rows", type=int, default=None, metavar="SEED",
+                   help="permute the rows of every global batch (the bf16 floor run, training/parity.py)")
+    return p
+
+
+def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check the options against each other and the world size; fill in ``micro_batch_size``,
+    ``micro_batches`` and ``stage_counts``.
+
+    Raises:
+        ValueError: with a message that says what to change.
+    """
+    from .fast import optimize_options
+    from .pipeline import SCHEDULES, schedule_class
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1; got {args.steps}")
+    if args.seq_len < 8:
+        raise ValueError(f"--seq-len must be >= 8; got {args.seq_len}")
+    g = args.global_batch_size
+    micro = args.micro_batch_size or 1
+    if g < 1 or micro < 1 or g % micro:
+        raise ValueError(f"--micro-batch-size {micro} must divide --global-batch-size {g} (both >= 1): every "
+                         "micro-batch has the same shape")
+    schedule_class(args.schedule)  # refused here when this torch lacks it
+    per_rank = SCHEDULES[args.schedule][1]
+    n_micro = g // micro
+    if args.schedule == "1f1b" and n_micro < world_size:
+        raise ValueError(f"--schedule 1f1b needs at least one micro-batch per stage ({world_size}); "
+                         f"got {n_micro} (= {g} / {micro})")
+    rounds = max(1, n_micro // world_size)
+    if per_rank > 1 and n_micro % rounds:
+        raise ValueError(f"--schedule {args.schedule} needs a micro-batch count that its {rounds} rounds divide "
+                         f"(a multiple of {world_size}, or fewer); got {n_micro}")
+    counts = None
+    if args.layers_per_stage:
+        try:
+            counts = [int(x) for x in args.layers_per_stage.split(",")]
+        except ValueError as err:
+            raise ValueError(f"--layers-per-stage takes integers separated by commas; got {args.layers_per_stage!r}") from err
+        if len(counts) != world_size * per_rank:
+            raise ValueError(f"--layers-per-stage names {len(counts)} stages; --schedule {args.schedule} on "
+                             f"{world_size} ranks has {world_size * per_rank}")
+    if args.layers is not None and (args.build != "layerwise" or args.layers < 1):
+        raise ValueError("--layers N (>= 1) sets the layer count of a shape built with --build layerwise")
+    if args.timing_warmup < 0:
+        raise ValueError(f"--timing-warmup must be >= 0; got {args.timing_warmup}")
+    if args.max_mem_gib is not None and args.max_mem_gib <= 0:
+        raise ValueError(f"--max-mem-gib must be > 0; got {args.max_mem_gib}")
+    kw = optimize_options(args.optimize)
+    for key in ("scope", "cast", "backend"):
+        if key in kw:
+            raise ValueError(f"--optimize {key}=... is set by the pipeline layout itself")
+    args.micro_batch_size, args.micro_batches, args.stage_counts = micro, n_micro, counts
+    return args
+
+
+# ----------------------------------------------------------------------------- the model of one rank
+def _reset_lora(peft: torch.nn.Module, seed: int) -> None:
+    """Each LoRA A drawn from a generator seeded by ``seed`` and its name (PEFT's init: Kaiming
+    uniform, B zero), so a layer's adapter starts the same whichever other layers this rank built."""
+    import zlib
+
+    for name, p in peft.named_parameters():
+        if "lora_A" in name and p.requires_grad:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            bound = 1.0 / math.sqrt(p.shape[1])  # kaiming_uniform_(a=sqrt(5)) as nn.Linear and PEFT
+            with torch.no_grad():
+                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1).mul_(bound).to(p.device, p.dtype))
+
+
+def load_stage_model(args, device: torch.device, dtype: torch.dtype, keep: set[int]):
+    """The PEFT QLoRA model of one rank: the decoder layers in ``keep`` built, the others
+    :class:`~.pipeline.SkippedLayer` placeholders. Returns ``(peft, tokenizer)``.
+
+    ``--build load`` reads the whole checkpoint and then drops the layers it does not keep (the
+    weights and the LoRA initialisation are one process's); ``layerwise`` never makes them.
+    """
+    from .. import models
+    from .pipeline import SkippedLayer
+
+    if args.build == "layerwise":
+        from peft import LoraConfig, get_peft_model
+
+        from .big_model import LINEARS, build_nf4_model
+
+        config = _layerwise_config(args)
+        config.use_cache = False
+        config._attn_implementation = "sdpa"
+        base = build_nf4_model(config, device=device, compute_dtype=dtype, quant_storage=torch.uint8, seed=args.seed,
+                               keep_layers=keep, placeholder=SkippedLayer)
+        lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                          target_modules=[n.split(".")[-1] for n in LINEARS])
+        peft = get_peft_model(base, lora)
+        _reset_lora(peft, args.seed)
+        return peft, models.load_tokenizer(args.model)
+    peft, tok = models.load_model(args.model, quant="nf4", dtype=dtype, device=device, lora_r=args.lora_r,
+                                  lora_alpha=args.lora_alpha, seed=args.seed)
+    from ..ops.lm_head import causal_lm_of, decoder_of
+
+    layers = decoder_of(causal_lm_of(peft)).layers
+    for i in range(len(layers)):
+        if i not in keep:
+            layers[i] = SkippedLayer(i)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return peft, tok
+
+
+def _layerwise_config(args):
+    from .. import models
+
+    config = models.model_config(args.model)
+    if getattr(args, "layers", None):
+        config.num_hidden_layers = int(args.layers)
+    return config
+
+
+def make_batches(tok, args) -> list[dict]:
+    """The global batches every rank builds identically: padded rows (``build_batches``) or, with
+    ``--pack``, whole examples packed per document (``build_packed_batches``), cycled to ``--steps``."""
+    from ..data import build_batches, build_packed_batches
+
+    if args.pack:
+        batches, _ = build_packed_batches(tok, batch_size=args.global_batch_size, max_len=args.seq_len,
+                                          data=args.data, seed=args.seed)
+        batches = [b for b in batches if b["input_ids"].shape[0] == args.global_batch_size]
+    else:
+        batches = build_batches(tok, batch_size=args.global_batch_size, steps=args.steps, max_len=args.seq_len,
+                                padding="fixed", data=args.data, limit=min(4000, max(64, args.steps * args.global_batch_size)),
+                                seed=args.seed)
+    if not batches:
+        raise ValueError(f"the data gives no batch of {args.global_batch_size} rows of {args.seq_len}")
+    if getattr(args, "permute_rows", None) is not None:
+        from ..training.parity import permute_rows
+
+        batches = permute_rows(batches, seed=args.permute_rows)
+    return [batches[i % len(batches)] for i in range(args.steps)]
+
+
+# ----------------------------------------------------------------------------- the run
+def _real_tokens(batch: dict) -> int:
+    from ..data import real_tokens
+
+    return int(real_tokens(batch))
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """Train as ``args`` says on this rank (under torchrun). Returns the summary on rank 0."""
+    import torch.distributed as dist
+
+    from ..training.device import peak_mem_gib, reset_peak, sync
+    from .fast import optimize_options
+    from .pipeline import SCHEDULES, build_pipeline, owned_layers, pipeline_clip_grad_norm, split_layers, stage_ids
+    from .setup import init_distributed
+    from .summary import _graph_break_total, _max_over_ranks
+
+    info = init_distributed(args.device)
+    if args.max_mem_gib is not None and info.device.type == "cuda":
+        total = torch.cuda.get_device_properties(info.device).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_mem_gib / total), info.device)
+    out = Path(args.out)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "log.jsonl").unlink(missing_ok=True)
+    dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
+        else getattr(torch, args.dtype)
+    from .. import models
+
+    n_layers = int(_layerwise_config(args).num_hidden_layers) if args.model in models.MODEL_NAMES else None
+    if n_layers is None:
+        from transformers import AutoConfig
+
+        n_layers = int(AutoConfig.from_pretrained(args.model).num_hidden_layers)
+    per_rank = SCHEDULES[args.schedule][1]
+    ranges = split_layers(n_layers, info.world_size * per_rank, args.stage_counts)
+    mine = stage_ids(args.schedule, info.rank, info.world_size)
+    torch.manual_seed(args.seed)
+    breaks_before, _ = _graph_break_total()
+    t0 = time.perf_counter()
+    peft, tok = load_stage_model(args, info.device, dtype, owned_layers(ranges, mine))
+    batches = make_batches(tok, args)
+    build_peak = _max_over_ranks(peak_mem_gib(info.device), info.device)
+    pipe = build_pipeline(peft, schedule=args.schedule, ranges=ranges, rank=info.rank, world_size=info.world_size,
+                          micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+                          seq_len=args.seq_len, device=info.device, batches=batches[:4], dtype=dtype,
+                          backend=args.backend, **optimize_options(args.optimize))
+    build_s = time.perf_counter() - t0
+    opt = torch.optim.AdamW(pipe.params, lr=args.lr, weight_decay=0.0)
+    warm = max(args.warmup, 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    reset_peak(info.device)
+    peak = 0.0
+    records = []
+    for step in range(args.steps):
+        batch = batches[step]
+        sync(info.device)
+        t = time.perf_counter()
+        loss = pipe.step(batch, info.device)
+        if args.dump_grads and step == 0:
+            torch.save({n: p.grad.detach().cpu().clone() for n, p in peft.named_parameters()
+                        if p.requires_grad and p.grad is not None}, out / f"grads_rank{info.rank}.pt")
+        grad_norm = pipeline_clip_grad_norm(pipe.params, args.max_grad_norm if args.max_grad_norm > 0 else None)
+        lr = float(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        value = float(loss)
+        sync(info.device)
+        ms = (time.perf_counter() - t) * 1e3
+        if not math.isfinite(value):
+            raise FloatingPointError(f"loss is {value} at step {step}")
+        peak = max(peak, _max_over_ranks(peak_mem_gib(info.device), info.device))
+        rec = {"step": step, "loss": value, "step_ms": ms, "grad_norm": grad_norm, "lr": lr,
+               "tokens": _real_tokens(batch), "tokens_padded": int(batch["input_ids"].numel()), "peak_mem_gib": peak,
+               "world_size": info.world_size}
+        records.append(rec)
+        if info.is_main:
+            with (out / "log.jsonl").open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+    eval_loss = None
+    if args.eval:
+        eval_loss = float(pipe.step(batches[0], info.device))
+        opt.zero_grad(set_to_none=True)
+    if not args.no_adapter:
+        save_pipeline_adapter(peft, out / "adapter", info)
+    breaks_after, reasons = _graph_break_total()
+    ranks = [None] * info.world_size
+    dist.all_gather_object(ranks, {"rank": info.rank, "stages": mine,
+                                   "layers": [list(ranges[s]) for s in mine],
+                                   "compile": pipe.compile_stats(),
+                                   "graph_breaks": breaks_after - breaks_before if breaks_after >= 0 else None,
+                                   "choices": {k: str(v) for k, v in pipe.opt.choices.items()}})
+    summary = None
+    if info.is_main:
+        summary = _pipeline_summary(args, info, records, ranks, reasons, dtype, peak, build_peak, build_s, eval_loss)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        print(f"[pipeline] world_size={info.world_size} schedule={args.schedule} steps={len(records)} "
+              f"final_loss={records[-1]['loss']:.6f} tokens/s={summary['tokens_per_s']} "
+              f"graph_breaks={summary['graph_breaks']['total']}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def save_pipeline_adapter(peft, folder: Path, info) -> None:
+    """One PEFT adapter from every rank's LoRA weights (gathered to rank 0 under their global names)."""
+    import torch.distributed as dist
+
+    own = {n: p.detach().cpu() for n, p in peft.named_parameters() if p.requires_grad}
+    parts = [None] * info.world_size
+    dist.all_gather_object(parts, own)
+    if info.is_main:
+        from safetensors.torch import save_file
+
+        peft.save_pretrained(str(folder))  # the config (and rank 0's weights, replaced below)
+        name = f".{peft.active_adapter}."
+        full = {k.replace(name, "."): v.contiguous() for part in parts for k, v in part.items()}
+        save_file(full, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def _pipeline_summary(args, info, records, ranks, reasons, dtype, peak, build_peak, build_s, eval_loss) -> dict:
+    from .. import env
+
+    timed = [r for r in records if r["step"] >= args.timing_warmup] or records[-1:]
+    med = lambda xs: float(sorted(xs)[len(xs) // 2]) if xs else None  # noqa: E731
+    breaks = [r["graph_breaks"] for r in ranks]
+    return {
+        "layout": "pipeline",
+        "world_size": info.world_size,
+        "backend": info.backend,
+        "model": args.model,
+        "schedule": args.schedule,
+        "micro_batches": args.micro_batches,
+        "micro_batch_size": args.micro_batch_size,
+        "stages": {str(r["rank"]): {"stages": r["stages"], "layers": r["layers"]} for r in ranks},
+        "options": {k: v for k, v in vars(args).items()},
+        "dtype": str(dtype).replace("torch.", ""),
+        "steps": len(records),
+        "losses": [r["loss"] for r in records],
+        "tokens_per_s": med([r["tokens"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0]),
+        "tokens_per_s_padded": med([r["tokens_padded"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0]),
+        "median_step_ms": med([r["step_ms"] for r in timed]),
+        "step_ms": [r["step_ms"] for r in records],
+        "first_step_s": records[0]["step_ms"] / 1e3 if records else None,
+        "timed_steps": len(timed),
+        "peak_mem_gib_per_gpu": peak,
+        "build_peak_mem_gib_per_gpu": build_peak,
+        "build_s": build_s,
+        "eval_loss": eval_loss,
+        "graph_breaks": {"total": sum(b for b in breaks if b is not None) if None not in breaks else None,
+                         "per_rank": breaks, "reasons": reasons, "fullgraph": True},
+        "compile": {str(r["rank"]): r["compile"] for r in ranks},
+        "choices": ranks[0]["choices"],
+        "device": env.device_info(info.device),
+        "versions": env.versions(),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "qlora_nb_utils.distributed.launch",
+                                                     *sys.argv[1:]]),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, validate (before any model is loaded), run. Returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as exc:
+        parser.error(str(exc))
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
