@@ -24,8 +24,13 @@ that loads in a plain ``PeftModel``, checkpoints that resume bit for bit).
   rank's rows, and the loss normalised to the one-process loss.
 - ``trainer``: the same fine-tune through HF ``Trainer`` / TRL (``run_trainer``,
   ``--trainer hf|trl``).
-- ``runs``: the parent-process side for notebook 07: ``launch``, ``read_log``,
+- ``runs``: the parent-process side for notebook 07: ``runs.launch``, ``read_log``,
   ``compare_runs``.
+- ``launch``: the one ``torchrun`` entry for every layout (``--layout fsdp|pipeline|context``),
+  ``python -m qlora_nb_utils.distributed.launch``; the module owns the name ``launch`` here.
+- ``pipeline``: the decoder layers split into stages over the ranks on
+  ``torch.distributed.pipelining`` (``build_pipeline`` -> ``PipelineQLoRA``, ``split_layers``,
+  ``SCHEDULES``); ``pipeline_train``: its loop, options and summary (``--layout pipeline``).
 
 Importing it is cheap: torch is imported by the modules, on first use of a name. See
 ``docs/fsdp2.md`` for launching on N GPUs.
@@ -48,5 +53,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     **{name: "fast" for name in ("FastSharded", "optimize_sharded", "optimize_options")},
     "make_global_batches": "global_batches",
     "run_trainer": "trainer",
-    **{name: "runs" for name in ("launch", "read_log", "compare_runs")},
+    **{name: "runs" for name in ("read_log", "compare_runs")},  # runs.launch: the name is the launch module's
+    **{name: "pipeline" for name in ("SCHEDULES", "PipelineQLoRA", "build_pipeline", "split_layers")},
 })
