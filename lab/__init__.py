@@ -9,7 +9,8 @@
 - ``report/``: readers of every results file (``python -m lab.report FILE...``).
 - ``results/<topic>/``: what GPU and CPU runs wrote; ``results/index.csv`` is the one table they
   all feed and ``RESULTS.md`` is generated from it (``python -m lab.index``).
-- ``gpu/``: the scripts that ran on the GPU machines.
+- ``gpu/<topic>/``: the scripts that ran on the GPU machines, by the results topic they write,
+  all started by ``gpu/gpu_env.sh``. ``README.md`` says how to add a measurement.
 
 The lab imports the product (``qlora_nb_utils``); the product never imports the lab, and the
 wheel ships none of it. It runs from a checkout: ``python -m lab...`` from the repository root.

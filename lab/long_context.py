@@ -1,7 +1,7 @@
 """The longest sequence that trains on a smaller card: ours against Unsloth, under one memory cap.
 
 Wrote: lab/results/long_context/long_context_h200.json (``merge`` of the drivers' files: lab/long_context_merge.py)
-Rerun: OUT=$OUT DEADLINE_S=440 PAIRS='ours:24 unsloth:24' bash lab/gpu/gpu_long_context.sh   (on a lent
+Rerun: OUT=$OUT DEADLINE_S=440 PAIRS='ours:24 unsloth:24' bash lab/gpu/long_context/gpu_long_context.sh   (on a lent
   2- or 4-GPU machine, from the repository root; carry .whl .gpucache .unsloth); one (peer, cap) driver per GPU.
 
 Why: "how long a document can I fine-tune on my 24 GB card" is the question a long-context user

@@ -42,7 +42,7 @@ def runs_of(rec: dict) -> list[dict]:
 
 
 def stamp() -> dict:
-    """Date and command; under lab/gpu/gpu_long_context.sh the command is the wrapper's (it sets the variable)."""
+    """Date and command; under lab/gpu/long_context/gpu_long_context.sh the command is the wrapper's (it sets the variable)."""
     cmd = "python -m lab.long_context " + shlex.join(sys.argv[1:])
     wrapper = os.environ.get("QLORA_NB_LONG_CONTEXT_CMD")
     return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -361,7 +361,7 @@ def resolve_device_dtype(device: Any = "auto", dtype: Any = "auto") -> tuple[tor
 #: blocks of many sizes (each layer's input copied back, loss pieces, attention workspaces); with
 #: fixed-size segments the cached free blocks stop fitting the next large request, and a step can
 #: run out of memory with gigabytes reserved but unallocated. Expandable segments grow and shrink
-#: one mapping instead. The lab's long-context runs (``lab/results/long_context/``) hold a case.
+#: one mapping instead.
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 _ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 

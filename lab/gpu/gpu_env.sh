@@ -1,6 +1,7 @@
 # Writes: nothing (sourced by the other scripts here)
 # Use: source lab/gpu/gpu_env.sh
-# Sourced by the lab/gpu/gpu_*.sh scripts on the GPU machine: install the carried wheels (.whl/) into
+# The one shared start of a GPU call, sourced by the scripts of lab/gpu/<topic>/ (as
+# "$(dirname "$0")/../gpu_env.sh") on the GPU machine: install the carried wheels (.whl/) into
 # /tmp/site and set the offline environment they share (package path, model cache, hub off,
 # unbuffered logs). A script that needs more (torchao's own site, notebook wheels) adds it after.
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -10,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 export TOKENIZERS_PARALLELISM=false
 
-# unsloth_site: unpack the carried Unsloth bundle (.unsloth/usite.tar.gz, from lab/gpu/unsloth_bundle.sh)
+# unsloth_site: unpack the carried Unsloth bundle (.unsloth/usite.tar.gz, from lab/gpu/peers/unsloth_bundle.sh)
 # into /tmp/usite and point the Unsloth peer at it (QLORA_NB_UNSLOTH_SITE); nothing when it was not carried.
 unsloth_site() {
   if [ -f .unsloth/usite.tar.gz ]; then

@@ -32,7 +32,7 @@ kernels). The results file is rewritten after every run, so a timeout loses only
 run that fails is a row with ``error``.
 
     python -m lab.peers.compute run --out lab/results/compute/peers_compute_h100.json \
-        [--settings 8b-8x1024,8b-8x1024-ckpt] [--budget-s 540]   (lab/gpu/gpu_peers_compute.sh)
+        [--settings 8b-8x1024,8b-8x1024-ckpt] [--budget-s 540]   (lab/gpu/peers/gpu_peers_compute.sh)
     python -m lab.peers.compute child SPEC.json RUN.json   (one ours run)
 """
 

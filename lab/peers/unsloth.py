@@ -5,7 +5,7 @@ any of them, and its patches must not leak into the process that measures our ow
 benchmark therefore runs it as a subprocess (`lab.peers` calls this module with the
 CLI below) and reads back one JSON file. The GPU machine has no network and its own package set:
 Unsloth and the few packages it needs beyond that machine travel as one archive made by
-`lab/gpu/unsloth_bundle.sh` and sit first on PYTHONPATH (see docs/unsloth_peer.md).
+`lab/gpu/peers/unsloth_bundle.sh` and sit first on PYTHONPATH (see docs/unsloth_peer.md).
 
 Nothing here imports transformers: the package's ``__init__`` imports nothing heavy either, so
 ``python -m lab.peers.unsloth`` reaches `import unsloth` with transformers unloaded.

@@ -46,7 +46,7 @@ def _kind(path: str, results: dict) -> str | None:
         raise ValueError(f"{path}: a partial FSDP2 results file (finished runs: {results.get('finished_runs')}, "
                          f"missing: {results.get('missing_runs')}); nothing to compare")
     raise ValueError(f"{path}: not a results file of qlora-nb bench, matrix.run_matrix, peers.run_peers or "
-                     f"lab/gpu/gpu_fsdp.sh (FSDP2); its keys are {sorted(results)[:8]}")
+                     f"lab/gpu/fsdp/gpu_fsdp.sh (FSDP2); its keys are {sorted(results)[:8]}")
 
 
 def report(files: list[str]) -> int:

@@ -3,7 +3,7 @@
 Why it exists: the README's numbers must be the file's numbers. ``qlora-nb report
 lab/results/fsdp/fsdp2_h200.json`` prints the table and writes the loss plot next to the JSON; nothing
 here measures or recomputes a figure except the ratio of tokens/s against 1 GPU (the file's
-``scaling``). The file is written by ``lab/gpu/gpu_fsdp.sh`` from
+``scaling``). The file is written by ``lab/gpu/fsdp/gpu_fsdp.sh`` from
 :func:`qlora_nb_utils.distributed.fsdp_train.compare_runs`; its companion ``fsdp2_*_diag.json`` explains a
 past failure and is not a results file, so it is recognised and kept apart.
 """
@@ -75,7 +75,7 @@ def markdown_table(results: dict, name: str = "") -> str:
 def write_plot(results: dict, json_path: str | Path) -> list[Path]:
     """Write ``<stem>_loss.png`` next to the JSON: the loss per step of each world size, |diff| beneath.
 
-    The same figure ``lab/gpu/gpu_fsdp.sh`` draws (:func:`qlora_nb_utils.plots.plot_loss_curves`).
+    The same figure ``lab/gpu/fsdp/gpu_fsdp.sh`` draws (:func:`qlora_nb_utils.plots.plot_loss_curves`).
 
     Returns:
         The paths written (none when the file holds no losses).
@@ -115,7 +115,7 @@ def _summary(folder: Path) -> dict | None:
 
 def sharded_record(runs: str | Path, probe: str | Path | None = None, big: str | Path | None = None,
                    command: str = "") -> dict:
-    """``fsdp2_sharded_<gpu>.json`` from the run folders of ``lab/gpu/gpu_fsdp_sharded.sh``.
+    """``fsdp2_sharded_<gpu>.json`` from the run folders of ``lab/gpu/fsdp/gpu_fsdp_sharded.sh``.
 
     Args:
         runs: a folder with ``parity_1`` and ``floor_1`` (1 GPU, global batch G, the floor run

@@ -5,7 +5,7 @@ compute-bound shape (speed and memory ratios, the 1.1x-at-no-more-memory target)
 step time against peak memory at 8B, 8 x 1024, one point per setting: ours with checkpointing
 off, on, offloaded, with more loss chunks, held to a memory budget by ``optimize()``, and
 Unsloth's own points beside them. Both read committed results files only
-(:mod:`lab.peers.compute` writes the first; ``lab/gpu/gpu_offload.sh`` the
+(:mod:`lab.peers.compute` writes the first; ``lab/gpu/memory/gpu_offload.sh`` the
 ``kind: offload`` ones); nothing is measured or typed in here. A point says which file it comes
 from, because files of different dates measure different code (the plot's legend names them).
 """
@@ -30,7 +30,7 @@ def is_compute_file(results: Mapping) -> bool:
 
 
 def is_offload_file(results: Mapping) -> bool:
-    """True for a results dict of ``lab/gpu/gpu_offload.sh``."""
+    """True for a results dict of ``lab/gpu/memory/gpu_offload.sh``."""
     return results.get("kind") == "offload"
 
 

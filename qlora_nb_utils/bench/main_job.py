@@ -321,7 +321,7 @@ def markdown_table(paths: list[str | Path]) -> str:
     files = []
     for path in paths:
         r = json.loads(Path(path).read_text())
-        # a file gathered from several calls (lab/gpu/fast_path_results.py) holds each call whole
+        # a file gathered from several calls holds each call whole
         files += [(path, call) for call in r["calls"].values()] if r.get("kind") == "fast_path" else [(path, r)]
     for path, r in files:
         o = r["options"]

@@ -24,7 +24,7 @@ def _fsdp2(**over) -> dict:
         "graph_breaks": {"1": {"total": 0}, "2": {"total": 1}},
         "compile": {"1": {"compilations": 4}, "2": {"compilations": 5}},
         "first_step_s": {"1": 6.34, "2": 8.26},
-        "device": {"name": "Fake GPU"}, "date": "2026-01-02T03:04:05+00:00", "command": "lab/gpu/gpu_fsdp.sh",
+        "device": {"name": "Fake GPU"}, "date": "2026-01-02T03:04:05+00:00", "command": "lab/gpu/fsdp/gpu_fsdp.sh",
         "versions": {"torch": "2.11.0", "transformers": "5.17.0", "peft": "0.21.2", "bitsandbytes": "0.50.2"},
     }
     res.update(over)

@@ -1,4 +1,4 @@
-"""``lab/gpu/gpu_fsdp_sharded.sh`` rehearsed on a CPU (``DRY=1``: tiny model, gloo, 2 steps).
+"""``lab/gpu/fsdp/gpu_fsdp_sharded.sh`` rehearsed on a CPU (``DRY=1``: tiny model, gloo, 2 steps).
 
 Everything the 2-GPU call will run, except the GPU: the corruption probe, the parity runs with
 the floor run and ``--check-bytes``, the scaling pair, the 70B builder's run on a tiny shape, and
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_sharded_gpu_script_runs_dry_on_a_cpu_and_writes_every_field(tmp_path):
     env = {**os.environ, "DRY": "1", "PY": sys.executable, "OUT": str(tmp_path), "REPEATS": "1"}
-    result = subprocess.run(["bash", "lab/gpu/gpu_fsdp_sharded.sh"], cwd=ROOT, env=env, capture_output=True,
+    result = subprocess.run(["bash", "lab/gpu/fsdp/gpu_fsdp_sharded.sh"], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rec = json.loads((tmp_path / "fsdp2_sharded_cpu.json").read_text())

@@ -291,7 +291,7 @@ def test_kept_attention_asked_on_or_off_is_a_variant_and_auto_is_the_product():
 
 
 def test_single_tries_settle_an_edge_an_earlier_bisection_left_open(tmp_path):
-    """``lab/gpu/gpu_edge_tries.sh`` writes one ``try`` file per length: merged with the earlier file, an ok
+    """``lab/gpu/long_context/gpu_edge_tries.sh`` writes one ``try`` file per length: merged with the earlier file, an ok
     try raises the longest length, an out-of-memory one a step above it closes the bracket."""
     xs = {"alloc_conf": "expandable_segments:True"}
     older = json.loads(_driver_file(tmp_path, "unsloth", 38.5, 40, 40_960).read_text())
@@ -305,7 +305,7 @@ def test_single_tries_settle_an_edge_an_earlier_bisection_left_open(tmp_path):
         rec = {"peer": "unsloth", **xs, "seq_len": L, "cap_gib": 38.5, "ok": ok, "wall_s": 100.0,
                "peak_mem_gib": 30.0 if ok else None, "reserved_gib": 31.0 if ok else None,
                "device": "NVIDIA H100 80GB HBM3", "versions": {"unsloth": "2026.10.9"},
-               "date": "2026-11-28T00:00:00+00:00", "command": "bash lab/gpu/gpu_edge_tries.sh"}
+               "date": "2026-11-28T00:00:00+00:00", "command": "bash lab/gpu/long_context/gpu_edge_tries.sh"}
         if not ok:
             rec.update(oom=True, error="OutOfMemoryError: CUDA out of memory")
         (p := tmp_path / f"unsloth_38.5_{L}.json").write_text(json.dumps(rec))

@@ -58,7 +58,7 @@ __all__ = ["VERIFIED_ON", "SUPPORTED", "GROUPS", "apply", "patched", "find_layer
 
 NAME = "lora_addmm"
 
-#: Versions this patch was verified on (CPU: tests here; CUDA: lab/gpu/gpu_peers_compute.sh).
+#: Versions this patch was verified on (CPU: tests here; CUDA: the repository's GPU runs of it).
 VERIFIED_ON = {"torch": "2.13.0 (cpu), 2.11.0+cu130 (cuda)", "peft": "0.21.2"}
 
 #: Sibling LoRA layers (attribute names under one parent) that a decoder layer calls on the same input.

@@ -49,7 +49,7 @@ __all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routabl
 
 NAME = "nf4_dequant"
 
-#: Versions this patch was verified on (CPU: tests here; CUDA: lab/gpu/gpu_nf4_dequant.sh).
+#: Versions this patch was verified on (CPU: tests here; CUDA: the repository's GPU runs of it).
 VERIFIED_ON = {"torch": "2.13.0 (cpu), 2.11.0+cu130 (cuda)", "bitsandbytes": "0.50.2", "triton": "3.6.0"}
 
 #: Versions the patch accepts; outside them it refuses.

@@ -1,0 +1,59 @@
+"""Where a fresh process's imports spend their time on the GPU machine (issue 20's warm start).
+
+Why: the warm start (notebook 09, section 7b) needs 12-17 s of imports on the GPU machine, 8-12 s
+of them ``import peft`` (which imports bitsandbytes), against about 1.6 s on a 2-core CPU. This
+runs ``python -X importtime -c "import X"`` in fresh processes, twice each (the second with the
+file cache warm), and keeps each module's cumulative time, the largest first.
+
+    python3 lab/gpu/compile_time/import_times.py OUT.json
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import time
+
+TARGETS = ("torch", "transformers", "bitsandbytes", "peft", "qlora_nb_utils")
+
+
+def one(target: str) -> dict:
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {target}"], capture_output=True,
+                         text=True, timeout=300)
+    wall = time.perf_counter() - t0
+    rows = []
+    for line in res.stderr.splitlines():
+        if not line.startswith("import time:") or "cumulative" in line:
+            continue
+        self_us, cum_us, name = line.split(":", 1)[1].split("|", 2)
+        rows.append({"module": name.strip(), "self_s": int(self_us) / 1e6, "cumulative_s": int(cum_us) / 1e6})
+    top = sorted(rows, key=lambda r: -r["cumulative_s"])[:40]
+    return {"target": target, "wall_s": wall, "rc": res.returncode, "modules": len(rows), "top": top,
+            "self_top": sorted(rows, key=lambda r: -r["self_s"])[:25]}
+
+
+def main(out: str) -> None:
+    from qlora_nb_utils import env  # the timed imports run in processes of their own
+
+    res = {"what": "python -X importtime per target, fresh processes (lab/gpu/compile_time/import_times.py)",
+           "device": env.device_info(), "versions": env.versions(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": os.environ.get("QLORA_NB_IMPORT_CMD", "python3 lab/gpu/compile_time/import_times.py OUT.json"),
+           "python": sys.version.split()[0], "cpus": os.cpu_count(), "runs": []}
+    for round_ in (1, 2):
+        for target in TARGETS:
+            r = one(target)
+            r["round"] = round_
+            res["runs"].append(r)
+            print(round_, target, f"{r['wall_s']:.2f} s", [(x["module"], round(x["cumulative_s"], 2)) for x in r["top"][:6]],
+                  flush=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
