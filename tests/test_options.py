@@ -37,7 +37,7 @@ def cases():
         "default": dict(batches=fixed),
         "no_batches": dict(),
         "varied_eager": dict(batches=varied, backend="eager", grad_ckpt=True),
-        "memory": dict(batches=fixed, max_memory_gib=0.001, backend="eager"),
+        "memory": dict(batches=fixed, max_memory_gib=0.5988, backend="eager"),
         "memory_fit": dict(batches=fixed, max_memory_gib=100.0, backend="eager"),
         "regional": dict(batches=fixed, scope="regional", loss_rows=True, ce_min_rows=0, autocast=False),
         "packed": dict(batches=packed, backend="aot_eager"),

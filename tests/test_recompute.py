@@ -110,14 +110,14 @@ def test_recompute_choice_is_checked_and_counted_by_the_estimate(tiny, monkeypat
     lean = estimate_terms(model, 8, 1024, recompute=True)
     counted = 8 * 1024 * (3 * kept["hidden"] + kept["intermediate"]) * kept["act_bytes"] / 2**30
     assert kept["per_layer_gib"] - lean["per_layer_gib"] == pytest.approx(counted)
-    # the in-place LoRA update: one more intermediate-sized tensor at the peak, whatever is checkpointed
+    # the in-place LoRA update: one more intermediate-sized tensor in the MLP's backward, at most that at the peak
     from qlora_nb_utils.compile.memory_estimate import peak_from_terms
 
     inplace = estimate_terms(model, 8, 1024, recompute=True, lora_in_place=True)
     one = 8 * 1024 * kept["intermediate"] * kept["act_bytes"] / 2**30
-    assert lean["lora_in_place_gib"] == 0.0
+    assert lean["lora_in_place_gib"] == 0.0 and inplace["lora_in_place_gib"] == pytest.approx(one)
     for n in (0, 1, kept["layers"]):
-        assert peak_from_terms(inplace, n) - peak_from_terms(lean, n) == pytest.approx(one)
+        assert 0.0 <= peak_from_terms(inplace, n) - peak_from_terms(lean, n) <= one + 1e-12
     from qlora_nb_utils.compile import fast_path
 
     monkeypatch.setattr(fast_path, "can_recompute_elementwise", lambda: False)

@@ -1,66 +1,99 @@
-"""How much GPU memory a fast-path training step will need, before it runs.
+"""How much GPU memory a fast-path training step will need, before it runs: an upper bound.
 
-Why this module exists: ``optimize(max_memory_gib=...)`` has to pick how many decoder layers
-to checkpoint *before* the first step, so it needs a peak it can compute from the model and the
-batch shape. The terms are counted from the model (weights as they will be after the recipe's
-cast, LoRA gradients and AdamW state), and the activation terms are calibrated on measured
-peaks (the lab's memory-target runs, 0 to every layer checkpointed at two token counts) against
-the peak *reserved* memory, which under CUDA graphs is what the device must hold:
+Why this module exists: ``optimize(max_memory_gib=...)`` has to choose checkpointing, offload, the
+MLP pieces and the kept attention outputs *before* the first step, so it needs a peak it can
+compute from the model and the batch shape; and a plan placed under a target is only as good as
+that peak is an upper bound of what the step allocates. So the estimate is counted, not fitted:
+every term below is a tensor of the step, named, sized from the model's config (hidden size,
+intermediate size, attention heads, key/value heads, head size, vocabulary) and the batch shape,
+and the step's peak is the largest of the moments at which those tensors are alive together.
 
-* an un-checkpointed layer saves a fitted number of ``hidden`` and ``intermediate`` elements
-  per token (:data:`_ACT_PER_TOKEN`);
-* a checkpointed one keeps its input (``hidden`` per token), and once any layer is checkpointed
-  the backward holds one recomputed layer and its gradients at a time
-  (:data:`_CKPT_TRANSIENT_LAYERS` layers' worth);
-* the chunked loss holds a multiple of one chunk's logits in fp32 + its compute-dtype copy
-  (:data:`_LOGITS_FACTOR`);
-* a fixed allowance (:data:`_OVERHEAD_GIB`: workspace, CUDA-graph pool slack, allocator
-  rounding) puts every calibration peak under its estimate.
+Between steps, and all through the step (``static``): the weights at their size after the
+recipe's cast, the LoRA weights with their fp32 gradients and AdamW's two moments.
 
-With ``optimize(recompute=...)`` on, the backward recomputes the SwiGLU product and the three
-LoRA inputs of hidden size (the two norm outputs, the attention output in token-major layout)
-instead of saving them: counted on the CPU (``diagnostics.saved_for_backward``, the test in
-``tests/test_recompute.py``), one intermediate-sized and three hidden-sized tensors per token
-fewer, which the un-checkpointed layer's term subtracts from the fitted numbers
-(:data:`_ACT_RECOMPUTED`). That is counted, not fitted on a measured peak.
+Per token, in bytes (``h`` a hidden-size activation, ``i`` an intermediate-size one, ``q`` the
+queries' or the attention output's size, ``kv`` the keys' or values', all in the compute dtype):
 
-With the LoRA updates added into the base outputs in place (``optimize(lora_addmm=...)``,
-:mod:`qlora_nb_utils.ops.lora_update`), the peak grew by one intermediate-sized tensor, with
-checkpointing off and on alike, so once, not per layer: ``lora_in_place_gib``, one
-``tokens x intermediate`` tensor. Seen on one shape, not fitted.
+* an **un-checkpointed layer** saves its input (``h``), the queries, keys, values and attention
+  output (``2 q + 2 kv``) with the attention's log-sum-exp (fp32, one per head), the residual
+  after the attention (``h``) and the MLP's gate and up projections (``2 i``); without the
+  elementwise recompute (``optimize(recompute=...)``) also both norms' outputs, the attention
+  output in token-major layout and the SwiGLU product (``3 h + i``, :data:`_ACT_RECOMPUTED`);
+* a **checkpointed layer** keeps its input (``h``); offloaded, the GPU holds at most two inputs
+  copied back (the one in use and the one fetched ahead) and the embedding output;
+* the **backward of one layer** adds, at its MLP, the gradient coming in and the one being formed
+  (``2 h``), the SwiGLU product recomputed, its gradient and the gate's and up's gradients
+  (``4 i``; one ``i`` more with the LoRA update added into the base output in place); at its
+  attention, the gradient coming in and the residual's (``2 h``), the attention output's gradient
+  (``q``), the query, key and value gradients (``q + 2 kv``) and the fused attention backward's
+  fp32 workspace (two query-sized fp32 buffers and one value per head). A checkpointed layer
+  recomputes what an un-checkpointed one saved, so its backward holds that as well;
+* with each **MLP in pieces** (:mod:`.patches.tiled_mlp`) every intermediate-sized term above
+  shrinks to one piece's share, and the MLP's input is saved instead;
+* the **loss** (chunked, its gradient formed in the forward) holds the last hidden state, its
+  norm, the hidden-state gradient's pieces and their concatenation (``4 h``) and one piece's
+  logits: in the compute dtype, twice in fp32 inside the compiled arithmetic (the log-softmax and
+  the gradient before its cast), and their gradient in the compute dtype (``2 b + 8`` bytes a
+  logit; the eager arithmetic keeps four fp32 copies); the LoRA gradients are not formed yet;
+* the rotary tables (cosine and sine, ``2 x head size``) and the step's integer inputs.
 
-With the checkpointed inputs offloaded to CPU memory (:mod:`.offload`), a checkpointed layer
-keeps nothing on the GPU, and the backward holds at most two inputs copied back (the one in use
-and the one prefetched): ``offload_transient_gib``. That term is counted, not fitted: no
-measured offload peak has calibrated it. The pinned CPU memory it takes instead is
-``ckpt_layers * kept_per_layer_gib``.
+Kept attention outputs (:mod:`.patches.kept_attention`) add each checkpointed layer's output and
+log-sum-exp on the device, or one output in flight and the log-sum-exps with the outputs in host
+memory. A fixed allowance (:data:`OVERHEAD_GIB`: the CUDA libraries' workspaces, which the
+caching allocator holds, and its rounding of each block) and two dequantized copies of the largest
+group of NF4 weights (the recompute's and the backward's) complete it.
 
-With each MLP run in pieces along the sequence (``compile.patches.tiled_mlp``), the recomputed
-layer holds one piece's share of the intermediate-sized activations (and of the in-place LoRA
-update's tensor) instead of the whole sequence's; counted, not fitted.
-
-One model at two token counts fitted four numbers, so it is an estimate for choosing, not a
-measurement: the run's ``peak_mem_gib`` is the fact. :func:`estimate_terms` gives the terms
-apart, so the calibration script can refit them.
+The estimate is of the memory the allocator hands out (``torch.cuda.max_memory_allocated``); the
+allocator reserves somewhat more (blocks it cannot split), which the plan's headroom
+(:data:`.plan.MEMORY_HEADROOM`) leaves room for. The counts were checked against the lab's
+per-allocation account of long steps (which tensors are alive at the peak), and the estimate
+against every measured peak of the lab's long-context runs: at or above each, and not far above.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from .checkpointing import decoder_layers
 
-__all__ = ["estimate_terms", "estimate_peak_gib"]
+__all__ = ["Shape", "model_shape", "terms_of", "estimate_terms", "peak_from_terms", "estimate_peak_gib",
+           "longest_fitting", "OVERHEAD_GIB"]
 
 _GIB = 2**30
-_ACT_PER_TOKEN = (6.93, 2.89)  # x hidden, x intermediate: elements saved per token by one un-checkpointed layer
-_ACT_RECOMPUTED = (3.0, 1.0)  # x hidden, x intermediate: elements per token no longer saved with recompute
-_CKPT_TRANSIENT_LAYERS = 1.64  # with checkpointing: one recomputed layer and its backward, in layers
-_LOGITS_FACTOR = 1.90  # the chunked loss's transient, in (one chunk of logits, fp32 + compute dtype)
-_OVERHEAD_GIB = 0.55  # workspace, CUDA-graph pool slack, allocator rounding
+#: The CUDA libraries' workspaces the caching allocator holds (cuBLAS, cuDNN), the step's small
+#: tensors (norm statistics, masks) and the allocator's rounding of each block, in GiB.
+OVERHEAD_GIB = 0.5
+#: Saved per token by an un-checkpointed layer without the elementwise recompute, and recomputed with it:
+#: hidden-sized tensors (both norms' outputs, the attention output token-major), intermediate-sized (the
+#: SwiGLU product). Counted on the CPU (``diagnostics.saved_for_backward``: ``tests/test_recompute.py``).
+_ACT_RECOMPUTED = (3, 1)
 _OFFLOAD_RELOADED = 2  # offloaded inputs back on the GPU at once: the one in use, the one prefetched
+_LOSS_HIDDEN = 4  # x h per token at the loss: the last hidden state, its norm, the gradient's pieces, their concatenation
+_INT_INPUTS = 4  # int64 values per token: input ids, labels, positions, the loss's targets
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the estimate reads of a model: its config's sizes and the bytes it holds between steps.
+
+    ``static_bytes``: the weights (at the size they will have after the recipe's cast), buffers,
+    and per trainable parameter its fp32 gradient and AdamW's two moments. ``group_weight_elems``:
+    the elements of the largest group of projection weights the step dequantizes at once (the
+    MLP's gate and up, or the attention's query, key and value)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    static_bytes: int
+    group_weight_elems: int
+    grad_bytes: int = 0
 
 
 def _config_of(model: torch.nn.Module) -> Any:
@@ -68,10 +101,77 @@ def _config_of(model: torch.nn.Module) -> Any:
     return getattr(inner, "config", None)
 
 
+def _text_config(config: Any) -> Any:
+    """The decoder's config (a multimodal config keeps it as ``text_config``)."""
+    text = getattr(config, "text_config", None)
+    return text if text is not None and getattr(config, "hidden_size", None) is None else config
+
+
+def model_shape(model: torch.nn.Module, cast_dtype: torch.dtype | None = None) -> Shape:
+    """:class:`Shape` of ``model`` (the PEFT model, as handed to ``optimize()``); ``cast_dtype``: the
+    dtype the recipe casts the non-LoRA float weights to (None: as they are)."""
+    config = _text_config(_config_of(model))
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    heads = int(getattr(config, "num_attention_heads", 0) or 1)
+    kv = int(getattr(config, "num_key_value_heads", 0) or heads)
+    head_dim = int(getattr(config, "head_dim", 0) or (hidden // heads if hidden else 0))
+    static = 0
+    for name, p in model.named_parameters():
+        size = p.element_size()
+        if cast_dtype is not None and p.is_floating_point() and "lora_" not in name:
+            size = torch.finfo(cast_dtype).bits // 8
+        static += p.numel() * size
+    static += sum(b.numel() * b.element_size() for b in model.buffers())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    static += trainable * 12  # fp32 grad + AdamW moments
+    return Shape(grad_bytes=trainable * 4, layers=len(decoder_layers(model)), hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv,
+                 head_dim=head_dim, vocab=int(getattr(config, "vocab_size", 0) or 0), static_bytes=static,
+                 group_weight_elems=max(2 * inter * hidden, (heads + 2 * kv) * head_dim * hidden))
+
+
+def terms_of(shape: Shape, batch_size: int, seq_len: int, *, ce_chunks: int = 4, act_bytes: int = 2,
+             head_rows: int | None = None, recompute: bool = False, lora_in_place: bool = False,
+             compiled_loss: bool = True) -> dict[str, Any]:
+    """The estimate's terms in GiB for ``shape`` at ``batch_size x seq_len`` (see :func:`estimate_terms`)."""
+    b, tokens = act_bytes, batch_size * seq_len
+    h, i = shape.hidden * b, shape.intermediate * b
+    q, kv = shape.heads * shape.head_dim * b, shape.kv_heads * shape.head_dim * b
+    lse = shape.heads * 4
+    saved_attention = 2 * q + 2 * kv + lse  # queries, keys, values, the output, its log-sum-exp
+    saved_layer = h + saved_attention + h + 2 * i  # + the layer's input, the residual, gate and up
+    if not recompute:  # both norms' outputs and the attention output token-major; the SwiGLU product
+        saved_layer += _ACT_RECOMPUTED[0] * h + _ACT_RECOMPUTED[1] * i
+    workspace = 2 * shape.heads * shape.head_dim * 4 + lse  # the attention backward's fp32 buffers
+    attention_backward = 2 * h + q + (q + 2 * kv) + workspace
+    rows = tokens if head_rows is None else min(head_rows, tokens)
+    logit_bytes = 2 * b + 8 if compiled_loss else b + 16
+    gib = tokens / _GIB
+    return {"layers": shape.layers, "tokens": tokens, "seq_len": seq_len, "hidden": shape.hidden,
+            "intermediate": shape.intermediate, "vocab": shape.vocab, "act_bytes": act_bytes,
+            "static_gib": shape.static_bytes / _GIB, "grads_gib": shape.grad_bytes / _GIB,
+            "per_layer_gib": saved_layer * gib,  # what an un-checkpointed layer saves
+            "per_layer_intermediate_gib": 2 * i * gib,  # of which the MLP's, what pieces shrink
+            "saved_attention_gib": saved_attention * gib,
+            "kept_per_layer_gib": h * gib,  # a checkpointed layer's input
+            "offload_transient_gib": (_OFFLOAD_RELOADED + 1) * h * gib,  # two inputs back, the embedding output
+            "residual_gib": h * gib,  # the residual after the attention, or the MLP input the pieces save
+            "mlp_backward_gib": 2 * h * gib,  # the gradient coming in, the one being formed
+            "mlp_backward_intermediate_gib": 4 * i * gib,  # the SwiGLU product again, its gradient, gate's and up's
+            "attention_backward_gib": attention_backward * gib,
+            "kept_output_gib": (q + lse) * gib,  # one layer's kept attention output and log-sum-exp
+            "kept_lse_gib": lse * gib,
+            "loss_hidden_gib": _LOSS_HIDDEN * h * gib,
+            "logits_gib": rows / max(ce_chunks, 1) * shape.vocab * logit_bytes / _GIB,
+            "always_gib": (2 * shape.head_dim * b + 8 * _INT_INPUTS) * gib,  # rotary tables, integer inputs
+            "lora_in_place_gib": i * gib if lora_in_place else 0.0,
+            "overhead_gib": OVERHEAD_GIB + 2 * shape.group_weight_elems * b / _GIB}
+
+
 def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_chunks: int = 4,
                    act_bytes: int = 2, cast_dtype: torch.dtype | None = None,
                    head_rows: int | None = None, recompute: bool = False,
-                   lora_in_place: bool = False) -> dict[str, Any]:
+                   lora_in_place: bool = False, compiled_loss: bool = True) -> dict[str, Any]:
     """The estimate's terms in GiB (and the shape numbers they come from).
 
     Args:
@@ -85,62 +185,75 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
             largest bucketed count of labelled rows shown); None: every token.
         recompute: the backward recomputes elementwise results (``optimize(recompute=...)``).
         lora_in_place: the LoRA updates are added into the base outputs in place
-            (``optimize(lora_addmm=...)``): one more intermediate-sized tensor at the peak.
+            (``optimize(lora_addmm=...)``): one more intermediate-sized tensor in the MLP's backward.
+        compiled_loss: the loss's arithmetic is compiled (Inductor); False: eager (more fp32 copies).
     """
-    config = _config_of(model)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    tokens = batch_size * seq_len
-    static = 0
-    for name, p in model.named_parameters():
-        size = p.element_size()
-        if cast_dtype is not None and p.is_floating_point() and "lora_" not in name:
-            size = torch.finfo(cast_dtype).bits // 8
-        static += p.numel() * size
-    static += sum(b.numel() * b.element_size() for b in model.buffers())
-    static += sum(p.numel() for p in model.parameters() if p.requires_grad) * 12  # fp32 grad + AdamW moments
-    per_h, per_i = _ACT_PER_TOKEN
-    if recompute:
-        per_h, per_i = per_h - _ACT_RECOMPUTED[0], per_i - _ACT_RECOMPUTED[1]
-    per_layer = tokens * (per_h * hidden + per_i * inter) * act_bytes / _GIB
-    per_layer_intermediate = tokens * per_i * inter * act_bytes / _GIB  # the MLP's share, what tiles shrink
-    return {"layers": len(decoder_layers(model)), "tokens": tokens, "seq_len": seq_len, "hidden": hidden,
-            "intermediate": inter,
-            "vocab": vocab, "act_bytes": act_bytes, "static_gib": static / _GIB, "per_layer_gib": per_layer,
-            "per_layer_intermediate_gib": per_layer_intermediate,
-            "kept_per_layer_gib": tokens * hidden * act_bytes / _GIB,
-            "ckpt_transient_gib": _CKPT_TRANSIENT_LAYERS * per_layer,
-            "offload_transient_gib": _OFFLOAD_RELOADED * tokens * hidden * act_bytes / _GIB,
-            "logits_gib": _LOGITS_FACTOR * (tokens if head_rows is None else min(head_rows, tokens))
-            / max(ce_chunks, 1) * vocab * (act_bytes + 8) / _GIB,
-            "lora_in_place_gib": tokens * inter * act_bytes / _GIB if lora_in_place else 0.0,
-            "overhead_gib": _OVERHEAD_GIB}
+    return terms_of(model_shape(model, cast_dtype), batch_size, seq_len, ce_chunks=ce_chunks, act_bytes=act_bytes,
+                    head_rows=head_rows, recompute=recompute, lora_in_place=lora_in_place,
+                    compiled_loss=compiled_loss)
 
 
 def peak_from_terms(terms: dict[str, Any], ckpt_layers: int, offload: bool = False,
-                    tile_rows: int | None = None) -> float:
+                    tile_rows: int | None = None, kept: str | bool = False) -> float:
     """The estimated peak (GiB) with the first ``ckpt_layers`` layers checkpointed (their inputs
     offloaded to CPU memory with ``offload``), each MLP run in pieces of ``tile_rows`` positions
-    (``compile.patches.tiled_mlp``) when given.
+    (``compile.patches.tiled_mlp``) when given, and the checkpointed layers' attention outputs
+    kept (``kept``: ``"device"`` or ``"host"``, :mod:`.patches.kept_attention`).
 
-    With every layer checkpointed, the tiles shrink what the recomputed layer holds of its MLP
-    (the intermediate-sized share of the layer's activations, and the in-place LoRA update's
-    tensor) to one piece's worth; an un-checkpointed layer still saves every piece's."""
-    n = max(0, min(ckpt_layers, terms["layers"]))
-    kept = terms["offload_transient_gib"] if offload and n else n * terms["kept_per_layer_gib"]
+    The largest of: the loss at the end of the forward; the backward of the top un-checkpointed
+    layer (every un-checkpointed layer's saved tensors alive); the backward of a checkpointed layer
+    (its recompute's tensors, the checkpointed inputs still held)."""
+    layers = terms["layers"]
+    n = max(0, min(ckpt_layers, layers))
+    m = layers - n
     share = 1.0 if not tile_rows else min(1.0, tile_rows / max(terms["seq_len"], 1))  # pieces along the sequence
-    per_i = terms.get("per_layer_intermediate_gib", 0.0)
-    transient = terms["ckpt_transient_gib"] - (1 - share) * _CKPT_TRANSIENT_LAYERS * per_i
-    return (terms["static_gib"] + kept + (terms["layers"] - n) * terms["per_layer_gib"]
-            + (transient if n else 0.0) + terms["logits_gib"] + terms["overhead_gib"]
-            + terms.get("lora_in_place_gib", 0.0) * share)
+    piece_in = terms["residual_gib"] if share < 1 else 0.0  # the pieces' operator saves the MLP's input
+    inter = terms["per_layer_intermediate_gib"] * share
+    saved = terms["per_layer_gib"] - terms["per_layer_intermediate_gib"] * (1 - share) + piece_in
+    mlp = terms["mlp_backward_gib"] + (terms["mlp_backward_intermediate_gib"] + terms["lora_in_place_gib"]) * share
+    # the recompute's (or the un-checkpointed layer's) tensors at its MLP's backward and at its attention's
+    at_mlp = terms["saved_attention_gib"] + terms["residual_gib"] + piece_in + inter + mlp
+    at_attention = terms["saved_attention_gib"] + terms["attention_backward_gib"]
+    offloaded = offload and n > 0
+    held = terms["offload_transient_gib"] if offloaded else n * terms["kept_per_layer_gib"]  # the forward's end
+    # the un-checkpointed layers' backward comes first: offloaded inputs are not back yet, the embedding output is
+    held_top = terms["kept_per_layer_gib"] if offloaded else held
+    # the loss, at the forward's end: the LoRA gradients are not formed yet (the last step's were let go)
+    phases = [held + m * saved + terms["loss_hidden_gib"] + terms["logits_gib"] - terms.get("grads_gib", 0.0)]
+    if m:  # the top un-checkpointed layer (its own input counted once, in the backward's tensors)
+        phases.append(held_top + (m - 1) * saved + terms["kept_per_layer_gib"] + max(at_mlp, at_attention))
+    if n:  # a checkpointed layer: its input is among those held
+        phases.append(held + max(at_mlp, at_attention))
+    extra = 0.0
+    if kept == "device":
+        extra = n * terms["kept_output_gib"]
+    elif kept == "host":
+        extra = terms["kept_output_gib"] + n * terms["kept_lse_gib"]
+    return terms["static_gib"] + terms["overhead_gib"] + terms["always_gib"] + max(phases) + extra
 
 
 def estimate_peak_gib(model: torch.nn.Module, batch_size: int, seq_len: int, ckpt_layers: int, *,
                       ce_chunks: int = 4, act_bytes: int = 2, cast_dtype: torch.dtype | None = None,
-                      offload: bool = False, recompute: bool = False, lora_in_place: bool = False) -> float:
+                      offload: bool = False, recompute: bool = False, lora_in_place: bool = False,
+                      compiled_loss: bool = True) -> float:
     """A training-step peak (GiB) of the fast path on a CUDA device (see the module docstring)."""
     terms = estimate_terms(model, batch_size, seq_len, ce_chunks=ce_chunks, act_bytes=act_bytes,
-                           cast_dtype=cast_dtype, recompute=recompute, lora_in_place=lora_in_place)
+                           cast_dtype=cast_dtype, recompute=recompute, lora_in_place=lora_in_place,
+                           compiled_loss=compiled_loss)
     return peak_from_terms(terms, ckpt_layers, offload)
+
+
+def longest_fitting(estimate: Any, limit_gib: float, longest: int, step: int = 128) -> int:
+    """The longest length, a multiple of ``step`` up to ``longest``, whose ``estimate(length)`` (GiB)
+    is at most ``limit_gib`` (0: none; the estimate grows with the length, so a bisection finds it)."""
+    lo, hi = 0, max(longest // step, 0)  # in steps: lo fits (or is 0), hi + 1 does not
+    if hi and estimate(hi * step) <= limit_gib:
+        return hi * step
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate(mid * step) <= limit_gib:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step

@@ -21,7 +21,7 @@ from ..ops.lm_head import choose_head
 from . import choices as table
 from . import offload as host
 from .checkpointing import decoder_layers
-from .memory_estimate import _config_of, estimate_terms, peak_from_terms
+from .memory_estimate import _config_of, estimate_terms, longest_fitting, peak_from_terms
 from .model_patches import lora_addmm_expected
 from .offload import check_host_memory, host_bytes
 from .offload import plan as checkpoint_plan
@@ -74,6 +74,7 @@ class Plan:
     over_target: bool = False  # every saving taken and still over the memory target
     tile_rows: int = 0  # each MLP in pieces of this many positions (0: whole)
     estimate_gib: float | None = None  # the peak estimate of the choices made (None: no memory target)
+    estimate_of: Any = None  # estimate_of(ckpt_layers, offload, tile_rows, kept) -> GiB at the largest batch (None: none)
     planned_gib: float | None = None  # the memory target less its headroom
     keep_attention: Any = False  # the attention outputs kept for the recompute: "device", "host" or False
     packed: bool = False
@@ -192,6 +193,7 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
         lambda: cudnn_attention_works(device, *_attention_shape(model), p.dtype),
         longest=max((shape[-1] for shape in shapes or []), default=0), cuda_graphs=p.cuda_graphs))) == "cudnn"
     p.keep_attention = p.record("keep_attention", _keep_attention(p, model, shapes)) or False
+    _state_estimate(p)
     p.dynamic = p.record("dynamic", table.choose_dynamic(opts.dynamic, shapes))
     p.record("pad_multiple", table.choose_pad_multiple(opts.pad_multiple))
     p.autocast = p.record("autocast", table.choose_autocast(opts.autocast, p.dtype))
@@ -253,14 +255,26 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
     n_layers = len(decoder_layers(model))
     *rows, p.head_rows = choose_loss_rows(opts.loss_rows, p.ce_chunks, batches, opts.pad_multiple)
     p.loss_rows_choice = tuple(rows)
-    est, at, seq = None, "", 0
-    if opts.max_memory_gib is not None:
+    est, at, seq, terms_at = None, "", 0, None
+    if shapes and (opts.max_memory_gib is not None or p.device.type == "cuda"):  # without a target: said on CUDA
         b, s = max(shapes, key=lambda x: x[0] * x[1])
-        p.ce_chunks = target_chunks(p.ce_chunks, p.head_rows or b * s)
-        terms = estimate_terms(model, b, s, ce_chunks=p.ce_chunks, act_bytes=torch.finfo(p.dtype).bits // 8,
-                               cast_dtype=p.dtype if opts.cast else None, head_rows=p.head_rows,
-                               recompute=p.recompute, lora_in_place=lora_addmm_expected(model, opts.lora_addmm))
+        asked_chunks, in_place = p.ce_chunks, lora_addmm_expected(model, opts.lora_addmm)
+        if opts.max_memory_gib is not None:
+            p.ce_chunks = target_chunks(p.ce_chunks, p.head_rows or b * s)
+
+        def terms_at(rows: int, length: int, head_rows: int | None, lora_in_place: bool = in_place) -> dict:
+            chunks = (target_chunks(asked_chunks, head_rows or rows * length) if opts.max_memory_gib is not None
+                      else p.ce_chunks)
+            return estimate_terms(model, rows, length, ce_chunks=chunks, act_bytes=torch.finfo(p.dtype).bits // 8,
+                                  cast_dtype=p.dtype if opts.cast else None, head_rows=head_rows,
+                                  recompute=p.recompute, lora_in_place=lora_in_place,
+                                  compiled_loss=opts.backend == "inductor")
+
+        terms = terms_at(b, s, p.head_rows)
         est, at, seq = functools.partial(peak_from_terms, terms), f"{b} x {s}", s
+        p.estimate_of = est
+    if opts.max_memory_gib is None:
+        est = None  # nothing to plan by: the estimate is only said (_state_estimate)
     planned = planning_target(opts.max_memory_gib)
     label = (None if planned is None else
              f"{planned:.4g} GiB (the target {opts.max_memory_gib} GiB less {MEMORY_HEADROOM:.0%} headroom)")
@@ -274,13 +288,56 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
         b, s = max(shapes, key=lambda x: x[0] * x[1])
         check_host_memory(ck.ckpt_layers, _layer_input_bytes(model, b, s, p.dtype), f"{b} x {s}")
     p.tile_rows, tile_why = _tiles(opts.tile_mlp, model, est, planned, label, ck, n_layers, seq)
-    p.estimate_gib, p.planned_gib = (est(ck.ckpt_layers, ck.offload, p.tile_rows) if est is not None else None), planned
-    p.over_target = p.estimate_gib is not None and p.estimate_gib > planned
+    p.planned_gib = planned
+    if est is not None:
+        p.estimate_gib = est(ck.ckpt_layers, ck.offload, p.tile_rows)
+        p.over_target = p.estimate_gib > planned
+        if p.over_target:  # every saving taken: the LoRA update out of place, one tensor fewer (fast_path)
+            p.estimate_of = functools.partial(peak_from_terms, terms_at(b, s, p.head_rows, False))
+            p.estimate_gib = p.estimate_of(ck.ckpt_layers, ck.offload, p.tile_rows)
+        if p.estimate_gib > planned:
+            raise ValueError(_refusal(p, model, terms_at, ck, n_layers, b, s, label))
     p.record("ckpt_layers", table.Choice(f"{ck.ckpt_layers}/{n_layers}", ck.ckpt_why))
     p.record("offload", table.Choice(ck.offload, ck.offload_why))
     if ck.scope_why:
         p.record("scope", table.Choice(ck.scope, ck.scope_why))
     p.record("tile_mlp", table.Choice(p.tile_rows, tile_why))
+
+
+def _refusal(p: Plan, model: torch.nn.Module, terms_at: Any, ck: Any, n_layers: int, rows: int, length: int,
+             label: str) -> str:
+    """Why a memory target cannot be met: the estimate of the most frugal plan the options allow, and
+    the longest length (at ``rows`` rows a batch) whose estimate under that plan fits."""
+    opts = p.options
+    pieces = p.tile_rows or (TILE_ROWS if opts.tile_mlp == "auto" and ck.ckpt_layers == n_layers and find_mlps(model)
+                             else 0)
+
+    def frugal(positions: int) -> float:  # every token in the head: the labelled rows of other batches are not known
+        return peak_from_terms(terms_at(rows, positions, None, False), ck.ckpt_layers, ck.offload,
+                               pieces if positions > pieces else 0)
+
+    longest = longest_fitting(frugal, p.planned_gib, length)
+    how = (f"{ck.ckpt_layers}/{n_layers} layers checkpointed" + (" and offloaded" if ck.offload else "")
+           + (f", each MLP in pieces of {p.tile_rows} positions" if p.tile_rows else ""))
+    limits = [f"{k}={getattr(opts, k)!r}" for k in ("grad_ckpt", "ckpt_layers", "offload", "tile_mlp")
+              if getattr(opts, k) not in ("auto", None)]
+    fits = (f"the longest sequence estimated to fit at {rows} row(s) a batch is {longest} positions" if longest
+            else f"no sequence fits at {rows} row(s) a batch (the weights, adapter and optimizer state alone are "
+                 f"estimated at {frugal(0):.2f} GiB)")
+    return (f"max_memory_gib={opts.max_memory_gib}: the step at {rows} x {length} is estimated at "
+            f"{p.estimate_gib:.2f} GiB > {label} even with {how}" + (f" ({', '.join(limits)} asked for)" if limits
+                                                                     else "")
+            + f"; {fits}. Use shorter sequences or fewer rows a batch, or a larger target")
+
+
+def _state_estimate(p: Plan) -> None:
+    """The estimate of the plan chosen, kept attention outputs included, said in the checkpointing reason:
+    under a memory target always, without one where it means something (a CUDA device, batches shown)."""
+    if p.estimate_of is None:
+        return
+    p.estimate_gib = p.estimate_of(p.ckpt_layers, p.offload, p.tile_rows, p.keep_attention)
+    at = "" if p.planned_gib is not None else " at the largest batch shown"
+    p.reasons["ckpt_layers"] += f"; the plan's estimated peak: {p.estimate_gib:.2f} GiB{at}"
 
 
 def _layer_input_bytes(model: torch.nn.Module, rows: int, positions: int, dtype: torch.dtype) -> int:
