@@ -1,8 +1,9 @@
 """``python -m lab.gguf_llamacpp``: the GGUF files ``qlora-nb export --gguf`` writes, loaded by llama.cpp itself.
 
 Why it exists: the test suite reads the files back with transformers' GGUF loader; this runs them in
-llama.cpp (through ``llama-cpp-python``, built on this CPU), the runtime users take them to, and
-compares with the Hugging Face model the file was written from:
+llama.cpp (through ``llama-cpp-python``, as ``bash setup.sh --with-llama-cpp`` builds it: portable, not
+for the CPU it builds on), the runtime users take them to, and compares with the Hugging Face model the
+file was written from:
 
 - the token ids llama.cpp's own tokenizer gives each held-out text against the Hugging Face
   tokenizer's (the merges and pre-tokenizer travelled);
@@ -12,7 +13,8 @@ compares with the Hugging Face model the file was written from:
 - the chat template llama.cpp reads from the file.
 
 Models: SmolLM2-135M's real weights (``smollm2-135m``, Llama architecture, tied embeddings) and small
-random Qwen2 and Qwen3 models (SmolLM2's tokenizer). Writes ``lab/results/export/gguf_llamacpp_cpu.json``.
+random Qwen2 and Qwen3 models (SmolLM2's tokenizer). Writes ``lab/results/export/gguf_llamacpp_cpu.json``, with
+llama.cpp's own account of the CPU features its build uses (``llama_print_system_info``).
 """
 
 from __future__ import annotations
@@ -116,12 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(compare(Path(models.materialize("smollm2-135m")), work, texts, "smollm2-135m"))
         for kind in ("qwen2", "qwen3"):
             rows.append(compare(_random_checkpoint(work / kind, kind), work, texts, f"{kind}-random-2l"))
+    import llama_cpp
+
     versions = {"python": platform.python_version()}
     for name in ("llama-cpp-python", "gguf", "torch", "transformers", "qlora-nb-utils"):
         versions[name.replace("-", "_")] = md.version(name)
     record = {"device": "cpu", "versions": versions,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")[:10],
               "command": "python -m lab.gguf_llamacpp " + " ".join(sys.argv[1:] if argv is None else argv),
+              "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode().strip(),
               "runs": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
