@@ -435,6 +435,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 DEBUG_ENV = "QLORA_NB_DEBUG"
 
 
+def _out_of_memory_hint(target: float | None, estimate: float | None) -> str:
+    """What to change after the GPU ran out of memory: never the option already given. Under a memory
+    target the plan's estimate is an upper bound of what the step allocates, so what ran out was memory
+    the target does not see (another process on the GPU, a card with less free than the target)."""
+    if target is None:
+        return ("the GPU ran out of memory: lower --batch-size or --seq-len, or give --max-memory-gib "
+                "so that optimize() checkpoints and offloads to fit")
+    said = f", its plan estimated at {estimate:.2f} GiB" if estimate is not None else ""
+    return (f"the GPU ran out of memory under --max-memory-gib {target:g}{said}: give a --max-memory-gib no larger "
+            f"than the memory the GPU has free (another process may hold some), or a shorter --seq-len or a "
+            f"smaller --batch-size")
+
+
 def _failed(args: argparse.Namespace, err: BaseException) -> int:
     """One message for a command that failed after its checks passed: what failed, a hint where one is
     known (memory, compilation), and the file holding the traceback (the run's --out folder when it
@@ -446,8 +459,7 @@ def _failed(args: argparse.Namespace, err: BaseException) -> int:
 
     name = type(err).__name__
     if isinstance(err, torch.OutOfMemoryError):
-        hint = ("the GPU ran out of memory: lower --batch-size or --seq-len, or give --max-memory-gib "
-                "so that optimize() checkpoints and offloads to fit")
+        hint = _out_of_memory_hint(getattr(args, "max_memory_gib", None), getattr(err, "plan_estimate_gib", None))
     elif type(err).__module__.startswith("torch._dynamo") or type(err).__module__.startswith("torch._inductor"):
         hint = "torch.compile failed: --backend eager trains the same model without compiling"
     else:

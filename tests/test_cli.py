@@ -86,6 +86,33 @@ def test_bench_out_existing_file_exits_2_quickly_as_a_process(tmp_path):
     assert "Traceback" not in proc.stderr and "is a file, not a folder" in proc.stderr
 
 
+def test_the_out_of_memory_hint_does_not_suggest_the_memory_target_already_given(tmp_path, capsys, monkeypatch):
+    import torch
+
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    error.plan_estimate_gib = 12.34  # what finetune() attaches: the plan's estimate
+
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr(cli, "_train", fail)
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    assert cli.main(["train", "--model", "tiny", "--out", str(tmp_path / "run"), "--max-memory-gib", "14.5"]) == 3
+    err = capsys.readouterr().err
+    assert "give --max-memory-gib" not in err and "under --max-memory-gib 14.5" in err
+    assert "12.34 GiB" in err and "--seq-len" in err and "--batch-size" in err
+
+
+def test_train_under_a_memory_target_no_plan_meets_exits_2_with_the_estimate(tmp_path, capsys):
+    """Refused by optimize() before anything compiles: the estimate and the longest length said, exit 2."""
+    code = cli.main(["train", "--model", "tiny", "--out", str(tmp_path / "run"), "--steps", "1",
+                     "--batch-size", "2", "--seq-len", "64", "--max-memory-gib", "0.01", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "qlora-nb train: error: max_memory_gib=0.01: the step at 2 x 64 is estimated at" in err
+    assert "no sequence fits at 2 row(s) a batch" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("error, code, hint", [
     (RuntimeError("kernel launch failed"), 3, None),
     ("oom", 3, "--max-memory-gib"),

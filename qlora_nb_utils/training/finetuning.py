@@ -137,6 +137,9 @@ def finetune(*, out: str | Path = "runs/train", resume: bool = False, overwrite:
             run.train()
         except KeyboardInterrupt:
             stopped = _interrupted(run, stop, command)
+        except torch.OutOfMemoryError as err:  # the plan's estimate, for the hint the command prints
+            err.plan_estimate_gib = run.plan_estimate_gib()
+            raise
         finally:
             run.release()  # opt.undo(), and the graph-break count closed
             run.name_the_base()
@@ -305,6 +308,14 @@ class Run:
             self.resume_rng = state["rng"]
             self.history["sessions"] += 1
         self.session = self.history["sessions"] - 1
+
+    def plan_estimate_gib(self) -> float | None:
+        """The peak ``optimize()`` estimated for its plan, as its description states it (None: none stated)."""
+        import re
+
+        opt = getattr(self, "opt", None)
+        said = re.search(r"the plan's estimated peak: ([\d.]+) GiB", opt.reasons.get("ckpt_layers", "")) if opt else None
+        return float(said.group(1)) if said else None
 
     def train(self) -> None:
         """The loop from the start step to ``steps``, then the "after" sample."""
@@ -498,7 +509,6 @@ class Run:
             "losses": [r["loss"] for r in rows], "eval_losses": self.history["eval_losses"],
             "final_eval_loss": self.history["eval_losses"][-1]["loss"],
             "tokens_per_s": median_tokens_per_s(rows),
-            **getattr(self, "first_step", {}),
             "packing": self.packed, "pad_fraction": self.pad_fraction,
             "graph_breaks": self.breaks.total, "break_reasons": self.breaks.by_reason,
             "compilations": counter, "compile_s": counter["compile_s"],

@@ -1,0 +1,79 @@
+"""compile.memory_estimate: the estimate's moments and terms, and optimize() refusing a target its most frugal plan
+cannot meet (the estimate and the longest length that fits said, before the model changes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qlora_nb_utils import models, optimize
+from qlora_nb_utils.compile import plan
+from qlora_nb_utils.compile.memory_estimate import Shape, longest_fitting, peak_from_terms, terms_of
+
+# Llama-3.1-8B's sizes, the weights counted as nothing: the activation terms alone
+SHAPE = Shape(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256,
+              static_bytes=0, group_weight_elems=0)
+
+
+def _terms(seq_len, **kw):
+    return terms_of(SHAPE, 1, seq_len, ce_chunks=max(4, seq_len // 1024), recompute=True, lora_in_place=True, **kw)
+
+
+def test_each_saving_lowers_the_estimate_and_the_pieces_leave_the_attention_backward():
+    t = _terms(131072)
+    none, half, every = (peak_from_terms(t, n) for n in (0, 16, 32))
+    offloaded = peak_from_terms(t, 32, offload=True)
+    tiled = peak_from_terms(t, 32, offload=True, tile_rows=4096)
+    assert none > half > every > offloaded > tiled
+    h = t["kept_per_layer_gib"]
+    # offloaded and in pieces: three layer inputs, the attention's saved tensors and its backward (no MLP term)
+    want = t["overhead_gib"] + t["always_gib"] + 3 * h + t["saved_attention_gib"] + t["attention_backward_gib"]
+    assert tiled == pytest.approx(want)
+    # the fused attention backward's fp32 workspace: two query-sized fp32 buffers and a value per head
+    assert t["attention_backward_gib"] > 4 * h
+
+
+def test_kept_attention_outputs_add_to_the_estimate_where_they_live():
+    t = _terms(16384)
+    base = peak_from_terms(t, 29)
+    assert peak_from_terms(t, 29, kept="device") == pytest.approx(base + 29 * t["kept_output_gib"])
+    assert peak_from_terms(t, 29, kept="host") == pytest.approx(base + t["kept_output_gib"] + 29 * t["kept_lse_gib"])
+
+
+def test_the_loss_piece_counts_the_compute_dtype_twice_and_fp32_twice_compiled():
+    compiled, eager = _terms(8192)["logits_gib"], _terms(8192, compiled_loss=False)["logits_gib"]
+    assert compiled == pytest.approx(1024 * SHAPE.vocab * (2 * 2 + 8) / 2**30)
+    assert eager > compiled
+
+
+def test_longest_fitting_finds_the_edge_of_a_growing_estimate():
+    est = lambda n: 1.0 + n / 1000  # noqa: E731
+    assert longest_fitting(est, 2.0, 4096, step=128) == 896
+    assert longest_fitting(est, 10.0, 4096, step=128) == 4096
+    assert longest_fitting(est, 0.5, 4096, step=128) == 0
+
+
+def test_a_target_no_plan_meets_is_refused_before_the_model_changes_with_the_longest_length():
+    model, tok = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
+    ids = torch.randint(3, 1000, (2, 512))
+    batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
+    opts = plan.OptimizeOptions.build(None, max_memory_gib=100.0, backend="eager")
+    p = plan.decide(model, opts, batches, recompute_available=True, cache_available=True)
+    frugal = p.estimate_of(2, False, 0)  # both layers checkpointed: the least this step is estimated at
+    assert frugal < p.estimate_of(0, False, 0)
+    # just under it: refused at 512 positions, a shorter length fits
+    target = frugal * 0.999 / (1 - plan.MEMORY_HEADROOM)
+    with pytest.raises(ValueError, match=r"max_memory_gib=.*: the step at 2 x 512 is estimated at [\d.]+ GiB > .*"
+                                         r"even with 2/2 layers checkpointed.*; the longest sequence estimated to fit "
+                                         r"at 2 row\(s\) a batch is (\d+) positions") as info:
+        optimize(model, batches=batches, max_memory_gib=target, backend="eager", offload=False)
+    longest = int(info.value.args[0].split(" a batch is ")[1].split()[0])
+    assert 0 < longest < 512
+    assert "forward" not in vars(model) and not any(getattr(m, "gradient_checkpointing", False)
+                                                    for m in model.modules())
+    opt = optimize(model, batches=[{k: v[:, :longest] for k, v in batches[0].items()}], max_memory_gib=target,
+                   backend="eager", offload=False)
+    try:  # the length it said fits is planned under the target, its estimate said
+        assert "the plan's estimated peak:" in opt.reasons["ckpt_layers"]
+    finally:
+        opt.undo()
