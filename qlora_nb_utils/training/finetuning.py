@@ -509,6 +509,7 @@ class Run:
             "losses": [r["loss"] for r in rows], "eval_losses": self.history["eval_losses"],
             "final_eval_loss": self.history["eval_losses"][-1]["loss"],
             "tokens_per_s": median_tokens_per_s(rows),
+            **getattr(self, "first_step", {}),
             "packing": self.packed, "pad_fraction": self.pad_fraction,
             "graph_breaks": self.breaks.total, "break_reasons": self.breaks.by_reason,
             "compilations": counter, "compile_s": counter["compile_s"],
