@@ -334,6 +334,8 @@ def train_unsloth(args: argparse.Namespace, FastLanguageModel, batches, batch_si
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
         step_ms.append((time.perf_counter() - t0) * 1000.0)
+        if step == 0:  # the clock a launch-to-first-step time is read against (lab/gpu/compile_time)
+            first_step_end_unix = time.time()
         losses.append(float(loss.detach()))
         if not losses[-1] == losses[-1]:
             raise FloatingPointError(f"loss is NaN at step {step}")
@@ -353,6 +355,7 @@ def train_unsloth(args: argparse.Namespace, FastLanguageModel, batches, batch_si
         "load_s": load_s,
         "losses": losses,
         "step_ms": step_ms,
+        "first_step_end_unix": first_step_end_unix,
         "trainable_params": sum(p.numel() for p in params),
         "grad_ckpt": bool(args.grad_ckpt),
         "max_grad_norm": args.max_grad_norm or None,

@@ -256,6 +256,7 @@ class Run:
 
         o = self.opts
         self.device, self.dtype = env.resolve_device_dtype(o["device"], o["dtype"])
+        clock = time.perf_counter()
         tok = models.load_tokenizer(o["model"])
         self.train_batches, self.eval_batches, self.example = build_finetune_batches(
             tok, data=o["data"], batch_size=o["batch_size"], seq_len=o["seq_len"], seed=o["seed"],
@@ -266,6 +267,8 @@ class Run:
         self.log(f"==> {len(self.train_batches)} training batches of {o['batch_size']} (one epoch, <= {o['seq_len']} "
                  f"tokens), {len(self.eval_batches)} held-out batches")
         self.log(f"==> loading {o['model']} (NF4 + LoRA r={o['lora_r']}, {_show(self.dtype)}) on {self.device}")
+        self.phases = {"data_s": round(time.perf_counter() - clock, 3)}  # where the start goes (metrics)
+        clock = time.perf_counter()
         self.model, self.tok = models.load_model(
             o["model"], quant="nf4", lora=True, lora_r=o["lora_r"], lora_alpha=o["lora_alpha"], dtype=self.dtype,
             device=self.device, prepare_kbit=True, seed=o["seed"])
@@ -276,12 +279,15 @@ class Run:
             from ..compile.patches import bnb_cpu_packing
 
             self._bnb_layout = bnb_cpu_packing.apply(self.model)
+        self.phases["load_s"] = round(time.perf_counter() - clock, 3)
+        clock = time.perf_counter()
         self._breaks_cm = count_graph_breaks()
         self.breaks = self._breaks_cm.__enter__()
         self.opt = optimize(self.model, batches=self.train_batches, max_memory_gib=o["max_memory_gib"],
                             mode=o["mode"], backend=o["backend"], grad_ckpt=o["grad_ckpt"], scope=o["scope"],
                             compile_cache=o["compile_cache"],
                             steps=o["steps"] - self.start_step)  # the steps this process runs: the compile's job
+        self.phases["optimize_s"] = round(time.perf_counter() - clock, 3)
         self.log(self.opt.description)
         self.autocast = self.opt.choices["dtype"] if self.opt.choices["autocast"] else None
         history = o.get("resume_history")
@@ -346,11 +352,12 @@ class Run:
         if step == self.start_step:  # this process's first step: the one that compiled
             self._ticker.stop()
             self.first_step = {"first_step_s": round(row["step_ms"] / 1e3, 3), "first_step_end_unix": time.time(),
-                               "time_to_first_step_s": _since_launch()}
+                               "time_to_first_step_s": _since_launch(), "start_phases_s": self.phases}
             c = self.opt.counter
             self._say(f"==> first step: {row['step_ms'] / 1e3:.1f} s, of which compiling {c.compile_s:.1f} s "
                       f"({c.compilations} compilation(s)); the steps after it reuse what was compiled")
         self.steps_done = step + 1
+        self.peak_mem_gib = max(getattr(self, "peak_mem_gib", 0.0), row["step_peak_mem_gib"])
         self.boundary_rng = rng_state(self.device)
         self.history["rows"].append({**{k: row[k] for k in _ROW_KEYS}, "session": self.session})
         self.history["steps_done"] = self.steps_done
@@ -509,7 +516,7 @@ class Run:
             "losses": [r["loss"] for r in rows], "eval_losses": self.history["eval_losses"],
             "final_eval_loss": self.history["eval_losses"][-1]["loss"],
             "tokens_per_s": median_tokens_per_s(rows),
-            **getattr(self, "first_step", {}),
+            **getattr(self, "first_step", {}), "peak_mem_gib": getattr(self, "peak_mem_gib", None),
             "packing": self.packed, "pad_fraction": self.pad_fraction,
             "graph_breaks": self.breaks.total, "break_reasons": self.breaks.by_reason,
             "compilations": counter, "compile_s": counter["compile_s"],

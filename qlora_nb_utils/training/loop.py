@@ -30,14 +30,16 @@ import gc
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-import pandas as pd
 import torch
 
 from ..data.packing import real_tokens
 from .device import peak_mem_gib, reset_peak, sync
 from .gpulock import step_lock
+
+if TYPE_CHECKING:  # pandas is imported when a history is built: not before a run's first step
+    import pandas as pd
 
 __all__ = [
     "TrainConfig",
@@ -273,12 +275,16 @@ def train(
                 on_step(step, row)
     except KeyboardInterrupt:
         bar.close()
+        import pandas as pd
+
         history = pd.DataFrame(rows)
         saved = save_adapter(model, cfg.adapter_dir or cfg.interrupt_dir)
         raise TrainingInterrupted(history, saved) from None
     bar.close()
     if cfg.adapter_dir is not None:
         save_adapter(model, cfg.adapter_dir)
+    import pandas as pd
+
     return pd.DataFrame(rows)
 
 

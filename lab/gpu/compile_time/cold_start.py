@@ -1,0 +1,389 @@
+"""Time from launching a training job to its first optimizer step, cold and warm: ours, ours before, HF eager, Unsloth.
+
+Wrote: results/compile_time/cold_start_<gpu>.json (from OUT/cold_start_<shape>.json, one per call;
+``merge`` joins them)
+Rerun: bash lab/gpu/compile_time/gpu_cold_start.sh OUT SHAPE [BUDGET_S=520]
+    (GPU machine, repo root; carry .whl .gpucache .unsloth)
+
+Why: per step the fast path leads, but a user waits for the first step before any of it counts;
+a job of a few dozen steps is lost or won in its start. Each run here is one process started the
+way a user starts it, timed from its launch (the parent's clock just before the spawn) to the end
+of its first optimizer step (the child's clock, ``first_step_end_unix``):
+
+* ``ours``: ``qlora-nb train ... --steps 60`` as it is (``optimize()`` chooses the scope from the
+  steps, keeps its compiled artifacts);
+* ``ours-before``: the same with the choices of before forced through ``optimize()``'s options
+  (``--scope whole --compile-cache off``: the whole model, no artifacts);
+* ``hf-eager``: the HF recipe (kbit prep + LoRA, eager) on the same batches, the package's loop;
+* ``unsloth``: ``lab.peers.unsloth`` (its own loop) on the same batches, padding-free packed.
+
+``cold``: every compile cache empty (a fresh ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``,
+the package's artifact folder and token cache removed, Unsloth's compiled-module folder new);
+``warm``: a second process on the first one's folders. Each run records the time to its first
+step, the median later step, the time to the end of step 60 (``wall_60_s``: to the first step, then
+the later steps' times), the peak memory, graph breaks and compilations (ours), and, for ours, where
+the start went: imports (process start to the first log line), data, model load, ``optimize()``,
+the first step; inside the compile, Dynamo's tracing, AOTAutograd, Inductor, autotuning and CUDA
+graph recording (``torch._dynamo.utils.compile_times``, read in the child after the run).
+
+The runs of one call, in this order while the budget lasts (``COLD_START_RUNS=ours:cold,...``
+picks others): ours cold, ours warm, unsloth cold, hf-eager cold, ours-before cold, unsloth warm,
+ours-before warm. A run that does not fit the time left is listed under ``skipped``.
+
+    python3 lab/gpu/compile_time/cold_start.py run SHAPE OUT_JSON BUDGET_S [--device cpu --model tiny --steps 4]
+    python3 lab/gpu/compile_time/cold_start.py merge OUT_JSON IN_JSON...
+    python3 lab/gpu/compile_time/cold_start.py child-ours SIDE_JSON -- QLORA_NB_TRAIN_ARGS...
+    python3 lab/gpu/compile_time/cold_start.py child-hf --model M --batches F --steps N --out J
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+_LAUNCHED = time.time()  # a child's own start, before anything heavy is imported
+
+import argparse  # noqa: E402
+import datetime as _dt  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+#: The shapes, one per call: (model, batch size, sequence length, packing); SmolLM2 at the CLI's defaults.
+SHAPES = {
+    "smollm2-135m": {"model": "smollm2-135m", "batch_size": 4, "seq_len": 128, "packing": "auto"},
+    "llama-3.2-1b-shape": {"model": "llama-3.2-1b-shape", "batch_size": 8, "seq_len": 1024, "packing": "on"},
+    "llama-3.1-8b-shape": {"model": "llama-3.1-8b-shape", "batch_size": 4, "seq_len": 2048, "packing": "on"},
+}
+#: (library, cache) in the order a call runs them.
+ORDER = [("ours", "cold"), ("ours", "warm"), ("unsloth", "cold"), ("hf-eager", "cold"), ("ours-before", "cold"),
+         ("unsloth", "warm"), ("ours-before", "warm")]
+#: What ours-before forces through optimize()'s options: the whole model, no artifacts.
+BEFORE = ["--scope", "whole", "--compile-cache", "off"]
+#: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
+NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
+STEPS = 60
+LR, SEED, LORA_R, LORA_ALPHA = 2e-4, 0, 16, 32
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _median_after_first(step_ms: list[float]) -> float | None:
+    return statistics.median(step_ms[1:]) if len(step_ms) > 1 else None
+
+
+# ----------------------------------------------------------------------------- children
+def _compile_breakdown() -> dict:
+    """Dynamo's timers since the process started, summed, and what they add up to by phase."""
+    try:
+        from torch._dynamo.utils import compile_times, counters
+
+        names, values = compile_times(repr="csv", aggregate=True)
+        raw = {n: float(v) for n, v in zip(names, values) if str(v).replace(".", "", 1).isdigit()}
+        cache = {g: {k: int(v) for k, v in counters[g].items() if "cache" in k} for g in ("aot_autograd", "inductor")}
+    except Exception as exc:  # a private helper moved: the rest of the record still stands
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def total(*parts: str, exclude: tuple = ()) -> float:
+        return round(sum(v for k, v in raw.items() if any(p.lower() in k.lower() for p in parts)
+                         and not any(e.lower() in k.lower() for e in exclude)), 3)
+
+    whole = total("_compile.compile_inner")
+    backend = total("OutputGraph.call_user_compiler")
+    aot = total("create_aot_dispatcher_function")
+    inductor = total("fw_compiler_base", "bw_compiler")
+    return {"raw_s": raw, "cache_counters": cache, "phases_s": {
+        "tracing_dynamo": round(max(whole - backend, 0.0), 3),
+        "aot_autograd": round(max(aot - inductor, 0.0), 3),
+        "inductor": inductor,
+        "autotuning": total("benchmark_all_configs", "select_algorithm", "autotune"),
+        "cuda_graph_recording": total("cudagraph", exclude=("cudagraphify_impl",)),
+        "backward_lazy": total("bw_compiler")}}
+
+
+def child_ours(side: str, argv: list[str]) -> int:
+    """``qlora-nb train ARGV`` in this process, then Dynamo's timers into ``side``."""
+    from qlora_nb_utils import cli
+
+    code = cli.main(["train", *argv])
+    _write(Path(side), {"exit": code, "launched_unix": _LAUNCHED, "compile": _compile_breakdown()})
+    return code
+
+
+def child_hf(args: argparse.Namespace) -> int:
+    """The HF recipe, eager, on the saved batches: the package's loop, the first step's end recorded."""
+    record: dict = {"launched_unix": _LAUNCHED}
+    try:
+        import torch
+
+        from lab.peers.packed_batches import for_transformers
+        from qlora_nb_utils import env, models
+        from qlora_nb_utils.training.loop import TrainConfig, train
+
+        t0 = time.perf_counter()
+        batches = torch.load(args.batches)
+        device, dtype = env.resolve_device_dtype(args.device, "auto")
+        model, _ = models.load_model(args.model, quant="nf4", lora=True, lora_r=LORA_R, lora_alpha=LORA_ALPHA,
+                                     dtype=dtype, device=device, prepare_kbit=True, seed=SEED)
+        record["load_s"] = round(time.perf_counter() - t0, 3)
+        packed = "document_ids" in batches[0]
+
+        def forward(**batch):
+            return model(**(for_transformers(batch) if packed else batch))
+
+        def on_step(step: int, row: dict) -> None:
+            if step == 0:
+                record["first_step_end_unix"] = time.time()
+
+        hist = train(model, batches, TrainConfig(steps=args.steps, lr=LR, seed=SEED, progress=False),
+                     forward=forward, label="hf-eager", on_step=on_step)
+        record.update(step_ms=[float(x) for x in hist["step_ms"]], losses=[float(x) for x in hist["loss"]],
+                      peak_mem_gib=float(hist["peak_mem_gib"].max()), packed=packed)
+    except Exception as exc:
+        import traceback
+
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        record["traceback"] = traceback.format_exc()[-3000:]
+    _write(Path(args.out), record)
+    return 0
+
+
+# ----------------------------------------------------------------------------- the parent
+def _spawn(cmd: list[str], env: dict, log: Path, timeout_s: float) -> tuple[float, float, int | None]:
+    """Start ``cmd``; (its launch time, its wall seconds, exit code or None on timeout)."""
+    import signal
+
+    with open(log, "w") as fh:
+        launched = time.time()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group this call started
+            proc.wait()
+            code = None
+    return launched, time.time() - launched, code
+
+
+def _env(dirs: Path, extra_site: str = "") -> dict:
+    from qlora_nb_utils._paths import pythonpath_with_package
+
+    env = dict(os.environ)
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(dirs / "inductor"), TRITON_CACHE_DIR=str(dirs / "triton"),
+               UNSLOTH_COMPILE_LOCATION=str(dirs / "unsloth_compiled"), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = pythonpath_with_package(env.get("PYTHONPATH"), extra_site, str(Path(__file__).resolve().parents[3]))
+    return env
+
+
+def _clear_cold(dirs: Path) -> None:
+    """Every compile cache a run reads, empty: its folders, the package's artifacts and token cache."""
+    from qlora_nb_utils.data import token_cache
+    from qlora_nb_utils.models.registry import default_cache_dir
+
+    shutil.rmtree(dirs, ignore_errors=True)
+    dirs.mkdir(parents=True)
+    shutil.rmtree(default_cache_dir() / "compile", ignore_errors=True)
+    shutil.rmtree(token_cache.default_dir(), ignore_errors=True)
+
+
+def _run_ours(lib: str, shape: dict, work: Path, dirs: Path, device: str, steps: int, timeout_s: float) -> dict:
+    out = work / f"{lib}-{dirs.name}-{int(time.time())}"
+    side = out.with_suffix(".side.json")
+    argv = ["--model", shape["model"], "--steps", str(steps), "--batch-size", str(shape["batch_size"]),
+            "--seq-len", str(shape["seq_len"]), "--packing", shape["packing"], "--device", device,
+            "--eval-every", "0", "--save-every", "0", "--eval-size", "8", "--no-progress", "--out", str(out),
+            "--overwrite", *(BEFORE if lib == "ours-before" else [])]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "child-ours", str(side), "--", *argv]
+    launched, wall, code = _spawn(cmd, _env(dirs), out.with_suffix(".log"), timeout_s)
+    rec = {"command": "qlora-nb train " + " ".join(argv), "exit": code, "process_s": round(wall, 2)}
+    metrics_file = out / "metrics.json"
+    if not metrics_file.is_file():
+        return {**rec, "error": f"no metrics.json (exit {code}): " + _tail(out.with_suffix(".log"))}
+    m = json.loads(metrics_file.read_text())
+    step_ms = [r["step_ms"] for r in m["history"]]
+    rec.update(step_ms=step_ms, first_step_end_unix=m.get("first_step_end_unix"), launched_unix=launched,
+               peak_mem_gib=m.get("peak_mem_gib"), graph_breaks=m["graph_breaks"],
+               compilations=m["compilations"]["compilations"], compile_s=m["compile_s"],
+               first_step_s=m.get("first_step_s"), losses=m["losses"], tokens_per_s=m["tokens_per_s"],
+               optimize={"description": m["optimize"]["description"], "scope": m["optimize"]["choices"]["scope"],
+                         "mode": m["optimize"]["choices"].get("mode"),
+                         "compile_cache": m["optimize"]["choices"].get("compile_cache")},
+               start_phases_s=m.get("start_phases_s"))
+    if side.is_file():
+        s = json.loads(side.read_text())
+        rec["imports_s"] = round(s["launched_unix"] - launched, 3)  # the interpreter's own start
+        rec["compile_breakdown"] = s["compile"]
+    return rec
+
+
+def _run_peer(lib: str, shape: dict, work: Path, dirs: Path, batches: Path, device: str, steps: int,
+              timeout_s: float) -> dict:
+    out = work / f"{lib}-{dirs.name}-{int(time.time())}.json"
+    model_dir = shape["model_dir"]
+    if lib == "hf-eager":
+        cmd = [sys.executable, str(Path(__file__).resolve()), "child-hf", "--model", shape["model"],
+               "--batches", str(batches), "--steps", str(steps), "--device", device, "--out", str(out)]
+        env = _env(dirs)
+    else:
+        cmd = [sys.executable, "-m", "lab.peers.unsloth", "--model-dir", model_dir, "--batches", str(batches),
+               "--steps", str(steps), "--warmup", "1", "--lr", str(LR), "--seed", str(SEED), "--lora-r", str(LORA_R),
+               "--lora-alpha", str(LORA_ALPHA), "--out", str(out)] + (["--packed"] if shape["packed"] else [])
+        env = _env(dirs, os.environ.get("QLORA_NB_UNSLOTH_SITE", ""))
+    launched, wall, code = _spawn(cmd, env, out.with_suffix(".log"), timeout_s)
+    rec = {"command": " ".join(cmd[1:]), "exit": code, "process_s": round(wall, 2), "launched_unix": launched}
+    if not out.is_file():
+        return {**rec, "error": f"no record (exit {code}): " + _tail(out.with_suffix(".log"))}
+    r = json.loads(out.read_text())
+    if r.get("error"):
+        return {**rec, "error": r["error"]}
+    rec.update(step_ms=r["step_ms"], first_step_end_unix=r.get("first_step_end_unix"), peak_mem_gib=r["peak_mem_gib"],
+               losses=r.get("losses"), load_s=r.get("load_s"), graph_breaks=None, compilations=None)
+    return rec
+
+
+def _tail(log: Path) -> str:
+    try:
+        return " | ".join([ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-4:])[-800:]
+    except OSError:
+        return ""
+
+
+def _finish(rec: dict, lib: str, cache: str, shape: dict, steps: int) -> dict:
+    """The fields the checks read, from a run's raw record."""
+    row = {"library": lib, "model": shape["model"], "batch_size": shape["batch_size"], "seq_len": shape["seq_len"],
+           "packed": shape["packed"], "cache": cache, "steps": steps}
+    if "error" in rec:
+        return {**row, **rec, "time_to_first_step_s": None}
+    ms = rec["step_ms"]
+    ttfs = rec["first_step_end_unix"] - rec["launched_unix"] if rec.get("first_step_end_unix") else None
+    row.update(time_to_first_step_s=None if ttfs is None else round(ttfs, 2),
+               median_step_ms=_median_after_first(ms),
+               wall_60_s=None if ttfs is None else round(ttfs + sum(ms[1:60]) / 1e3, 2),
+               peak_mem_gib=rec.get("peak_mem_gib"), graph_breaks=rec.get("graph_breaks"),
+               compilations=rec.get("compilations"), first_step_s=round(ms[0] / 1e3, 3))
+    return {**row, **{k: v for k, v in rec.items() if k not in row}}
+
+
+def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str | None, steps: int) -> int:
+    import torch
+
+    from qlora_nb_utils import env, models
+    from qlora_nb_utils.data import packing as qpacking
+    from qlora_nb_utils.training.finetune_batches import build_finetune_batches
+
+    t0 = time.monotonic()
+    shape = dict(SHAPES[shape_name])
+    if model:
+        shape["model"] = model
+    work = Path(os.environ.get("COLD_START_WORK", "/tmp/cold_start_work")) / shape_name
+    work.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(device)
+    res = {"what": __doc__.split("\n\n")[0], "shape": shape_name, "device": env.device_info(dev),
+           "versions": env.versions(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": os.environ.get("QLORA_NB_COLD_CMD", " ".join(sys.argv)), "tool": "lab/gpu/compile_time/cold_start.py",
+           "budget_s": budget_s, "steps": steps,
+           "time_to_first_step_how": "the parent's time.time() just before the spawn to the child's time.time() at the "
+                                     "end of its first optimizer step (after the device sync)",
+           "wall_60_how": "time to the first step plus the times of steps 2..60 (evaluation and checkpoints are "
+                          "not in it: ours runs with --eval-every 0 --save-every 0)",
+           "runs": [], "skipped": []}
+    _write(Path(out_json), res)
+    t_build = time.monotonic()
+    shape["model_dir"] = str(models.materialize(shape["model"]))
+    res["build_s"] = round(time.monotonic() - t_build, 1)
+    # the batches the peers train: what qlora-nb train builds from the same options
+    tok = models.load_tokenizer(shape["model"])
+    train_batches, _, _ = build_finetune_batches(tok, data=None, batch_size=shape["batch_size"],
+                                                 seq_len=shape["seq_len"], seed=SEED, eval_size=8, log=lambda _: None,
+                                                 packing={"auto": "auto", "on": True}[shape["packing"]])
+    shape["packed"] = "document_ids" in train_batches[0]
+    batches_file = work / "batches.pt"
+    torch.save(train_batches[:steps], batches_file)
+    res["real_tokens_per_step"] = statistics.median(qpacking.real_tokens(b) for b in train_batches[:steps])
+    wanted = [tuple(r.split(":")) for r in os.environ.get("COLD_START_RUNS", "").split(",") if r] or ORDER
+    need = NEEDS.get(shape["model"], 120)
+    for lib, cache in wanted:
+        left = budget_s - (time.monotonic() - t0)
+        if left < need * (1.5 if cache == "cold" else 1.0):
+            res["skipped"].append(f"{lib}:{cache} ({left:.0f} s left)")
+            _write(Path(out_json), res)
+            continue
+        if lib == "unsloth" and device != "cuda":
+            res["skipped"].append(f"{lib}:{cache} (Unsloth runs on CUDA only)")
+            continue
+        dirs = work / f"{lib}-cache"
+        if cache == "cold":
+            _clear_cold(dirs)
+        print(f"[cold_start] {shape_name} {lib} {cache}: {left:.0f} s left", flush=True)
+        try:
+            if lib in ("ours", "ours-before"):
+                rec = _run_ours(lib, shape, work, dirs, device, steps, left - 5)
+            else:
+                rec = _run_peer(lib, shape, work, dirs, batches_file, device, steps, left - 5)
+        except Exception as exc:  # one failed run does not end the call
+            rec = {"error": f"{type(exc).__name__}: {exc}"}
+        row = _finish(rec, lib, cache, shape, steps)
+        res["runs"].append(row)
+        print(f"[cold_start]   to first step {row.get('time_to_first_step_s')} s, median step "
+              f"{row.get('median_step_ms')} ms, wall_60 {row.get('wall_60_s')} s, peak {row.get('peak_mem_gib')} GiB, "
+              f"compilations {row.get('compilations')}, breaks {row.get('graph_breaks')}"
+              + (f", ERROR {row['error'][:300]}" if "error" in row else ""), flush=True)
+        _write(Path(out_json), res)
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    _write(Path(out_json), res)
+    return 0
+
+
+def merge(out_json: str, inputs: list[str]) -> int:
+    """One results file of several calls' (one shape each): their runs side by side."""
+    files = [json.loads(Path(p).read_text()) for p in inputs]
+    first = files[0]
+    merged = {k: first[k] for k in ("what", "device", "versions", "tool", "time_to_first_step_how", "wall_60_how")}
+    merged.update(date=max(f["date"] for f in files), command=[f["command"] for f in files],
+                  calls=[{"shape": f["shape"], "date": f["date"], "skipped": f["skipped"], "wall_s": f.get("wall_s")}
+                         for f in files],
+                  runs=[r for f in files for r in f["runs"]])
+    _write(Path(out_json), merged)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["child-ours"]:
+        side, rest = argv[1], argv[2:]
+        return child_ours(side, rest[1:] if rest[:1] == ["--"] else rest)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("shape", choices=sorted(SHAPES))
+    r.add_argument("out_json")
+    r.add_argument("budget_s", type=float)
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--model", default=None, help="another model at the shape's batch (the CPU dry run: tiny)")
+    r.add_argument("--steps", type=int, default=STEPS)
+    m = sub.add_parser("merge")
+    m.add_argument("out_json")
+    m.add_argument("inputs", nargs="+")
+    h = sub.add_parser("child-hf")
+    h.add_argument("--model", required=True)
+    h.add_argument("--batches", required=True)
+    h.add_argument("--steps", type=int, required=True)
+    h.add_argument("--device", default="cuda")
+    h.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        return run(args.shape, args.out_json, args.budget_s, args.device, args.model, args.steps)
+    if args.cmd == "merge":
+        return merge(args.out_json, args.inputs)
+    return child_hf(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
