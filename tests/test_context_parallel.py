@@ -118,6 +118,16 @@ def test_shifted_chunked_loss_is_the_unshifted_one():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+def test_long_shards_run_the_heads_in_groups_of_whole_kv_heads():
+    from qlora_nb_utils.distributed.ring_attention import GROUP_ELEMENTS, head_groups
+
+    assert head_groups(32, 8, 2**20) == 1
+    # an 8B layer's queries at 139,264 positions per rank: a group of 4 query heads per K/V head
+    groups = head_groups(32, 8, 139264 * 32 * 128)
+    assert groups == 8 and 139264 * 32 * 128 // groups <= GROUP_ELEMENTS
+    assert head_groups(32, 8, 10**12) == 8  # never splits a K/V head
+
+
 def test_validate_says_what_to_change():
     ns = lambda **kw: cp.build_parser().parse_args(["--out", "x", *sum(([f"--{k}", str(v)] for k, v in kw.items()), [])])  # noqa: E731
     with pytest.raises(ValueError, match="shorter than 32"):
@@ -144,7 +154,7 @@ def test_ring_attention_is_sdpa_over_the_whole_row(tmp_path, world):
     result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     diffs = json.loads(out.read_text())
-    assert set(diffs) == {"balanced", "contiguous"}
+    assert set(diffs) == {"balanced", "contiguous", "head_groups"}
     for kind, worst in diffs.items():
         assert max(worst.values()) <= RING_TOL, (kind, worst)
 

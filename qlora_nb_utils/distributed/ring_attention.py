@@ -21,7 +21,8 @@ Here the same ring functions are called directly, inside two ``torch.library`` c
 collectives (``fullgraph=True`` holds), and the kernel under the ring is the device's flash
 kernel: ``_scaled_dot_product_flash_attention`` on CUDA, ``_scaled_dot_product_flash_attention_for_cpu``
 on a CPU, both with grouped K/V heads taken natively (no repeated K/V). The ring's options are
-torch's (``_cp_options``): the block outputs merged in float32, K/V all-gathered once per call.
+torch's (``_cp_options``): the block outputs merged in float32, K/V all-gathered once per call. Long
+shards run the heads in groups of whole K/V heads (:data:`GROUP_ELEMENTS` says why).
 
 :func:`use_ring_attention` switches a model from the fast path's causal-only SDPA to this
 attention, registered with transformers' ``AttentionInterface`` (no monkey-patching); the
@@ -37,7 +38,7 @@ import torch
 
 from ..reversible import PatchHandle
 
-__all__ = ["RING_SDPA", "ring_attention", "use_ring_attention", "ring_functions"]
+__all__ = ["RING_SDPA", "GROUP_ELEMENTS", "ring_attention", "head_groups", "use_ring_attention", "ring_functions"]
 
 #: The name the ring attention is registered under in transformers' interfaces.
 RING_SDPA = "qlora_ring_sdpa"
@@ -94,14 +95,47 @@ def _forward_kernel(device_type: str):
     raise ValueError(f"ring attention runs on CUDA or a CPU, not {device_type!r}")
 
 
+#: the most query elements (batch x heads x positions x head size) one ring call takes; more heads are run
+#: in groups of whole K/V heads. torch's ring merges each block's output in float32 through a few
+#: temporaries the size of the queries (and its backward accumulates the query gradient in float32), so
+#: at 100k+ positions a whole layer's heads at once added several GiB at the attention; in groups of
+#: about 0.5 GiB of float32 each, the transient stays that size, for a few more (smaller) collectives.
+GROUP_ELEMENTS = 2**27
+
+
+def head_groups(heads: int, kv_heads: int, elements: int, most: int = GROUP_ELEMENTS) -> int:
+    """How many groups of whole K/V heads the ring runs a call in: the fewest that divide ``kv_heads``
+    and keep each group's query elements at most ``most`` (``kv_heads`` at most)."""
+    for groups in range(1, kv_heads + 1):
+        if kv_heads % groups == 0 and elements // groups <= most:
+            return groups
+    return kv_heads
+
+
+def _slices(query: torch.Tensor, key: torch.Tensor):
+    h, hk = query.shape[1], key.shape[1]
+    g = head_groups(h, hk, query.numel(), GROUP_ELEMENTS)  # read when called: a test may lower it
+    qs, ks = h // g, hk // g
+    return [(slice(i * qs, (i + 1) * qs), slice(i * ks, (i + 1) * ks)) for i in range(g)]
+
+
 @torch.library.custom_op("qlora_nb::ring_attention", mutates_args=())
 def _ring_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group_name: str, scale: float,
                   load_balance: bool) -> tuple[torch.Tensor, torch.Tensor]:
     forward, _, _ = ring_functions()
     op, kwargs = _forward_kernel(query.device.type)
+    group = _group(group_name)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    b, h, s, _ = query.shape
+    lse = query.new_empty((b, h, s), dtype=torch.float32)
     with _ring_options(load_balance):
-        out, lse, *_ = forward(_group(group_name), 2, op, query, key, value, is_causal=True, scale=scale, **kwargs)
-    return out.contiguous(), lse.contiguous()
+        for qh, kh in _slices(query, key):
+            o, m, *_ = forward(group, 2, op, query[:, qh].contiguous(), key[:, kh].contiguous(), value[:, kh].contiguous(),
+                               is_causal=True, scale=scale, **kwargs)
+            out[:, qh] = o
+            lse[:, qh] = m.reshape(b, -1, s)
+            del o, m
+    return out, lse
 
 
 @_ring_forward.register_fake
@@ -126,12 +160,17 @@ def _ring_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     else:
         op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
         kwargs = {"dropout_p": 0.0}
+    group = _group(group_name)
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value)]
     with _ring_options(load_balance):
-        dq, dk, dv, *_ = backward(_group(group_name), 2, op, grad_out=grad_out.contiguous(), grad_out_name="grad_out",
-                                  query=query, key=key, value=value, out=out, logsumexp=lse, is_causal=True,
-                                  scale=scale, **kwargs)
-    # dk and dv are views of one received buffer: an operator's outputs may not alias each other
-    return dq.contiguous(), dk.clone(memory_format=torch.contiguous_format), dv.clone(memory_format=torch.contiguous_format)
+        for qh, kh in _slices(query, key):
+            dq, dk, dv, *_ = backward(group, 2, op, grad_out=grad_out[:, qh].contiguous(), grad_out_name="grad_out",
+                                      query=query[:, qh].contiguous(), key=key[:, kh].contiguous(),
+                                      value=value[:, kh].contiguous(), out=out[:, qh].contiguous(),
+                                      logsumexp=lse[:, qh].contiguous(), is_causal=True, scale=scale, **kwargs)
+            grads[0][:, qh], grads[1][:, kh], grads[2][:, kh] = dq, dk, dv
+            del dq, dk, dv
+    return tuple(grads)
 
 
 @_ring_backward.register_fake

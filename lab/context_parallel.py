@@ -1,0 +1,336 @@
+"""Context parallelism measured: the longest 8B-shape row on 2 GPUs under a smaller card's memory, against one GPU.
+
+Wrote: lab/results/long_context/context_parallel_<gpu>.json (``merge`` of one call's try files)
+Rerun: OUT=$OUT bash lab/gpu/long_context/gpu_context_parallel.sh   (a lent 2-GPU machine, from the repository
+  root; carry .whl .gpucache); DRY=1 runs the same steps on the CPU with the tiny model over gloo.
+
+Why: one GPU capped at a 24 GB card's memory trains 8B QLoRA rows up to a length set by its memory
+(``lab/long_context.py``); context parallelism (``qlora_nb_utils.distributed.context_parallel``) splits
+each row over the GPUs, so the question is how long a row trains on 2 such GPUs, at what speed against
+one, and whether its loss is one GPU's. Three subcommands, each run under ``torchrun`` by the GPU script:
+
+* ``attention``: the ring alone on one attention shape (the model's heads, grouped K/V, bf16): our
+  operator (torch's ring functions) and torch's public ``context_parallel`` (its SDPA dispatch) against
+  SDPA over the whole row on every rank, forward and the three gradients. Seconds; it says whether the
+  ring is right on this GPU before any long try, and whether torch's own entry agrees with ours.
+* ``try``: one training run of ``--steps`` steps on one random row of ``--seq-len`` tokens, every rank
+  capped at ``--cap-gib`` (``set_per_process_memory_fraction``, ``lab.long_context.CAP_NOTE``): the
+  named shape built layer by layer with random NF4 weights, ``optimize_context_parallel(max_memory_gib=
+  cap)`` (FSDP2 over the ranks, the ring); on one process the same code (nothing sharded, plain
+  attention), or with ``--plain`` the one-GPU fast path as a user gets it (labels, SDPA's kernel by
+  ``--sdpa-kernel``). Rank 0 writes the record; a rank that fails (out of memory) writes its own and
+  exits, and torchrun stops the others.
+* ``merge``: the call's files into the results file: the longest row that trained, tokens/s at the
+  short length on 2 GPUs and on one, the losses of the two at that length and the floor (the plain
+  one-GPU path against the same code on one GPU: what a change of attention kernel and label path
+  alone moves).
+
+The random weights make the loss meaningless as a model; memory, time and the loss differences are
+those of the real shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import resource
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_GIB = 2**30
+
+
+def _cap(cap_gib: float | None, device) -> dict:
+    import torch
+
+    if cap_gib is None or device.type != "cuda":
+        return {"cap_applied": False}
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap_gib * _GIB / total, device)
+    return {"cap_applied": True, "fraction": cap_gib * _GIB / total, "device_total_gib": total / _GIB}
+
+
+def _breaks() -> int | None:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(sum(counters["graph_break"].values()))
+    except Exception:
+        return None
+
+
+def _max(value: float, device) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def try_run(args) -> dict:
+    """One try on this rank (module docstring); the record (rank 0's is the run's)."""
+    import torch
+
+    from lab.long_context import make_row
+    from qlora_nb_utils import env, models
+    from qlora_nb_utils.distributed.big_model import build_named_qlora
+    from qlora_nb_utils.distributed.context_parallel import optimize_context_parallel, train_step
+    from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
+    from qlora_nb_utils.distributed.setup import init_distributed
+
+    info = init_distributed("auto")
+    rec = {"seq_len": args.seq_len, "world_size": info.world_size, "cap_gib": args.cap_gib, "plain": args.plain,
+           "sdpa_kernel": args.sdpa_kernel if args.plain else "flash (under the ring)", "model": args.model,
+           "steps": args.steps, "ok": False, "rank": info.rank}
+    rec["cap"] = _cap(args.cap_gib, info.device)
+    dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
+    mp, storage = sharded_nf4_precision(dtype, "auto")
+    t0 = time.perf_counter()
+    model, _ = build_named_qlora(args.model, device=info.device, dtype=dtype, quant_storage=storage,
+                                 lora_r=args.lora_r, lora_alpha=2 * args.lora_r, seed=0)
+    rec["load_s"] = time.perf_counter() - t0
+    row = make_row(args.seq_len, min(models.model_config(args.model).vocab_size, 49152))
+    breaks0 = _breaks()
+    knobs = {"max_memory_gib": args.cap_gib} if args.cap_gib else {}
+    if args.plain:
+        from qlora_nb_utils.distributed.fast import optimize_sharded
+
+        if info.world_size != 1:
+            raise ValueError("--plain is the one-GPU fast path: one process")
+        fast = optimize_sharded(model, batches=[row], world_size=1, one_scope="regional", keep_attention=False,
+                                sdpa_kernel=args.sdpa_kernel, **knobs)
+        cp = None
+    else:
+        cp = optimize_context_parallel(model, batches=[row], mp_policy=mp, nf4="shard", frozen="shard",
+                                       verify=True, **knobs)
+        fast = cp.fast
+    rec["choices"] = {k: str(v) for k, v in fast.opt.choices.items()}
+    params = [p for p in fast.root.parameters() if p.requires_grad]
+    adam = torch.optim.AdamW(params, lr=2e-4, weight_decay=0.0)
+    steps_s, losses = [], []
+    if info.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(info.device)
+    for _ in range(args.steps):
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        t = time.perf_counter()
+        if cp is None:
+            loss = fast.loss(row)
+            loss.backward()
+            value = float(loss.detach())
+        else:
+            value = train_step(cp, row, 1, info.device)["loss"]
+        if cp is None:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+        else:  # over every rank's shards
+            _clip(params)
+        adam.step()
+        adam.zero_grad(set_to_none=True)
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        steps_s.append(time.perf_counter() - t)
+        losses.append(value)
+    if not all(math.isfinite(x) for x in losses):
+        raise FloatingPointError(f"loss not finite: {losses}")
+    steady = steps_s[1:] or steps_s
+    rec.update(ok=True, losses=losses, steps_s=steps_s, first_step_s=steps_s[0], step_s=statistics.median(steady),
+               tokens_per_s=args.seq_len / statistics.median(steady), compile=fast.compile_stats(),
+               bytes_check=fast.bytes_check)
+    after = _breaks()
+    rec["graph_breaks"] = None if after is None or breaks0 is None else after - breaks0
+    if info.device.type == "cuda":
+        rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(info.device) / _GIB
+        rec["reserved_gib"] = torch.cuda.max_memory_reserved(info.device) / _GIB
+        if info.world_size > 1:  # the most any GPU held
+            rec["peak_mem_gib"], rec["reserved_gib"] = (_max(rec[k], info.device) for k in ("peak_mem_gib", "reserved_gib"))
+    rec["device"], rec["versions"] = env.device_info(info.device), env.versions()
+    return rec
+
+
+def _clip(params) -> None:
+    from qlora_nb_utils.distributed.fsdp import clip_grad_norm
+
+    clip_grad_norm(params, 1.0)
+
+
+def attention_check(args) -> dict:
+    """The ring against SDPA over the whole row, ours and torch's public entry (module docstring)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from qlora_nb_utils import env
+    from qlora_nb_utils.distributed.context_parallel import shard_positions
+    from qlora_nb_utils.distributed.ring_attention import ring_attention
+    from qlora_nb_utils.distributed.setup import init_distributed
+
+    info = init_distributed("auto")
+    dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=info.device).manual_seed(0)
+    L, world, rank = args.seq_len, info.world_size, info.rank
+    q, g = (torch.randn(1, args.heads, L, args.head_dim, generator=gen, device=info.device, dtype=dtype) for _ in "qg")
+    k, v = (torch.randn(1, args.kv_heads, L, args.head_dim, generator=gen, device=info.device, dtype=dtype) for _ in "kv")
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, is_causal=True, enable_gqa=True)
+    (ref.float() * g.float()).sum().backward()
+    idx = shard_positions(L, world, rank, True).to(info.device)
+
+    def worst(out, grads) -> dict:
+        pairs = [(out, ref)] + [(a, b.grad) for a, b in zip(grads, ref_in)]
+        t = torch.tensor([float((a.float() - b[:, :, idx].float()).abs().max()) for a, b in pairs], device=info.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return dict(zip(("out", "dq", "dk", "dv"), t.tolist()))
+
+    rec = {"seq_len": L, "world_size": world, "heads": args.heads, "kv_heads": args.kv_heads,
+           "head_dim": args.head_dim, "dtype": str(dtype).replace("torch.", "")}
+    local = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, group_name=dist.group.WORLD.group_name)
+    (out.float() * g[:, :, idx].float()).sum().backward()
+    rec["ours_vs_whole_row"] = worst(out.detach(), [t.grad for t in local])
+    # the bf16 floor: SDPA over the whole row with K/V repeated per query head (another kernel path)
+    rep = [t.clone().requires_grad_() for t in (q, k.repeat_interleave(args.heads // args.kv_heads, 1),
+                                                 v.repeat_interleave(args.heads // args.kv_heads, 1))]
+    other = F.scaled_dot_product_attention(*rep, is_causal=True)
+    rec["floor_out"] = float((other.float() - ref.float()).abs().max())
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh(info.device.type, (world,))
+        bufs = [t.clone() for t in (q, k, v, g)]
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
+            qs, ks, vs = (t.requires_grad_() for t in bufs[:3])
+            out_t = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            (out_t.float() * bufs[3].float()).sum().backward()
+        rec["torch_context_parallel_vs_whole_row"] = worst(out_t.detach(), [qs.grad, ks.grad, vs.grad])
+        rec["ours_vs_torch_out"] = float((out.detach().float() - out_t.detach().float()).abs().max())
+    except Exception as exc:  # recorded: torch's entry is a prototype
+        rec["torch_context_parallel_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    rec["device"], rec["versions"] = env.device_info(info.device), env.versions()
+    return rec
+
+
+def _run_rank(fn, args) -> int:
+    """Run ``fn`` on this rank; write rank 0's record (or a failing rank's) and exit."""
+    rank = int(os.environ.get("RANK", "0"))
+    t0 = time.perf_counter()
+    try:
+        rec = fn(args)
+        code = 0
+    except BaseException as exc:  # a failure (OOM included) is recorded, then this rank exits
+        import traceback
+
+        text = f"{type(exc).__name__}: {exc}"
+        rec = {"seq_len": getattr(args, "seq_len", None), "ok": False, "rank": rank, "error": text[:1500],
+               "oom": "out of memory" in text.lower() or type(exc).__name__ == "OutOfMemoryError",
+               "traceback_tail": traceback.format_exc()[-2000:]}
+        code = 1
+    rec["wall_s"] = time.perf_counter() - t0
+    rec["cpu_ram_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if rank == 0 or code:
+        path = Path(args.out if rank == 0 else f"{args.out}.rank{rank}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    if code:
+        print(f"[context_parallel] rank {rank} failed: {rec['error'][:300]}", flush=True)
+        os._exit(1)  # never wait in a collective for ranks that went on
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _read(path: Path) -> dict | None:
+    """A try's record; a failing rank's file stands for its run where rank 0 wrote none."""
+    for p in (path, *sorted(path.parent.glob(path.name + ".rank*"))):
+        if p.is_file():
+            return json.loads(p.read_text())
+    return None
+
+
+def merge(args) -> dict:
+    """The call's files (named as the GPU script names them) into the results record."""
+    d = Path(args.dir)
+    short = args.short
+    tries = {p.stem: _read(p) for p in sorted(d.glob("*.json")) if p.stem.startswith(("cp2_", "one_", "plain_"))}
+    tries = {k: v for k, v in tries.items() if v is not None}
+    long = sorted((v for k, v in tries.items() if k.startswith("cp2_") and v.get("seq_len") != short),
+                  key=lambda r: r["seq_len"])
+    trained = [r for r in long + [tries.get(f"cp2_{short}") or {}] if r.get("ok")]
+    best = max(trained, key=lambda r: r["seq_len"], default=None)
+    failed_above = [r["seq_len"] for r in long if not r.get("ok") and best and r["seq_len"] > best["seq_len"]]
+    cp2, one, plain = tries.get(f"cp2_{short}"), tries.get(f"one_{short}"), tries.get(f"plain_{short}")
+    ok = lambda r: r is not None and r.get("ok")  # noqa: E731
+    diff = (max(abs(a - b) for a, b in zip(cp2["losses"], one["losses"])) if ok(cp2) and ok(one) else None)
+    floor = (max(abs(a - b) for a, b in zip(plain["losses"], one["losses"])) if ok(plain) and ok(one) else None)
+    first = next((r for r in tries.values() if r.get("device")), {})
+    out = {
+        "kind": "context_parallel", "world_size": 2, "cap_gib": args.cap_gib, "model": args.model,
+        "max_seq_len": best["seq_len"] if best else None, "edge_found": bool(failed_above),
+        "edge_note": ("a longer row ran out of memory" if failed_above else
+                      "no longer row was tried or failed in this call: the edge lies further"),
+        "failed_above": failed_above,
+        "graph_breaks": max((r.get("graph_breaks") or 0) for r in trained) if trained else None,
+        "compilations": [r["compile"].get("compilations") for r in trained if r.get("compile")],
+        "tokens_per_s_65536": cp2.get("tokens_per_s") if ok(cp2) else None,
+        "one_gpu_tokens_per_s_65536": one.get("tokens_per_s") if ok(one) else None,
+        "one_gpu_plain_tokens_per_s_65536": plain.get("tokens_per_s") if ok(plain) else None,
+        "short_seq_len": short,
+        "loss_check": {"seq_len": short, "max_abs_loss_diff": diff, "floor_max": floor,
+                       "within_floor": None if diff is None or floor is None else diff <= floor,
+                       "what": "2-GPU context parallel against the same code on one GPU, every step; floor: the "
+                               "one-GPU fast path as a user gets it (labels, its SDPA kernel) against that same code"},
+        "peak_mem_gib_per_gpu": {str(r["seq_len"]): r.get("peak_mem_gib") for r in trained},
+        "attention": json.loads((d / "attention.json").read_text()) if (d / "attention.json").is_file() else None,
+        "runs": tries, "device": first.get("device"), "versions": first.get("versions"),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        "command": os.environ.get("QLORA_NB_CP_CMD", " ".join(shlex.quote(a) for a in sys.argv)),
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
+    print(f"[context_parallel] max_seq_len={out['max_seq_len']} edge_found={out['edge_found']} "
+          f"tokens/s@{short}: 2 GPUs {out['tokens_per_s_65536']} 1 GPU {out['one_gpu_tokens_per_s_65536']} "
+          f"loss diff {diff} floor {floor}", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lab.context_parallel", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("try", help="one training run (under torchrun)")
+    t.add_argument("--seq-len", type=int, required=True)
+    t.add_argument("--steps", type=int, default=2)
+    t.add_argument("--cap-gib", type=float, default=None)
+    t.add_argument("--model", default="llama-3.1-8b-shape")
+    t.add_argument("--lora-r", type=int, default=32)
+    t.add_argument("--plain", action="store_true", help="the one-GPU fast path (labels, SDPA), one process")
+    t.add_argument("--sdpa-kernel", default="auto", choices=("auto", "cudnn", "default"))
+    t.add_argument("--out", required=True)
+    a = sub.add_parser("attention", help="the ring against SDPA over the whole row (under torchrun)")
+    a.add_argument("--seq-len", type=int, default=16384)
+    a.add_argument("--heads", type=int, default=32)
+    a.add_argument("--kv-heads", type=int, default=8)
+    a.add_argument("--head-dim", type=int, default=128)
+    a.add_argument("--out", required=True)
+    m = sub.add_parser("merge", help="the call's try files into the results file")
+    m.add_argument("dir")
+    m.add_argument("--short", type=int, default=65536)
+    m.add_argument("--cap-gib", type=float, default=None)
+    m.add_argument("--model", default="llama-3.1-8b-shape")
+    m.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.cmd == "merge":
+        merge(args)
+        return 0
+    return _run_rank(try_run if args.cmd == "try" else attention_check, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
