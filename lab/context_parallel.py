@@ -260,7 +260,8 @@ def merge(args) -> dict:
     """The call's files (named as the GPU script names them) into the results record."""
     d = Path(args.dir)
     short = args.short
-    tries = {p.stem: _read(p) for p in sorted(d.glob("*.json")) if p.stem.startswith(("cp2_", "one_", "plain_"))}
+    names = sorted({p.name.split(".json")[0] for p in d.iterdir() if ".json" in p.name})  # NAME.json, NAME.json.rankR
+    tries = {n: _read(d / f"{n}.json") for n in names if n.startswith(("cp2_", "one_", "plain_"))}
     tries = {k: v for k, v in tries.items() if v is not None}
     long = sorted((v for k, v in tries.items() if k.startswith("cp2_") and v.get("seq_len") != short),
                   key=lambda r: r["seq_len"])

@@ -1,0 +1,39 @@
+"""lab.context_parallel's merge on fake try files: the longest row that trained, whether its edge was found,
+the tokens/s and the loss check it reads (the tries themselves run on a CPU in the GPU script's DRY=1 run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lab import context_parallel as lab_cp
+
+
+def _write(d, name, **rec):
+    (d / f"{name}.json").write_text(json.dumps(rec))
+
+
+def test_merge_reads_the_longest_row_the_floor_and_a_failing_rank(tmp_path):
+    base = {"ok": True, "graph_breaks": 0, "compile": {"compilations": 1}, "device": {"name": "gpu"}, "versions": {}}
+    _write(tmp_path, "cp2_64", seq_len=64, losses=[2.0, 1.5], tokens_per_s=300.0, peak_mem_gib=1.0, **base)
+    _write(tmp_path, "one_64", seq_len=64, losses=[2.001, 1.502], tokens_per_s=200.0, **base)
+    _write(tmp_path, "plain_64", seq_len=64, losses=[2.004, 1.499], tokens_per_s=210.0, **base)
+    _write(tmp_path, "cp2_256", seq_len=256, losses=[2.0, 1.9], tokens_per_s=100.0, peak_mem_gib=3.0, **base)
+    # rank 0 wrote nothing (killed), rank 1 ran out of memory: its file stands for the run
+    (tmp_path / "cp2_512.json.rank1").write_text(json.dumps({"seq_len": 512, "ok": False, "oom": True}))
+    out = tmp_path / "result.json"
+    rec = lab_cp.merge(argparse.Namespace(dir=str(tmp_path), short=64, cap_gib=22.0, model="m", out=str(out)))
+    assert json.loads(out.read_text())["max_seq_len"] == rec["max_seq_len"] == 256
+    assert rec["edge_found"] and rec["failed_above"] == [512]
+    assert (rec["tokens_per_s_65536"], rec["one_gpu_tokens_per_s_65536"]) == (300.0, 200.0)
+    check = rec["loss_check"]
+    assert abs(check["max_abs_loss_diff"] - 0.002) < 1e-9 and abs(check["floor_max"] - 0.004) < 1e-9
+    assert check["within_floor"] and rec["graph_breaks"] == 0
+
+
+def test_merge_without_a_longer_failure_says_the_edge_lies_further(tmp_path):
+    _write(tmp_path, "cp2_64", seq_len=64, ok=True, losses=[1.0], tokens_per_s=1.0, graph_breaks=0)
+    rec = lab_cp.merge(argparse.Namespace(dir=str(tmp_path), short=64, cap_gib=None, model="m",
+                                          out=str(tmp_path / "r.json")))
+    assert rec["max_seq_len"] == 64 and not rec["edge_found"]
+    assert rec["loss_check"]["within_floor"] is None  # no one-GPU run: no verdict
