@@ -1,0 +1,53 @@
+"""lab/gpu/compile_time/cold_start.py: the fields the checks read, from a run's raw record, and the merge.
+
+The script runs on the GPU machine (its dry run on a CPU takes minutes); here only its arithmetic:
+the time to the first step from the parent's launch clock, the wall to step 60, the median that
+leaves the first step out, and several calls' files joined into one.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("cold_start", ROOT / "lab/gpu/compile_time/cold_start.py")
+cold_start = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cold_start)
+
+
+def test_the_three_shapes_of_the_measurement():
+    assert {(s["model"], s["batch_size"], s["seq_len"], s["packing"]) for s in cold_start.SHAPES.values()} == {
+        ("smollm2-135m", 4, 128, "auto"), ("llama-3.2-1b-shape", 8, 1024, "on"), ("llama-3.1-8b-shape", 4, 2048, "on")}
+    assert {lib for lib, _ in cold_start.ORDER} == {"ours", "ours-before", "hf-eager", "unsloth"}
+    assert cold_start.BEFORE == ["--scope", "whole", "--compile-cache", "off"]
+
+
+def test_a_run_record_becomes_the_checked_fields():
+    shape = {"model": "m", "batch_size": 8, "seq_len": 1024, "packed": True}
+    step_ms = [20_000.0] + [100.0] * 59 + [999.0]  # 61 steps: the 61st is not in the wall to step 60
+    rec = {"step_ms": step_ms, "launched_unix": 1000.0, "first_step_end_unix": 1030.0, "peak_mem_gib": 5.0,
+           "graph_breaks": 0, "compilations": 1}
+    row = cold_start._finish(rec, "ours", "cold", shape, 61)
+    assert row["time_to_first_step_s"] == 30.0
+    assert row["median_step_ms"] == 100.0  # the compiling step left out
+    assert row["wall_60_s"] == 30.0 + 59 * 0.1
+    assert (row["library"], row["cache"], row["batch_size"], row["seq_len"]) == ("ours", "cold", 8, 1024)
+    assert row["peak_mem_gib"] == 5.0 and row["graph_breaks"] == 0 and row["compilations"] == 1
+    failed = cold_start._finish({"error": "boom"}, "unsloth", "warm", shape, 60)
+    assert failed["error"] == "boom" and failed["time_to_first_step_s"] is None
+
+
+def test_calls_merge_into_one_file(tmp_path):
+    base = {"what": "w", "device": {"name": "GPU"}, "versions": {}, "tool": "t", "time_to_first_step_how": "h",
+            "wall_60_how": "w60", "skipped": [], "wall_s": 1.0}
+    files = []
+    for shape, date in (("a", "2026-01-01"), ("b", "2026-01-02")):
+        path = tmp_path / f"{shape}.json"
+        path.write_text(json.dumps({**base, "shape": shape, "date": date, "command": f"cmd {shape}",
+                                    "runs": [{"library": "ours", "model": shape}]}))
+        files.append(str(path))
+    out = tmp_path / "merged.json"
+    assert cold_start.merge(str(out), files) == 0
+    merged = json.loads(out.read_text())
+    assert [r["model"] for r in merged["runs"]] == ["a", "b"] and merged["date"] == "2026-01-02"
+    assert merged["command"] == ["cmd a", "cmd b"] and [c["shape"] for c in merged["calls"]] == ["a", "b"]
