@@ -116,6 +116,10 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                          "micro-batch has the same shape")
     schedule_class(args.schedule)  # refused here when this torch lacks it
     per_rank = SCHEDULES[args.schedule][1]
+    if per_rank > 1 and args.backend == "eager":
+        raise ValueError(f"--schedule {args.schedule} runs each compiled layer's backward a second time for the weight "
+                         "gradients, and the 'eager' backend frees an autograd Function's saved values at the first: "
+                         "use --backend aot_eager or inductor")
     n_micro = g // micro
     if args.schedule == "1f1b" and n_micro < world_size:
         raise ValueError(f"--schedule 1f1b needs at least one micro-batch per stage ({world_size}); "
@@ -174,7 +178,7 @@ def load_stage_model(args, device: torch.device, dtype: torch.dtype, keep: set[i
     if args.build == "layerwise":
         from peft import LoraConfig, get_peft_model
 
-        from .big_model import LINEARS, build_nf4_model
+        from .big_model import LINEARS, SHAPES, build_nf4_model
 
         config = _layerwise_config(args)
         config.use_cache = False
@@ -185,7 +189,7 @@ def load_stage_model(args, device: torch.device, dtype: torch.dtype, keep: set[i
                           target_modules=[n.split(".")[-1] for n in LINEARS])
         peft = get_peft_model(base, lora)
         _reset_lora(peft, args.seed)
-        return peft, models.load_tokenizer(args.model)
+        return peft, models.load_tokenizer("tiny" if args.model in SHAPES else args.model)  # the shared tokenizer
     peft, tok = models.load_model(args.model, quant="nf4", dtype=dtype, device=device, lora_r=args.lora_r,
                                   lora_alpha=args.lora_alpha, seed=args.seed)
     from ..ops.lm_head import causal_lm_of, decoder_of
@@ -200,9 +204,12 @@ def load_stage_model(args, device: torch.device, dtype: torch.dtype, keep: set[i
 
 
 def _layerwise_config(args):
+    """The config of a shape built with random weights: a named model, or one of ``big_model.SHAPES``
+    (the 70B shape)."""
     from .. import models
+    from .big_model import SHAPES, llama_config
 
-    config = models.model_config(args.model)
+    config = llama_config(args.model) if args.model in SHAPES else models.model_config(args.model)
     if getattr(args, "layers", None):
         config.num_hidden_layers = int(args.layers)
     return config
@@ -258,8 +265,10 @@ def run(args: argparse.Namespace) -> dict | None:
     dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
         else getattr(torch, args.dtype)
     from .. import models
+    from .big_model import SHAPES
 
-    n_layers = int(_layerwise_config(args).num_hidden_layers) if args.model in models.MODEL_NAMES else None
+    n_layers = int(_layerwise_config(args).num_hidden_layers) if args.model in (*models.MODEL_NAMES, *SHAPES) \
+        else None
     if n_layers is None:
         from transformers import AutoConfig
 

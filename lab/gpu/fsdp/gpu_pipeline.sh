@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Writes: $OUT/runs/<name>/summary.json + log.jsonl + $OUT/runs/<name>.log, $OUT/pipeline_<gpu>.json
+#   (lab/gpu/fsdp/pipeline_results.py; copy it to lab/results/fsdp/), $OUT/pipeline_logs.tgz
+# Rerun: OUT=$OUT bash lab/gpu/fsdp/gpu_pipeline.sh (nvidia-h200-x2; carry .whl .gpucache). Not yet run on a GPU.
+# The pipeline layout (qlora_nb_utils/distributed/pipeline.py) against one GPU and FSDP2, in one call:
+#   one_1 (1 GPU, every layer one stage) beside floor_1 (the same, rows of every batch permuted: the bf16
+#     floor) on the other GPU; then, each alone on the machine, the 8B shape on 2 GPUs with 1f1b, zbv and
+#     gpipe (global batch GB rows of SEQ, micro-batches of 1 row), big_70b (the Llama-3.1-70B shape, all 80
+#     layers, 2 GPUs, every weight on its GPU, each process capped at CAP GiB, every layer checkpointed
+#     with its input offloaded to host memory, 1f1b), and fsdp_2 (FSDP2 fast path, NF4 sharded, the same
+#     global batch, 4 rows per GPU and micro-batch).
+# BUDGET (s, default 540) bounds the whole; a run that no longer fits is skipped and listed in missing_runs.
+# PHASE=8b or PHASE=big runs one half (two calls, when one runs out of time). DRY=1: the tiny shape with 4
+# layers on the CPU over gloo, 2 steps (by hand: about 6 minutes on 2 busy cores), zbv with aot_eager.
+set -uo pipefail
+OUT=${OUT:-$PWD/out/pipeline}
+mkdir -p "$OUT/runs"
+T0=$(date +%s)
+BUDGET=${BUDGET:-540}
+PHASE=${PHASE:-all}
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+if [ "${DRY:-0}" = 1 ]; then
+  PY=${PY:-python3}
+  export PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  MODEL=tiny; STEPS=2; SEQ=64; GB=4; CAP=22
+  SHAPE=(--model tiny --build layerwise --layers 4); BIG=(--model tiny --build layerwise --layers 4)
+  DEV=(--device cpu --dtype float32 --backend eager --timing-warmup 0)
+  FSDP=(--model tiny --device cpu --dtype float32 --backend eager --timing-warmup 0); FSDP_SEQ=128
+  ZB=(--backend aot_eager)  # eager frees an autograd Function's saved values at the first backward
+  BIG_OPT=(--optimize grad_ckpt=true)
+  G0=""; G1=""; G01=""
+else
+  PY=python3
+  source "$(dirname "$0")/../gpu_env.sh"
+  nvidia-smi -L | tee "$OUT/gpus.txt"
+  MODEL=${MODEL:-llama-3.1-8b-shape}; STEPS=${STEPS:-8}; SEQ=${SEQ:-2048}; GB=${GB:-8}; CAP=${CAP:-22}
+  SHAPE=(--model "$MODEL" --build layerwise)
+  BIG=(--model llama-3.1-70b --build layerwise)
+  DEV=(--device cuda --dtype bfloat16 --backend inductor --timing-warmup 3)
+  FSDP=(--model "$MODEL" --build layerwise --device cuda --dtype bfloat16 --backend inductor --timing-warmup 3); FSDP_SEQ=$SEQ
+  ZB=()
+  read -r -a BIG_OPT <<< "${BIG_OPT:---optimize grad_ckpt=true --optimize offload=true}"
+  G0=0; G1=1; G01=0,1
+fi
+PP=(--seq-len "$SEQ" --pack --global-batch-size "$GB" --micro-batch-size 1 --lr 2e-4 --seed 0 --no-adapter "${DEV[@]}")
+RUNS="$OUT/runs"
+
+trun() {  # trun NAME LIMIT_S GPUS NPROC ARGS...: one torchrun of the launcher, its log in $RUNS/NAME.log
+  local name=$1 limit=$2 gpus=$3 nproc=$4
+  shift 4
+  if [ "$limit" -lt 40 ]; then echo "[pipeline] skip $name: ${limit}s left" | tee -a "$OUT/errors.txt"; return 1; fi
+  echo "[pipeline] $name: $nproc process(es), GPUs '${gpus}', limit ${limit}s ($(( $(date +%s) - T0 )) s elapsed)"
+  CUDA_VISIBLE_DEVICES=$gpus timeout --signal=TERM --kill-after=20 "$limit" \
+    $PY -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m qlora_nb_utils.distributed.launch "$@" \
+    > "$RUNS/$name.log" 2>&1
+  local rc=$?
+  [ $rc -ne 0 ] && { echo "[pipeline] $name FAILED (exit $rc)" | tee -a "$OUT/errors.txt"; tail -25 "$RUNS/$name.log" >> "$OUT/errors.txt"; }
+  grep -h "^\[pipeline\]\|^\[fsdp_train\]" "$RUNS/$name.log" | tail -1
+  return $rc
+}
+cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
+
+if [ "$PHASE" = all ] || [ "$PHASE" = 8b ]; then
+  LIM=$(cap 150)
+  trun one_1 "$LIM" "$G0" 1 --layout pipeline "${SHAPE[@]}" "${PP[@]}" --schedule gpipe --steps "$STEPS" --out "$RUNS/one_1" &
+  P1=$!
+  trun floor_1 "$LIM" "$G1" 1 --layout pipeline "${SHAPE[@]}" "${PP[@]}" --schedule gpipe --steps "$STEPS" --permute-rows 1 --out "$RUNS/floor_1" &
+  P2=$!
+  wait $P1; wait $P2
+  trun pp_1f1b "$(cap 110)" "$G01" 2 --layout pipeline "${SHAPE[@]}" "${PP[@]}" --schedule 1f1b --steps "$STEPS" --out "$RUNS/pp_1f1b"
+fi
+if [ "$PHASE" = all ] || [ "$PHASE" = big ]; then
+  trun big_70b "$(cap 200)" "$G01" 2 --layout pipeline "${BIG[@]}" "${PP[@]}" "${BIG_OPT[@]}" --schedule 1f1b \
+    --steps "${BIG_STEPS:-4}" --timing-warmup 1 --max-mem-gib "$CAP" --out "$RUNS/big_70b"
+fi
+if [ "$PHASE" = all ] || [ "$PHASE" = 8b ]; then
+  trun pp_zbv "$(cap 110)" "$G01" 2 --layout pipeline "${SHAPE[@]}" "${PP[@]}" --schedule zbv "${ZB[@]}" --steps "$STEPS" --out "$RUNS/pp_zbv"
+  trun pp_gpipe "$(cap 110)" "$G01" 2 --layout pipeline "${SHAPE[@]}" "${PP[@]}" --schedule gpipe --steps "$STEPS" --out "$RUNS/pp_gpipe"
+  trun fsdp_2 "$(( $(left) - 10 ))" "$G01" 2 --layout fsdp "${FSDP[@]}" --quant nf4 --nf4 shard --frozen shard --fast-path \
+    --seq-len "$FSDP_SEQ" --pack --global-batch-size "$GB" --micro-batch-size "$(( GB / 2 > 4 ? 4 : GB / 2 ))" \
+    --lr 2e-4 --seed 0 --no-adapter --steps "$STEPS" --out "$RUNS/fsdp_2"
+fi
+
+$PY lab/gpu/fsdp/pipeline_results.py "$RUNS" "$OUT" --cap "$CAP" \
+  --command "OUT=\$OUT PHASE=$PHASE BUDGET=$BUDGET DRY=${DRY:-0} bash lab/gpu/fsdp/gpu_pipeline.sh"
+tar czf "$OUT/pipeline_logs.tgz" -C "$OUT" runs 2>/dev/null
+echo "[pipeline] finished in $(( $(date +%s) - T0 )) s"
