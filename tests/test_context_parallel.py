@@ -10,10 +10,11 @@ GPU run uses; only the kernel under the ring (CUDA flash there) differs.
   unshifted one, and the refusals;
 * ring attention on 2 gloo ranks against SDPA over the whole row (forward and the three
   gradients, balanced and contiguous shards), ~10 s;
-* the two-"node" rehearsal: ``torchrun --nnodes 2 --rdzv-backend c10d`` on this machine, one process
-  per node, the tiny model through ``optimize()`` (Inductor, ``fullgraph``), FSDP2 and the ring, 2
-  steps; its losses against one process on the same batches (fp32), 0 graph breaks, one compilation,
+* 2 processes through the launcher (``torchrun -m qlora_nb_utils.distributed.launch --layout
+  context``), the tiny model through ``optimize()`` (Inductor, ``fullgraph``), FSDP2 and the ring, 2
+  steps: its losses against one process on the same batches (fp32), 0 graph breaks, one compilation,
   and the adapter it writes loads into a plain ``PeftModel`` with the run's eval loss. ~1 min.
+  (The same layout as two "nodes" over a c10d rendezvous: ``tests/test_launch_nodes.py``.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -140,12 +140,6 @@ def test_validate_says_what_to_change():
 
 
 # ----------------------------------------------------------------------------- over gloo
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2])
 def test_ring_attention_is_sdpa_over_the_whole_row(tmp_path, world):
     out = tmp_path / "ring.json"
@@ -159,37 +153,30 @@ def test_ring_attention_is_sdpa_over_the_whole_row(tmp_path, world):
         assert max(worst.values()) <= RING_TOL, (kind, worst)
 
 
-def _torchrun(extra: list[str], out: Path, node: tuple[int, int] | None = None, port: int = 0):
-    if node is None:
-        launch = ["--standalone", "--nproc-per-node=1"]
-    else:  # one "node" of two on this machine: the multi-node command with a c10d rendezvous
-        launch = ["--nnodes=2", "--nproc-per-node=1", f"--node-rank={node[0]}", "--rdzv-backend=c10d",
-                  f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=qlora-cp-rehearsal",
-                  f"--rdzv-conf=is_host={'true' if node[0] == 0 else 'false'}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "qlora_nb_utils.distributed.context_parallel",
-           *ARGS, *extra, "--out", str(out)]
+def _torchrun(extra: list[str], out: Path, nproc: int):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "qlora_nb_utils.distributed.launch", "--layout", "context", *ARGS, *extra, "--out", str(out)]
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
-    port = _free_port()
-    procs = [_torchrun([], root / "two_nodes", node=(r, 2), port=port) for r in range(2)]
-    # the one-process reference: the same batches and seed, Dynamo's trace without Inductor (fp32)
-    procs.append(_torchrun(["--backend", "eager", "--no-adapter"], root / "one"))
+    procs = [_torchrun([], root / "two", 2),
+             # the one-process reference: the same batches and seed, Dynamo's trace without Inductor (fp32)
+             _torchrun(["--backend", "eager", "--no-adapter"], root / "one", 1)]
     for p in procs:
         text = p.communicate(timeout=600)[0]
         assert p.returncode == 0, text[-6000:]
-    return {k: json.loads((root / k / "summary.json").read_text()) for k in ("two_nodes", "one")} | {"root": root}
+    return {k: json.loads((root / k / "summary.json").read_text()) for k in ("two", "one")} | {"root": root}
 
 
-def test_two_nodes_give_the_loss_of_one_process_with_no_graph_break(runs):
-    two, one = runs["two_nodes"], runs["one"]
+def test_two_processes_give_the_loss_of_one_with_no_graph_break(runs):
+    two, one = runs["two"], runs["one"]
     assert (two["world_size"], two["backend"], one["world_size"]) == (2, "gloo", 1)
     assert two["ring_attention"]["load_balance"] and one["ring_attention"] is None
     assert two["nf4"] == "shard" and two["bytes_check"]["equal"]
-    assert two["graph_breaks"] == 0 and two["compile"]["compilations"] == 1
+    assert two["graph_breaks"]["total"] == 0 and two["compile"]["compilations"] == 1
     assert two["choices"]["attention"] == "causal"
     assert len(two["losses"]) == 2
     diffs = [abs(a - b) for a, b in zip(two["losses"] + [two["eval_loss"]], one["losses"] + [one["eval_loss"]])]
@@ -197,14 +184,14 @@ def test_two_nodes_give_the_loss_of_one_process_with_no_graph_break(runs):
     assert abs(two["eval_loss"] - two["losses"][0]) > 100 * LOSS_TOL  # training moved the loss: the check can fail
 
 
-def test_the_adapter_of_two_nodes_loads_in_one_process_with_the_same_eval_loss(runs):
+def test_the_adapter_of_two_processes_loads_in_one_with_the_same_eval_loss(runs):
     from peft import PeftModel
 
     from qlora_nb_utils import models
 
-    summary = runs["two_nodes"]
+    summary = runs["two"]
     base, tok = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu", lora=False)
-    model = PeftModel.from_pretrained(base, str(runs["root"] / "two_nodes" / "adapter"))
+    model = PeftModel.from_pretrained(base, str(runs["root"] / "two" / "adapter"))
     model.train()  # the kernel path the sharded run used (see distributed/fsdp.py on CPU eval)
     batch = cp._batches(tok, cp.validate(argparse.Namespace(**summary["options"]), 1))[0]
     with torch.no_grad():

@@ -25,6 +25,7 @@ COMMON = ["--model", "tiny", "--steps", "2", "--global-batch-size", "2", "--seq-
 LAYOUT_ARGS = {
     "fsdp": [],
     "pipeline": ["--schedule", "1f1b", "--micro-batch-size", "1", "--pack"],
+    "context": ["--micro-batch-size", "1"],
 }
 
 

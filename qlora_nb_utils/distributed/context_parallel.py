@@ -455,7 +455,7 @@ def run(args: argparse.Namespace) -> dict | None:
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         print(f"[context_parallel] world_size={info.world_size} seq_len={args.seq_len} steps={len(records)} "
               f"final_loss={records[-1]['loss']:.6f} tokens/s={summary['tokens_per_s']} "
-              f"graph_breaks={summary['graph_breaks']}", flush=True)
+              f"graph_breaks={summary['graph_breaks']['total']}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return summary
@@ -477,7 +477,8 @@ def _summary(args, info, records, cp, dtype, breaks_before, peak, final_eval) ->
         "losses": [r["loss"] for r in records], "eval_loss": final_eval,
         "tokens_per_s": rates[len(rates) // 2] if rates else None,
         "step_ms": [r["step_ms"] for r in records], "peak_mem_gib_per_gpu": peak,
-        "graph_breaks": after - breaks_before if after >= 0 else None, "graph_break_reasons": reasons,
+        "graph_breaks": {"total": after - breaks_before if after >= 0 else None, "reasons": reasons,
+                         "compiled_layers": len(cp.fast.layers), "fullgraph": True},
         "compile": cp.fast.compile_stats(), "bytes_check": cp.fast.bytes_check,
         "choices": {k: str(v) for k, v in cp.fast.opt.choices.items()},
         "ring_attention": None if cp.ring is None else dict(cp.ring.details),
