@@ -30,6 +30,10 @@ overridable by passing it explicitly:
   right-padded, else SDPA with the padding mask. **Packed batches** (with ``document_ids``, from
   :func:`~qlora_nb_utils.data.pack_examples`): a per-document causal mask built outside the
   graph, flex attention's ``BlockMask`` on CUDA, SDPA's dense mask elsewhere (:mod:`.packed`).
+  A model whose attention changes its scores in a way SDPA drops (Gemma-2's soft cap, read on a
+  probe forward: :mod:`~qlora_nb_utils.ops.model_attention`) keeps it: flex attention with the
+  change in its score modification on CUDA (causal block masks per sliding window, built outside
+  the graph), the model's own eager attention where flex attention cannot train (a CPU).
 * **Checkpointing**: off without a memory target; with ``max_memory_gib``, on the fewest first
   decoder layers whose estimated peak (:func:`estimate_peak_gib`) fits the target; if even every
   layer does not fit, their saved inputs offloaded to CPU memory (:mod:`.offload`, regional scope).
@@ -86,6 +90,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..ops.doc_attention import with_document_mask
+from ..ops.model_attention import MODEL_ATTENTION, use_attention, with_block_masks
 from ..reversible import PatchHandle
 from . import compile_cache as _artifacts
 from .choices import LORA_NO_GROUP_WHY, LORA_OUT_OF_PLACE_WHY, MAX_CUDAGRAPH_SHAPES, choose_cast
@@ -162,7 +167,10 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             than ``ce_chunks`` pieces at long sequences), so the loss's transient does not grow with the length.
         mode: ``"auto"``, or an Inductor mode (``"default"``/None, ``"reduce-overhead"``, ...).
         attention: ``"auto"``, ``"causal"`` (causal-only SDPA; right-padded batches) or ``"mask"``;
-            packed batches (with ``document_ids``) always get the per-document mask.
+            packed batches (with ``document_ids``) always get the per-document mask. A model whose
+            attention changes its scores in a way SDPA drops (a soft cap) keeps it: ``"auto"``
+            chooses ``"flex"`` (flex attention on CUDA) or ``"eager"`` (its own eager attention),
+            ``"mask"`` its eager attention, and ``"causal"`` is refused.
         sdpa_kernel: for causal-only SDPA, ``"auto"`` (cuDNN's kernel first on Hopper GPUs, for rows
             of at least 16384 positions without CUDA graphs, where a probe of the model's attention
             shape runs: ``ops.attention.choose_sdpa_kernel``), ``"cudnn"`` or ``"default"`` (SDPA's
@@ -270,6 +278,8 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
         from ..ops.doc_attention import use_document_attention
 
         doc_handle = use_document_attention(model, choices["doc_attention"])
+    elif plan.attention in MODEL_ATTENTION:  # the model's score changes kept: flex attention or its eager one
+        doc_handle = use_attention(model, MODEL_ATTENTION[plan.attention])
     try:
         fast = prepare_fast(model, plan.recipe_options(), batches=batches)
     except BaseException:  # leave the model as it was given, but for the cast
@@ -301,6 +311,8 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
     compiled = fast.forward
     if plan.packed:
         compiled = with_document_mask(compiled, choices["doc_attention"], required=False, stable_ids=plan.cuda_graphs)
+    elif plan.attention == "flex":
+        compiled = with_block_masks(compiled, plan.windows)
     forward = step_forward(compiled, multiple=opts.pad_multiple, pad_id=pad_id,
                            mark_dynamic=plan.dynamic and plan.scope == "whole", loss_rows=plan.row_chunks,
                            memory_budget=opts.memory_budget, recompute_elementwise=plan.recompute,
@@ -312,4 +324,4 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
     return Optimized(forward=forward, module=fast.prepared.model, counter=fast.counter, choices=choices,
                      reasons=reasons, fast=fast, options=opts, _pad_id=pad_id, _extra=extra,
                      _row_chunks=plan.row_chunks, _min_rows=plan.min_rows, _fine_rows=plan.fine_rows,
-                     _device=device)
+                     _device=device, _block_windows=plan.windows if plan.attention == "flex" else None)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ..ops.doc_attention import with_document_mask
+from ..ops.model_attention import with_block_masks
 from ..reversible import PatchHandle, set_attribute
 from .choices import show as _show
 from .hf_forward import trainer_forward
@@ -50,6 +51,7 @@ class Optimized:
     _min_rows: int = 0  # ... padded to at least this many (the most a batch shown needed): one length
     _fine_rows: bool = False  # ... or each batch its own count, in multiples of 64 (a loss outside the graph)
     _device: Any = None  # the model's: batch tensors elsewhere are moved there before the step
+    _block_windows: tuple[int, ...] | None = None  # flex attention's causal masks, by sliding window (None: not flex)
     _extra: list[PatchHandle] = dataclasses.field(default_factory=list)
 
     def __call__(self, **batch: Any) -> Any:
@@ -75,6 +77,8 @@ class Optimized:
         module = self.module
         if self.choices.get("packing"):
             module = with_document_mask(module, self.choices["doc_attention"], required=False)
+        elif self._block_windows is not None:
+            module = with_block_masks(module, self._block_windows)
         if self.choices["autocast"]:
             with torch.autocast(self.choices["device"], dtype=self.choices["dtype"]):
                 return module(**batch)

@@ -11,7 +11,9 @@ live here so that ``fast_path`` stays one page of choices.
 
 The kernel (``doc_attention="auto"``): flex attention with a document-causal ``BlockMask`` on
 CUDA (blocks where two documents do not meet are skipped), the dense boolean mask with SDPA
-elsewhere (torch has no flex-attention backward on a CPU). Either can be asked for.
+elsewhere (torch has no flex-attention backward on a CPU). Either can be asked for. A model whose
+attention changes its scores in a way SDPA drops (Gemma-2's soft cap) keeps it: flex attention's
+score modification on CUDA, the model's own eager attention with an additive document mask elsewhere.
 
 Flex and SDPA train packed batches alike (one compilation over the epoch, within the bf16
 floor). ``"varlen"`` (torch's ``varlen_attn``, :mod:`qlora_nb_utils.ops.doc_attention`) trains
@@ -24,7 +26,7 @@ assert flex on CUDA. Ask for ``doc_attention="varlen"`` to use it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -61,12 +63,33 @@ def packed_batches(batches: Sequence[dict] | None) -> bool:
     return True
 
 
-def choose_doc_kernel(device: torch.device, doc_attention: str) -> tuple[str, str]:
+def _keeping_scores(device: torch.device, doc_attention: str, scores: Any, drops: list[str]) -> tuple[str, str]:
+    """The kernel for packed rows of a model whose attention changes its scores in a way SDPA (and varlen) drop."""
+    own = f"the model's attention {' and '.join(drops)}"
+    if doc_attention in ("sdpa", "varlen"):
+        raise ValueError(f"doc_attention={doc_attention!r} would drop what the model's attention does: it "
+                         f"{' and '.join(drops)}; use 'auto' (flex attention on CUDA, its eager attention elsewhere)")
+    if doc_attention != "auto":
+        return doc_attention, "asked for"
+    if (cannot := scores.flex_cannot(device)) is None:
+        return "flex_attention", (f"packed rows: document-causal BlockMask, blocks across documents skipped; {own}, "
+                                  "which flex attention keeps in its score modification")
+    return "eager", (f"packed rows: {own}, which SDPA drops, and flex attention cannot train here ({cannot}): "
+                     "the model's own eager attention with the document mask added to its scores")
+
+
+def choose_doc_kernel(device: torch.device, doc_attention: str, scores: Any = None) -> tuple[str, str]:
     """The attention kernel for packed batches and why: ``(kernel, reason)``.
+
+    ``scores``: what the model's attention does beyond causal softmax
+    (:func:`~qlora_nb_utils.ops.model_attention.read_attention`). Where SDPA would drop it (Gemma-2's
+    score soft cap), ``"auto"`` takes flex attention on CUDA (the change in its score modification)
+    and the model's eager attention with an additive document mask elsewhere.
 
     Raises:
         ValueError: ``doc_attention`` not in :data:`DOC_ATTENTION`, flex attention asked for
-            on a CPU (no backward there), or varlen on CUDA without ``torch.nn.attention.varlen``.
+            on a CPU (no backward there), varlen on CUDA without ``torch.nn.attention.varlen``,
+            or SDPA or varlen asked for where they would drop the model's score changes.
     """
     if doc_attention not in DOC_ATTENTION:
         raise ValueError(f"doc_attention must be one of {list(DOC_ATTENTION)}, got {doc_attention!r}")
@@ -76,6 +99,8 @@ def choose_doc_kernel(device: torch.device, doc_attention: str) -> tuple[str, st
     if doc_attention == "varlen" and device.type == "cuda" and not varlen_available():
         raise ValueError(f"doc_attention='varlen' needs torch.nn.attention.varlen (torch {torch.__version__} "
                          "has none); use 'flex_attention' or 'auto'")
+    if drops := (scores.sdpa_drops if scores is not None else []):
+        return _keeping_scores(device, doc_attention, scores, drops)
     if doc_attention != "auto":
         why = ("asked for (on a CPU: SDPA with the dense mask of the same cuts)"
                if doc_attention == "varlen" and device.type != "cuda" else "asked for")

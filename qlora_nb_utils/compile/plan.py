@@ -18,6 +18,7 @@ import torch
 
 from ..ops.attention import choose_attention, choose_sdpa_kernel, cudnn_attention_works
 from ..ops.lm_head import choose_head
+from ..ops.model_attention import read_attention
 from . import choices as table
 from . import offload as host
 from .checkpointing import decoder_layers
@@ -79,6 +80,7 @@ class Plan:
     keep_attention: Any = False  # the attention outputs kept for the recompute: "device", "host" or False
     packed: bool = False
     attention: str = "mask"
+    windows: tuple[int, ...] = ()  # the sliding windows the model's layers use (flex attention's masks)
     sdpa_cudnn: bool = False  # causal-only SDPA with cuDNN's kernel first
     mode: str | None = None
     dynamic: bool = False
@@ -181,11 +183,14 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
     p.record("head", table.choose_head_choice(p.head))
     _checkpointing(p, model, batches, shapes)
     p.packed = p.record("packing", table.choose_packing(packed_batches(batches), batches))
+    scores = read_attention(model)  # what the attention does beyond causal softmax (a soft cap SDPA drops)
+    p.windows = scores.windows
     if p.packed:
         if opts.attention == "causal":
             raise ValueError("attention='causal' would let packed documents attend to each other; use 'auto'")
-        p.record("doc_attention", table.Choice(*choose_doc_kernel(device, opts.doc_attention)))
-    p.attention = p.record("attention", table.Choice(*choose_attention(model, opts.attention, batches, p.packed)))
+        p.record("doc_attention", table.Choice(*choose_doc_kernel(device, opts.doc_attention, scores)))
+    p.attention = p.record("attention", table.Choice(*choose_attention(model, opts.attention, batches, p.packed,
+                                                                       scores=scores, device=device)))
     mode = p.record("mode", table.choose_mode(opts.mode, opts.backend, p.scope, device, shapes))
     p.mode, p.choices["mode"] = mode, mode or "default"
     p.sdpa_cudnn = p.record("sdpa_kernel", table.Choice(*choose_sdpa_kernel(

@@ -19,6 +19,9 @@ from .. import env
 from .build import _tokenizer_dir, materialize
 from .registry import ATTN_CHOICES, HUB_ID, MODEL_NAMES, QUANT_CHOICES, _choice, _unknown_name_error, default_cache_dir
 
+#: What :func:`load_model` takes as ``attn_implementation``: ``"auto"`` or one of ``ATTN_CHOICES``.
+LOAD_ATTN_CHOICES = ("auto",) + ATTN_CHOICES
+
 
 def _source(name: Union[str, os.PathLike], cache_dir) -> str:
     """What to hand to ``from_pretrained`` for ``name``: a built folder, a path or a hub id."""
@@ -119,6 +122,14 @@ def _load_base(source: str, quant: str, dtype: torch.dtype, attn: str,
     )
 
 
+def _keep_own_attention(model) -> None:
+    """Switch a model loaded with SDPA to its eager attention where SDPA drops what its attention does."""
+    from .attention_scores import read_attention
+
+    if read_attention(model).sdpa_drops:
+        model.set_attn_implementation("eager")
+
+
 def _add_lora(model, targets, r: int, alpha: float, dropout: float, seed: int,
               device: torch.device):
     from peft import LoraConfig, get_peft_model
@@ -141,7 +152,7 @@ def load_model(
     lora_dropout: float = 0.0,
     lora_targets: Union[str, Sequence[str]] = "all-linear",
     dtype: Union[str, torch.dtype] = "auto",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     device: Union[str, torch.device, None] = "auto",
     cache_dir: Union[str, Path, None] = None,
     double_quant: bool = True,
@@ -166,8 +177,12 @@ def load_model(
             ``qlora-nb train`` computes in on the device (:func:`qlora_nb_utils.env.default_dtype`:
             fp32 on a CPU, bf16 on an SM80+ GPU), so that a base loaded to evaluate a run's
             adapter computes what the run did.
-        attn_implementation: ``"sdpa"``, ``"eager"`` or ``"flex_attention"`` (torch has no
-            CPU backward for flex attention, so it trains only on CUDA).
+        attn_implementation: ``"auto"``, ``"sdpa"``, ``"eager"`` or ``"flex_attention"`` (torch
+            has no CPU backward for flex attention, so it trains only on CUDA). ``"auto"``: SDPA,
+            unless the model's attention changes its scores in a way SDPA drops (Gemma-2's soft
+            cap, read on a probe forward: :func:`.attention_scores.read_attention`); then its own
+            eager attention, so that evaluation and generation compute the model's attention
+            (``optimize()`` trains it compiled with flex attention on CUDA).
         device: anything :func:`qlora_nb_utils.env.resolve_device` accepts.
         cache_dir: the cache root for named models; defaults to :func:`default_cache_dir`.
         double_quant: also quantize the NF4 scales (``bnb_4bit_use_double_quant``).
@@ -185,7 +200,7 @@ def load_model(
         RuntimeError: for ``quant="nf4"`` where bitsandbytes cannot run NF4 on the device.
     """
     _choice("quant", quant, QUANT_CHOICES)
-    _choice("attn_implementation", attn_implementation, ATTN_CHOICES)
+    _choice("attn_implementation", attn_implementation, LOAD_ATTN_CHOICES)
     targets = _parse_targets(lora_targets) if lora else None
     if lora:
         _check_lora_numbers(lora_r, lora_alpha, lora_dropout)
@@ -197,7 +212,10 @@ def load_model(
         env.require_bnb(dev)
     source = _source(name, cache_dir)
     tokenizer = load_tokenizer(name, cache_dir)
-    model = _load_base(source, quant, torch_dtype, attn_implementation, dev, double_quant)
+    auto = attn_implementation == "auto"
+    model = _load_base(source, quant, torch_dtype, "sdpa" if auto else attn_implementation, dev, double_quant)
+    if auto:
+        _keep_own_attention(model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only when a <|pad|> had to be added
     model.config.use_cache = False

@@ -77,7 +77,7 @@ with this mask or with none (an ``AttributeError`` on the cache layer's ``dtype`
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -285,6 +285,8 @@ def choose_sdpa_kernel(asked: str, attention: str, device: torch.device, capabil
     if attention != "causal":
         if asked == "cudnn":
             raise ValueError(f"sdpa_kernel='cudnn' needs causal-only SDPA; the attention is {attention!r}")
+        if attention in ("flex", "eager"):
+            return "default", f"no SDPA: {attention} attention"
         return "default", "not causal-only SDPA: SDPA's own order"
     if asked == "auto" and device.type != "cuda":
         return "default", "SDPA's own order (cuDNN's kernel is a CUDA kernel)"
@@ -374,11 +376,23 @@ def _causal_mod(batch, head, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+@functools.lru_cache(maxsize=None)
+def _window_mod(window: int):
+    """The causal ``mask_mod`` within a sliding window of ``window`` tokens (transformers' rule: a key
+    more than ``window - 1`` positions back is not seen); one function per window, so guards hold."""
+
+    def window_mod(batch, head, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (kv_idx > q_idx - window)
+
+    return window_mod
+
+
 @functools.lru_cache(maxsize=64)
-def _cached_block_mask(seq_len: int, device: str, block_size: int):
+def _cached_block_mask(seq_len: int, device: str, block_size: int, window: int | None = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    mask = create_block_mask(_causal_mod, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
+    mask_mod = _causal_mod if window is None else _window_mod(window)
+    mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
                              BLOCK_SIZE=block_size)
     # The block counts are dynamic from the first compile on: without this, a compile whose
     # lengths share a block count keeps that count static, and the next count recompiles.
@@ -467,16 +481,46 @@ def _longest_document(batches: Iterable[dict]) -> int:
     return most
 
 
+def _keeping_scores(scores, drops: list[str], attention: str, batches: list[dict] | None,
+                    device: torch.device) -> tuple[str, str]:
+    """The attention for padded rows of a model whose attention changes its scores in a way SDPA drops:
+    ``"flex"`` (:data:`~qlora_nb_utils.ops.model_attention.FLEX_SCORES`) where it can train, else ``"eager"``."""
+    own = f"the model's attention {' and '.join(drops)}, which SDPA drops"
+    eager = "the model's own eager attention with its mask"
+    if attention == "mask":
+        return "eager", f"asked for the model's own mask; {own}: {eager}"
+    if (cannot := scores.flex_cannot(device)) is not None:
+        return "eager", f"{own}; flex attention, which keeps it, cannot train here ({cannot}): {eager}"
+    if batches is None:
+        return "eager", f"{own}; no batches shown to check right padding for flex attention's causal masks: {eager}"
+    try:
+        check_right_padded(batches)
+    except ValueError:
+        return "eager", f"{own}; some batch is not right-padded (flex attention's masks here are causal only): {eager}"
+    windows = ", ".join(str(w) for w in scores.windows)
+    return "flex", (f"{own}: flex attention with it in the score modification, causal block masks built outside "
+                    "the graph" + (f" (sliding window {windows} on the layers that have one)" if windows else ""))
+
+
 def choose_attention(model: torch.nn.Module, attention: str, batches: list[dict] | None,
-                     packed: bool) -> tuple[str, str]:
-    """``optimize(attention=...)``'s choice and its reason: ``"document"``, ``"causal"`` or ``"mask"``.
+                     packed: bool, scores: Any = None, device: torch.device | None = None) -> tuple[str, str]:
+    """``optimize(attention=...)``'s choice and its reason: ``"document"``, ``"causal"``, ``"mask"``,
+    ``"flex"`` or ``"eager"``.
 
     Causal-only SDPA (:func:`use_causal_sdpa`) drops a sliding window, and the per-document mask of
     packed rows applies none: where a window is shorter than the longest row shown, ``"auto"``
     keeps the model's own mask, and packing (or ``"causal"``) is refused.
 
+    SDPA also drops what some models do to their attention scores (a soft cap, sinks, a position
+    bias: ``scores``, :func:`~qlora_nb_utils.ops.model_attention.read_attention`): for those,
+    padded rows take ``"flex"`` (flex attention with the change in its score modification, on
+    ``device`` CUDA, right-padded batches) or else ``"eager"`` (the model's own eager attention),
+    and ``"causal"`` is refused. A model loaded with another attention than SDPA keeps its own
+    (``"mask"``) under ``"auto"``: causal-only SDPA replaces SDPA only.
+
     Raises:
-        ValueError: packed rows, or ``attention="causal"`` on rows, longer than the model's sliding window.
+        ValueError: packed rows, or ``attention="causal"`` on rows, longer than the model's sliding window;
+            ``attention="causal"`` for a model whose score changes SDPA drops.
     """
     window = sliding_window(model)
     longest = _longest(batches) if batches else 0
@@ -487,6 +531,12 @@ def choose_attention(model: torch.nn.Module, attention: str, batches: list[dict]
                              f"({window}), which the per-document mask does not apply: pack to at most {window} "
                              "tokens (--seq-len) or train on padded batches (--packing off)")
         return "document", "packed rows: each token attends to its own document only"
+    drops = scores.sdpa_drops if scores is not None else []
+    if drops:
+        if attention == "causal":
+            raise ValueError(f"attention='causal' (causal-only SDPA) would drop what the model's attention does: it "
+                             f"{' and '.join(drops)}; use attention='auto'")
+        return _keeping_scores(scores, drops, attention, batches, device or next(model.parameters()).device)
     if attention == "causal" and longer:
         raise ValueError(f"attention='causal' drops the model's sliding window ({window} tokens), and the batches "
                          f"hold {longest}; use attention='auto' or 'mask'")
@@ -501,5 +551,9 @@ def choose_attention(model: torch.nn.Module, attention: str, batches: list[dict]
     if longer:
         return "mask", (f"the model's sliding window ({window} tokens) is shorter than the longest batch "
                         f"({longest}): its own mask (causal-only SDPA would drop the window)")
+    loaded = {cfg._attn_implementation for cfg in _configs(model)} - {"sdpa", CAUSAL_SDPA, CAUSAL_SDPA_CUDNN}
+    if loaded:
+        return "mask", (f"the model attends with {', '.join(sorted(map(str, loaded)))}: its own, with its mask "
+                        "(causal-only SDPA replaces SDPA only)")
     return "causal", "every batch is right-padded: causal-only SDPA (flash, GQA)"
 

@@ -29,7 +29,9 @@ Hence the mask is built here, outside.
 
 **The dense fallback** (:func:`document_dense_mask`, ``kernel="sdpa"``): the same mask as a 4-D
 boolean tensor for SDPA. It is what trains on a CPU (flex has no CPU backward), and it is the
-reference the flex path is tested against.
+reference the flex path is tested against. For a model whose attention changes its scores in a
+way SDPA drops (Gemma-2's soft cap, :mod:`.model_attention`), ``kernel="eager"`` gives the same
+mask as an additive one (:func:`document_additive_mask`) to the model's own eager attention.
 
 **Varlen** (``kernel="varlen"``, :func:`document_cu_seqlens`): torch's own
 ``torch.nn.attention.varlen.varlen_attn`` (flash attention over cumulative sequence lengths,
@@ -63,11 +65,12 @@ from ..reversible import PatchHandle
 from .attention import _configs
 
 __all__ = ["DOC_MASK_KERNELS", "document_mask_mod", "document_block_mask", "document_dense_mask",
+           "document_additive_mask",
            "with_document_mask", "use_document_attention", "varlen_available", "document_cu_seqlens",
            "document_attention_kwargs", "register_varlen", "VARLEN"]
 
 #: The attention implementations :func:`with_document_mask` can build a mask (or cuts) for.
-DOC_MASK_KERNELS = ("flex_attention", "sdpa", "varlen")
+DOC_MASK_KERNELS = ("flex_attention", "sdpa", "varlen", "eager")
 #: The name ``kernel="varlen"`` is registered under in transformers' ``AttentionInterface``.
 VARLEN = "qlora_nb_varlen"
 #: The fewest cut slots :func:`document_cu_seqlens` gives (then powers of two).
@@ -207,6 +210,20 @@ def document_dense_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+def document_additive_mask(document_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The same mask as a ``(rows, 1, seq_len, seq_len)`` additive mask (0: attend, the dtype's
+    minimum: not), for a model's eager attention, which adds its mask to the scores after any
+    change it makes to them (Gemma-2's soft cap), as transformers' own eager mask does.
+
+    Raises:
+        ValueError: ``document_ids`` is not a 2-D integer tensor, or ``dtype`` is not a float dtype.
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"an additive mask needs a float dtype, got {dtype}")
+    allowed = document_dense_mask(document_ids)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def with_document_mask(forward: Callable, kernel: str = "flex_attention", block_size: int = 128, *,
                        required: bool = True, stable_ids: bool = False) -> Callable:
     """Wrap ``forward`` (a model or its compiled twin) to take packed batches.
@@ -314,7 +331,8 @@ def document_attention_kwargs(document_ids: torch.Tensor, kernel: str, block_siz
     """What the model takes besides the tokens to attend per document with ``kernel``, built eagerly.
 
     ``flex_attention``: ``attention_mask`` = :func:`document_block_mask`; ``sdpa``:
-    ``attention_mask`` = :func:`document_dense_mask`; ``varlen``: transformers' padding-free
+    ``attention_mask`` = :func:`document_dense_mask`; ``eager``: ``attention_mask`` =
+    :func:`document_additive_mask`; ``varlen``: transformers' padding-free
     keywords ``cu_seq_lens_q``/``cu_seq_lens_k`` (:func:`document_cu_seqlens`) and
     ``max_length_q``/``max_length_k`` (``seq_len``, a fixed bound). ``stable_ids``: see
     :func:`document_block_mask` (flex attention only; the other kernels take plain inputs).
@@ -326,6 +344,8 @@ def document_attention_kwargs(document_ids: torch.Tensor, kernel: str, block_siz
         return {"attention_mask": document_block_mask(document_ids, block_size, stable_ids=stable_ids)}
     if kernel == "sdpa":
         return {"attention_mask": document_dense_mask(document_ids)}
+    if kernel == "eager":
+        return {"attention_mask": document_additive_mask(document_ids)}
     if kernel == "varlen":
         cuts = document_cu_seqlens(document_ids)
         seq_len = int(document_ids.shape[1])
