@@ -222,12 +222,12 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
 TARGET_CHUNK_ROWS = 1024
 
 
-#: The share of a memory target ``optimize()`` keeps free of its estimate. The estimate's activation
-#: terms were fitted on short sequences (:mod:`.memory_estimate`), and its error grows with the
-#: length; a choice placed just under the target can run out of memory in its first step (whose
-#: autotuning copies a loss piece's logits). The headroom turns such a near miss into more
-#: checkpointing (or offload), which costs step time, not the run. The lab's long-context runs
-#: (``lab/results/long_context/``) hold the cases.
+#: The share of a memory target ``optimize()`` keeps free of its estimate when it chooses. The estimate
+#: (:mod:`.memory_estimate`) is an upper bound of what a step allocates, and a card's memory is taken by
+#: what the allocator reserves, which is more (blocks it cannot split, a loss piece's copy in the first
+#: step's autotuning). A choice with room left turns such a near miss into more checkpointing (or
+#: offload), which costs step time, not the run. A plan whose estimate fits the target but not its
+#: headroom still runs (said in its reason); one over the target itself is refused.
 MEMORY_HEADROOM = 0.10
 
 #: Why a memory target that needs checkpointing makes the scope regional: there each checkpoint runs
@@ -300,8 +300,8 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
         if p.over_target:  # every saving taken: the LoRA update out of place, one tensor fewer (fast_path)
             p.estimate_of = functools.partial(peak_from_terms, terms_at(b, s, p.head_rows, False))
             p.estimate_gib = p.estimate_of(ck.ckpt_layers, ck.offload, p.tile_rows)
-        if p.estimate_gib > planned:
-            raise ValueError(_refusal(p, model, terms_at, ck, n_layers, b, s, label))
+        if p.estimate_gib > opts.max_memory_gib:  # over the target itself, not only its headroom: refused
+            raise ValueError(_refusal(p, model, terms_at, ck, n_layers, b, s))
     p.record("ckpt_layers", table.Choice(f"{ck.ckpt_layers}/{n_layers}", ck.ckpt_why))
     p.record("offload", table.Choice(ck.offload, ck.offload_why))
     if ck.scope_why:
@@ -309,8 +309,7 @@ def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, 
     p.record("tile_mlp", table.Choice(p.tile_rows, tile_why))
 
 
-def _refusal(p: Plan, model: torch.nn.Module, terms_at: Any, ck: Any, n_layers: int, rows: int, length: int,
-             label: str) -> str:
+def _refusal(p: Plan, model: torch.nn.Module, terms_at: Any, ck: Any, n_layers: int, rows: int, length: int) -> str:
     """Why a memory target cannot be met: the estimate of the most frugal plan the options allow, and
     the longest length (at ``rows`` rows a batch) whose estimate under that plan fits."""
     opts = p.options
@@ -321,7 +320,7 @@ def _refusal(p: Plan, model: torch.nn.Module, terms_at: Any, ck: Any, n_layers: 
         return peak_from_terms(terms_at(rows, positions, None, False), ck.ckpt_layers, ck.offload,
                                pieces if positions > pieces else 0)
 
-    longest = longest_fitting(frugal, p.planned_gib, length)
+    longest = longest_fitting(frugal, opts.max_memory_gib, length)
     how = (f"{ck.ckpt_layers}/{n_layers} layers checkpointed" + (" and offloaded" if ck.offload else "")
            + (f", each MLP in pieces of {p.tile_rows} positions" if p.tile_rows else ""))
     limits = [f"{k}={getattr(opts, k)!r}" for k in ("grad_ckpt", "ckpt_layers", "offload", "tile_mlp")
@@ -330,7 +329,7 @@ def _refusal(p: Plan, model: torch.nn.Module, terms_at: Any, ck: Any, n_layers: 
             else f"no sequence fits at {rows} row(s) a batch (the weights, adapter and optimizer state alone are "
                  f"estimated at {frugal(0):.2f} GiB)")
     return (f"max_memory_gib={opts.max_memory_gib}: the step at {rows} x {length} is estimated at "
-            f"{p.estimate_gib:.2f} GiB > {label} even with {how}" + (f" ({', '.join(limits)} asked for)" if limits
+            f"{p.estimate_gib:.2f} GiB > the target {opts.max_memory_gib:g} GiB even with {how}" + (f" ({', '.join(limits)} asked for)" if limits
                                                                      else "")
             + f"; {fits}. Use shorter sequences or fewer rows a batch, or a larger target")
 
@@ -342,6 +341,8 @@ def _state_estimate(p: Plan) -> None:
         return
     p.estimate_gib = p.estimate_of(p.ckpt_layers, p.offload, p.tile_rows, p.keep_attention)
     at = "" if p.planned_gib is not None else " at the largest batch shown"
+    if p.planned_gib is not None and p.estimate_gib > p.planned_gib:
+        at = f" (within the target, not its {MEMORY_HEADROOM:.0%} headroom: the allocator's reserve may not fit)"
     p.reasons["ckpt_layers"] += f"; the plan's estimated peak: {p.estimate_gib:.2f} GiB{at}"
 
 

@@ -61,3 +61,51 @@ def test_single_try_files_are_read_beside_driver_records(tmp_path):
     assert [(r["seq_len"], r["cap_gib"], r["source"]) for r in rows] == [
         (100_000, 22.0, "call1_ours_24.json"), (200_000, 38.5, "call2_ours_38.5_200000.json")]
     assert got_stamp["device"] == {"name": "GPU X"}
+
+
+def test_todays_estimate_is_an_upper_bound_of_every_recorded_peak_within_the_margin():
+    """Every long-context try the lab measured (its plan's choices, its peak): the estimate as it is now counts
+    at least that peak, and at most MAX_RATIO times it (the recorded peaks are measurements)."""
+    shape = ec.shape_8b()
+    tries = ec.recorded_tries()
+    assert len({run["seq_len"] for _, run in tries}) >= 8
+    plans = set()
+    for source, run in tries:
+        est, peak = ec.estimate_for(run, shape), run["peak_mem_gib"]
+        assert peak <= est <= ec.MAX_RATIO * peak, (source, run["seq_len"], est, peak)
+        c = run["choices"]
+        plans.add((c["ckpt_layers"] == "32/32", c["offload"], c["tile_mlp"] != "0", c.get("keep_attention", "False")))
+    assert len(plans) >= 4  # some and every layer checkpointed, offload, the MLP in pieces, kept outputs
+
+
+def test_a_measured_record_becomes_rows_and_a_check():
+    record = {"runs": [
+        {"ok": True, "seq_len": 16384, "target_gib": 22.0, "knobs": {}, "estimate_gib": 11.0, "peak_mem_gib": 10.0,
+         "choices": {"ckpt_layers": "29/32", "offload": "False", "tile_mlp": "0", "keep_attention": "host"}},
+        {"ok": True, "seq_len": 262144, "target_gib": 38.5, "knobs": {}, "estimate_gib": 35.0, "peak_mem_gib": 34.0,
+         "choices": {"ckpt_layers": "32/32", "offload": "True", "tile_mlp": "4096"}},
+        {"ok": False, "seq_len": 300000, "target_gib": 38.5, "error": "refused"}]}
+    rows = ec.rows_from(record)
+    assert [(r["seq_len"], r["keep_attention"]) for r in rows] == [(16384, "host"), (262144, "False")]
+    got = ec.check(rows)
+    assert got["every_row_within"] and got["lengths"] == [16384, 262144] and got["max_ratio"] == pytest.approx(1.1)
+    rows[0]["peak_mem_gib"] = 11.5  # an estimate below its peak fails the check
+    assert not ec.check(rows)["every_row_within"]
+
+
+def test_the_measuring_script_runs_its_tries_in_one_process_on_the_cpu(tmp_path):
+    """lab.estimate_peaks with the tiny model: one plan per try, a refused target recorded and the next try run."""
+    from lab import estimate_peaks
+
+    assert estimate_peaks.parse_tries("256:22,512:0.5:scope=regional;tile_mlp=64") == [
+        {"seq_len": 256, "target_gib": 22.0, "knobs": {}},
+        {"seq_len": 512, "target_gib": 0.5, "knobs": {"scope": "regional", "tile_mlp": 64}}]
+    out = tmp_path / "peaks.json"
+    assert estimate_peaks.main(["--model", "tiny", "--tries", "64:0.01:backend=eager,128:100:backend=eager",
+                                "--out", str(out)]) == 0
+    import json
+
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["seq_len"], r["ok"]) for r in runs] == [(64, False), (128, True)]
+    assert "is estimated at" in runs[0]["error"] and runs[1]["estimate_gib"] > 0
+    assert "the plan's estimated peak" in runs[1]["optimize"]
