@@ -20,6 +20,10 @@ that loads in a plain ``PeftModel``, checkpoints that resume bit for bit).
 - ``fsdp_train``: ``torchrun --nproc-per-node N -m qlora_nb_utils.distributed.fsdp_train ...``
   (``build_parser``, ``validate``, the explicit loop ``run``, ``main``),
   one JSON line per step and a summary (``summary``).
+- ``context_parallel``: one long row split by position over the ranks, FSDP2 and the fast path on
+  each (``optimize_context_parallel(model, batches=...) -> ContextParallel``, ``shard_batch``;
+  ``--layout context``); ``ring_attention``: PyTorch's ring attention as one operator in each
+  compiled layer (``use_ring_attention``).
 - ``global_batches``: the same global batches on every rank (``make_global_batches``), each
   rank's rows, and the loss normalised to the one-process loss.
 - ``trainer``: the same fine-tune through HF ``Trainer`` / TRL (``run_trainer``,
@@ -51,6 +55,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     **{name: "fsdp_train" for name in (
         "DTYPE_CHOICES", "TRAINERS", "build_parser", "validate", "run", "main")},
     **{name: "fast" for name in ("FastSharded", "optimize_sharded", "optimize_options")},
+    **{name: "context_parallel" for name in ("ContextParallel", "optimize_context_parallel", "shard_batch")},
+    "use_ring_attention": "ring_attention",
     "make_global_batches": "global_batches",
     "run_trainer": "trainer",
     **{name: "runs" for name in ("read_log", "compare_runs")},  # runs.launch: the name is the launch module's
