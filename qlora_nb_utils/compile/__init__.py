@@ -29,7 +29,7 @@ Entry points (imported lazily, on first use; importing the subpackage imports no
   from. It applies the recipe and makes the choices it can from the device and the batches
   (CUDA graphs, dynamic lengths, the attention path, how many layers to checkpoint for a
   memory target), and says what it chose; the names above are its building blocks.
-  :mod:`.memory_estimate` (``estimate_peak_gib``) is the calibrated peak it checkpoints by.
+  :mod:`.memory_estimate` (``estimate_peak_gib``) is the peak it plans by: an upper bound counted from the config.
 * :class:`OptimizeOptions` (``optimize()``'s knobs, validated, from keywords or a dict) and
   :class:`RecipeOptions` (what ``prepare_fast`` applies), in :mod:`.options`; each choice that
   turns ``"auto"`` into a decision is a small function of :mod:`.choices`, run in order by

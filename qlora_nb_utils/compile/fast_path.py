@@ -35,8 +35,10 @@ overridable by passing it explicitly:
   change in its score modification on CUDA (causal block masks per sliding window, built outside
   the graph), the model's own eager attention where flex attention cannot train (a CPU).
 * **Checkpointing**: off without a memory target; with ``max_memory_gib``, on the fewest first
-  decoder layers whose estimated peak (:func:`estimate_peak_gib`) fits the target; if even every
-  layer does not fit, their saved inputs offloaded to CPU memory (:mod:`.offload`, regional scope).
+  decoder layers whose estimated peak (:func:`estimate_peak_gib`, an upper bound counted from the
+  config, stated in the description) fits the target; if even every layer does not fit, their saved
+  inputs offloaded to CPU memory (:mod:`.offload`, regional scope), then the MLPs in pieces; where
+  even that is estimated above the target, refused before the model changes.
 * **The model's own head in the chunked loss** (``head``): a bias, logit scale or soft cap is read
   from the model, checked on a probe forward and applied (:mod:`~qlora_nb_utils.ops.lm_head`); a
   head the chunked loss would not reproduce keeps the model's own head and loss.
@@ -261,7 +263,9 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
     Raises:
         TypeError: a keyword that is no option (the message lists the valid ones).
         ValueError: an unknown choice (the message lists the valid ones), ``max_memory_gib``
-            without ``batches``, ``attention="causal"`` on batches that are not right-padded,
+            without ``batches``, a ``max_memory_gib`` that even the most frugal plan the options
+            allow is estimated above (the message gives the estimate and the longest length that
+            fits), ``attention="causal"`` on batches that are not right-padded,
             packed and padded batches mixed, a packed batch with an ``attention_mask``,
             ``loss_rows=True`` for a model whose head the chunked loss does not reproduce.
     """
