@@ -149,7 +149,8 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--lora-r", type=_positive_int, default=16)
     t.add_argument("--lora-alpha", type=float, default=32)
     t.add_argument("--mode", default="auto", help="auto, default, reduce-overhead, max-autotune, ...")
-    t.add_argument("--backend", default="inductor")
+    t.add_argument("--backend", default="inductor",
+                   help="inductor (compiled), aot_eager or eager (the same model without Inductor)")
     t.add_argument("--max-memory-gib", type=float, default=None, help="peak-memory target: checkpoint layers to fit")
     t.add_argument("--grad-ckpt", choices=("auto", "on", "off"), default="auto")
     t.add_argument("--scope", choices=("auto", "whole", "regional"), default="auto",

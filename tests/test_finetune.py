@@ -283,6 +283,7 @@ def _bad_cases(tmp: Path, data_file: Path, finished_out: Path) -> list[tuple[lis
         (base + ["--model", str(not_a_model)], "no config.json"),
         (base + ["--mode", "warp-speed"], "mode must be one of"),
         (base + ["--backend", "no-such-backend"], "backend must be one of"),
+        (base + ["--backend", "cudagraphs"], "backend must be one of"),  # registered in torch, not a train backend
         (base + ["--data", str(broken)], f"{broken}:2"),
         (base + ["--data", str(tmp / "missing.jsonl")], "not found"),
         (TRAIN + ["--data", str(data_file), "--out", str(empty_out), "--resume"], "no checkpoint"),

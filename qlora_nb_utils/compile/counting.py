@@ -27,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 
+from .saved_values import release_saved_values, runs_graph_as_traced
+
 __all__ = ["CompileCounter"]
 
 _COMPILE_ID_PREFIX = re.compile(r"^\s*(?:-\s*)?!?\d+(?:/\d+)+:\s*")
@@ -78,6 +80,8 @@ class _CountingBackend:
         start = time.perf_counter()
         compile_id = _current_compile_id()
         try:
+            if runs_graph_as_traced(self._counter.backend):  # else each step's saved tensors are kept
+                release_saved_values(gm)
             return self._inner(gm, example_inputs, **kwargs)
         except Exception as exc:
             if _is_restart(exc):

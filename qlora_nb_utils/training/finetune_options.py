@@ -16,7 +16,7 @@ from typing import Any
 
 from .checkpoint import CHECKPOINT, check_resume, data_fingerprint, model_fingerprint
 
-__all__ = ["DEFAULTS", "OUTPUTS", "PACKING_CHOICES", "check_options", "run_meta"]
+__all__ = ["DEFAULTS", "OUTPUTS", "PACKING_CHOICES", "BACKENDS", "check_options", "run_meta"]
 
 #: The options of :func:`~.finetuning.finetune` and their defaults (the CLI's defaults too).
 DEFAULTS: dict[str, Any] = {
@@ -25,6 +25,11 @@ DEFAULTS: dict[str, Any] = {
     "mode": "auto", "backend": "inductor", "max_memory_gib": None, "grad_ckpt": "auto", "device": "auto",
     "dtype": "auto", "seed": 0, "check_parity": 0, "packing": "auto", "scope": "auto", "compile_cache": "auto",
 }
+#: What ``backend`` accepts: Inductor (the fast path), and the two that train the same model without
+#: Inductor: ``aot_eager`` (AOTAutograd's graphs run as they are) and ``eager`` (Dynamo's graph run as
+#: traced). Torch registers more names (test-only ones, others that need packages this project does
+#: not install); a run refuses them before any model loads rather than failing at the first step.
+BACKENDS = ("inductor", "aot_eager", "eager")
 #: What ``packing`` accepts.
 PACKING_CHOICES = ("auto", True, False)
 #: What a run writes into its output folder (``--overwrite`` removes exactly these).
@@ -71,7 +76,7 @@ def check_options(*, out: str | Path, resume: bool = False, overwrite: bool = Fa
     """Check every option of :func:`~.finetuning.finetune` without loading a model; return them completed.
 
     Checked: the numbers, the model (:func:`qlora_nb_utils.models.check_model_source`), ``mode``
-    (``compile.fast_path.MODES``), ``backend`` (``compile.valid_backends()``), device and dtype
+    (``compile.fast_path.MODES``), ``backend`` (:data:`BACKENDS`), device and dtype
     names, the data (``data.validate_source``, line by line), the output folder (a folder
     holding a run is refused without ``resume`` or ``overwrite``) and, with ``resume``, the
     checkpoint (it must exist, be of this run, per ``meta.json``, and have steps left).
@@ -91,7 +96,6 @@ def check_options(*, out: str | Path, resume: bool = False, overwrite: bool = Fa
     opts = {**DEFAULTS, **options}
     _check_numbers(opts)
     from .. import env
-    from ..compile import valid_backends
     from ..compile.fast_path import MODES
     from ..data import validate_source
     from ..models import check_model_source
@@ -99,8 +103,8 @@ def check_options(*, out: str | Path, resume: bool = False, overwrite: bool = Fa
     check_model_source(opts["model"])
     if opts["mode"] not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {opts['mode']!r}")
-    if opts["backend"] not in valid_backends():
-        raise ValueError(f"backend must be one of {valid_backends()}, got {opts['backend']!r}")
+    if opts["backend"] not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {opts['backend']!r}")
     if opts["compile_cache"] is True and opts["backend"] != "inductor":
         raise ValueError(f"compile_cache keeps Inductor's compiled graphs; backend {opts['backend']!r} leaves none")
     env.resolve_device_dtype(opts["device"], opts["dtype"])
