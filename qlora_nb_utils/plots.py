@@ -139,8 +139,11 @@ def plot_fast_path(results: Mapping, *, path: str | Path | None = None):
 
     Top: per-step loss of ``hf-eager``, ``plain-compile``, ``fast-eager`` (the recipe uncompiled)
     and ``fast``. Bottom: ``|fast - fast-eager|`` beside the floor ``|fast-eager permuted -
-    fast-eager|`` (the same examples, rows in another order), with the floor's max dashed; a
-    correct compiled run stays under the dashed line.
+    fast-eager|`` (the same examples, rows in another order) and the two limits the verdict judges
+    by (:func:`qlora_nb_utils.training.parity.judge`): every step at most ``max_factor`` x the
+    floor's largest (solid), and the run's mean (dotted, red) at most ``mean_factor`` x the floor's
+    mean (dotted, gray). The panel's title is the verdict, with both limits
+    (:func:`~qlora_nb_utils.training.parity.verdict_text`).
 
     Args:
         results: a ``qlora-nb bench`` results dict (with ``runs`` and ``history``).
@@ -151,8 +154,10 @@ def plot_fast_path(results: Mapping, *, path: str | Path | None = None):
     """
     import matplotlib.pyplot as plt
 
+    from .training.parity import MAX_FACTOR, MEAN_FACTOR, limits, verdict_text
+
     hist = results["history"]
-    fig, (ax, axd) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ax, axd) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for name, style in (("hf-eager", "-"), ("plain-compile", "--"), ("fast-eager", ":"), ("fast", "-.")):
         if name in hist:
             ax.plot(hist[name]["step"], hist[name]["loss"], style, marker="o", ms=3, label=name)
@@ -161,13 +166,22 @@ def plot_fast_path(results: Mapping, *, path: str | Path | None = None):
     ax.grid(alpha=0.3)
     fast = next(r for r in results["runs"] if r["name"] == "fast")
     steps = list(range(len(fast["diffs"])))
+    max_limit, mean_limit = limits(fast)
+    max_factor, mean_factor = fast.get("max_factor", MAX_FACTOR), fast.get("mean_factor", MEAN_FACTOR)
     axd.plot(steps, fast["diffs"], color="tab:red", marker="o", ms=3, label="|fast - fast-eager|")
     axd.plot(steps, fast["floor_diffs"], color="tab:gray", marker=".", ms=3, label="floor: rows permuted")
     axd.axhline(fast["floor_max_abs_loss_diff"], color="tab:gray", ls="--", lw=1, label="floor max")
+    axd.axhline(max_limit, color="black", ls="-", lw=1, label=f"limit: {max_factor:g} x floor max")
+    axd.axhline(fast["mean_abs_loss_diff"], color="tab:red", ls=":", lw=1, label="mean |fast - fast-eager|")
+    axd.axhline(mean_limit, color="tab:gray", ls=":", lw=1.5, label=f"mean limit: {mean_factor:g} x floor mean")
+    axd.set_title(verdict_text(fast).replace("; ", ";\n"), fontsize=8)
     axd.set_ylabel("|loss difference|")
     axd.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     axd.set_xlabel("optimizer step")
-    axd.legend(fontsize=8)
+    top = max([max_limit, mean_limit, *fast["diffs"], *fast["floor_diffs"]])
+    if top > 0:  # room above the highest line for the legend
+        axd.set_ylim(0, 1.6 * top)
+    axd.legend(fontsize=7, ncol=3, loc="upper left")
     axd.grid(alpha=0.3)
     device = results.get("device", {}).get("name", "")
     fig.suptitle(f"{results.get('model', '')} on {device}: fast path "

@@ -23,11 +23,16 @@ them; a left-out soft cap, a loss many times the model's.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["permute_rows", "loss_diffs", "judge"]
+__all__ = ["MAX_FACTOR", "MEAN_FACTOR", "permute_rows", "loss_diffs", "judge", "limits", "verdict_text"]
+
+#: the most any step's difference may be, in the floor's largest (:func:`judge`'s ``max_factor``)
+MAX_FACTOR = 1.5
+#: the most the mean difference may be, in the floor's mean (:func:`judge`'s ``mean_factor``)
+MEAN_FACTOR = 1.5
 
 
 def permute_rows(batches: Sequence[dict], seed: int = 1) -> list[dict]:
@@ -59,7 +64,7 @@ def loss_diffs(reference: Sequence[float], other: Sequence[float]) -> list[float
 
 
 def judge(eager: Sequence[float], floor_run: Sequence[float] | Sequence[Sequence[float]], run: Sequence[float],
-          mean_factor: float = 1.5, max_factor: float = 1.5) -> dict[str, Any]:
+          mean_factor: float = MEAN_FACTOR, max_factor: float = MAX_FACTOR) -> dict[str, Any]:
     """The floor, the run's difference, and the verdict, per the module docstring.
 
     Args:
@@ -89,3 +94,29 @@ def judge(eager: Sequence[float], floor_run: Sequence[float] | Sequence[Sequence
         "within_floor": not over and run_mean <= mean_factor * floor_mean,
         "mean_factor": mean_factor, "max_factor": max_factor, "floor_runs": len(runs), "floor_diffs": floor, "diffs": diffs,
     }
+
+
+def limits(verdict: Mapping[str, Any]) -> tuple[float, float]:
+    """``(max_limit, mean_limit)`` of a :func:`judge` result: the largest difference any step may have
+    (``max_factor`` x the floor's largest) and the most the mean difference may be (``mean_factor`` x
+    the floor's mean). A result written before the factors were recorded was judged with the defaults."""
+    return (verdict.get("max_factor", MAX_FACTOR) * verdict["floor_max_abs_loss_diff"],
+            verdict.get("mean_factor", MEAN_FACTOR) * verdict["floor_mean_abs_loss_diff"])
+
+
+def verdict_text(verdict: Mapping[str, Any]) -> str:
+    """The verdict of a :func:`judge` result in words, with both limits it was judged by.
+
+    Why: "within the floor" alone reads as "under the floor's largest difference", which is not
+    the rule; a reader comparing a figure's lines with the verdict needs the limits themselves.
+    """
+    max_limit, mean_limit = limits(verdict)
+    max_factor, mean_factor = verdict.get("max_factor", MAX_FACTOR), verdict.get("mean_factor", MEAN_FACTOR)
+    run_max, run_mean = verdict["max_abs_loss_diff"], verdict["mean_abs_loss_diff"]
+    over = list(verdict.get("steps_over_floor", []))
+    steps = f" at step{'s' if len(over) > 1 else ''} {', '.join(map(str, over))}" if over else ""
+    largest = (f"largest |diff| {run_max:.2g} {'>' if over else '<='} limit {max_limit:.2g} "
+               f"({max_factor:g} x the floor's largest {verdict['floor_max_abs_loss_diff']:.2g}){steps}")
+    mean = (f"mean {run_mean:.2g} {'<=' if run_mean <= mean_limit else '>'} limit {mean_limit:.2g} "
+            f"({mean_factor:g} x the floor's mean {verdict['floor_mean_abs_loss_diff']:.2g})")
+    return f"{'within' if verdict['within_floor'] else 'OUTSIDE'} the floor: {largest}; {mean}"
