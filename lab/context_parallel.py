@@ -137,6 +137,9 @@ def try_run(args) -> dict:
             torch.cuda.synchronize(info.device)
         steps_s.append(time.perf_counter() - t)
         losses.append(value)
+        if info.rank == 0:  # so far: a try stopped by the call's deadline still says which steps trained
+            Path(args.out).write_text(json.dumps({**rec, "steps_done": len(losses), "losses": losses,
+                                                  "steps_s": steps_s, "stopped": "during the next step"}) + "\n")
     if not all(math.isfinite(x) for x in losses):
         raise FloatingPointError(f"loss not finite: {losses}")
     steady = steps_s[1:] or steps_s
@@ -267,7 +270,10 @@ def merge(args) -> dict:
                   key=lambda r: r["seq_len"])
     trained = [r for r in long + [tries.get(f"cp2_{short}") or {}] if r.get("ok")]
     best = max(trained, key=lambda r: r["seq_len"], default=None)
-    failed_above = [r["seq_len"] for r in long if not r.get("ok") and best and r["seq_len"] > best["seq_len"]]
+    # out of memory above the longest that trained: the edge; a try the deadline stopped says nothing of memory
+    failed_above = [r["seq_len"] for r in long if r.get("oom") and best and r["seq_len"] > best["seq_len"]]
+    stopped = [{"seq_len": r["seq_len"], "steps_done": r.get("steps_done", 0)} for r in long
+               if not r.get("ok") and not r.get("oom")]
     cp2, one, plain = tries.get(f"cp2_{short}"), tries.get(f"one_{short}"), tries.get(f"plain_{short}")
     ok = lambda r: r is not None and r.get("ok")  # noqa: E731
     diff = (max(abs(a - b) for a, b in zip(cp2["losses"], one["losses"])) if ok(cp2) and ok(one) else None)
@@ -278,7 +284,7 @@ def merge(args) -> dict:
         "max_seq_len": best["seq_len"] if best else None, "edge_found": bool(failed_above),
         "edge_note": ("a longer row ran out of memory" if failed_above else
                       "no longer row was tried or failed in this call: the edge lies further"),
-        "failed_above": failed_above,
+        "failed_above": failed_above, "not_finished": stopped,
         "graph_breaks": max((r.get("graph_breaks") or 0) for r in trained) if trained else None,
         "compilations": [r["compile"].get("compilations") for r in trained if r.get("compile")],
         "tokens_per_s_65536": cp2.get("tokens_per_s") if ok(cp2) else None,

@@ -11,8 +11,8 @@ GPU run uses; only the kernel under the ring (CUDA flash there) differs.
 * ring attention on 2 gloo ranks against SDPA over the whole row (forward and the three
   gradients, balanced and contiguous shards), ~10 s;
 * 2 processes through the launcher (``torchrun -m qlora_nb_utils.distributed.launch --layout
-  context``), the tiny model through ``optimize()`` (Inductor, ``fullgraph``), FSDP2 and the ring, 2
-  steps: its losses against one process on the same batches (fp32), 0 graph breaks, one compilation,
+  context``), the tiny model through ``optimize()`` (Inductor, ``fullgraph``; every layer checkpointed
+  and recomputed with the ring, its input offloaded, the MLP in pieces), FSDP2 and the ring, 2 steps: its losses against one process on the same batches (fp32), 0 graph breaks, one compilation,
   and the adapter it writes loads into a plain ``PeftModel`` with the run's eval loss. ~1 min.
   (The same layout as two "nodes" over a c10d rendezvous: ``tests/test_launch_nodes.py``.)
 """
@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
 ARGS = ["--model", "tiny", "--steps", "2", "--global-batch-size", "2", "--seq-len", "128", "--lr", "1e-2",
-        "--dtype", "float32", "--device", "cpu", "--eval", "--timing-warmup", "0"]
+        "--dtype", "float32", "--device", "cpu", "--eval", "--timing-warmup", "0",
+        # what a long row takes on one GPU: every layer checkpointed, its input offloaded, the MLP in pieces
+        "--optimize", "grad_ckpt=true", "--optimize", "offload=true", "--optimize", "tile_mlp=16"]
 #: fp32 on a CPU: the sharded and the one-process losses differ in summation order only (measured ~1e-6)
 LOSS_TOL = 1e-4
 #: the ring's output and gradients against SDPA over the whole row, fp32 (measured ~5e-7)
@@ -177,7 +179,7 @@ def test_two_processes_give_the_loss_of_one_with_no_graph_break(runs):
     assert two["ring_attention"]["load_balance"] and one["ring_attention"] is None
     assert two["nf4"] == "shard" and two["bytes_check"]["equal"]
     assert two["graph_breaks"]["total"] == 0 and two["compile"]["compilations"] == 1
-    assert two["choices"]["attention"] == "causal"
+    assert two["choices"]["attention"] == "causal" and two["choices"]["offload"] == "True"
     assert len(two["losses"]) == 2
     diffs = [abs(a - b) for a, b in zip(two["losses"] + [two["eval_loss"]], one["losses"] + [one["eval_loss"]])]
     assert max(diffs) <= LOSS_TOL, (two["losses"], one["losses"], two["eval_loss"], one["eval_loss"])

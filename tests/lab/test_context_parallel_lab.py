@@ -21,10 +21,13 @@ def test_merge_reads_the_longest_row_the_floor_and_a_failing_rank(tmp_path):
     _write(tmp_path, "cp2_256", seq_len=256, losses=[2.0, 1.9], tokens_per_s=100.0, peak_mem_gib=3.0, **base)
     # rank 0 wrote nothing (killed), rank 1 ran out of memory: its file stands for the run
     (tmp_path / "cp2_512.json.rank1").write_text(json.dumps({"seq_len": 512, "ok": False, "oom": True}))
+    # stopped by the call's deadline after one step: not an edge
+    _write(tmp_path, "cp2_1024", seq_len=1024, ok=False, steps_done=1, losses=[2.0])
     out = tmp_path / "result.json"
     rec = lab_cp.merge(argparse.Namespace(dir=str(tmp_path), short=64, cap_gib=22.0, model="m", out=str(out)))
     assert json.loads(out.read_text())["max_seq_len"] == rec["max_seq_len"] == 256
     assert rec["edge_found"] and rec["failed_above"] == [512]
+    assert rec["not_finished"] == [{"seq_len": 1024, "steps_done": 1}]
     assert (rec["tokens_per_s_65536"], rec["one_gpu_tokens_per_s_65536"]) == (300.0, 200.0)
     check = rec["loss_check"]
     assert abs(check["max_abs_loss_diff"] - 0.002) < 1e-9 and abs(check["floor_max"] - 0.003) < 1e-9

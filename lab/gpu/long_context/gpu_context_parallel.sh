@@ -7,10 +7,10 @@
 # Context parallelism on 2 GPUs each capped at a 24 GB card's memory (lab/context_parallel.py says how), in order of
 # what matters, each step only when the call's time still holds it:
 #   1. the ring alone against SDPA over the whole row (ours and torch's public context_parallel), 2 GPUs;
-#   2. 2 GPUs at SHORT (65,536) tokens, then the same code on GPU 0 alone at SHORT (tokens/s, losses);
+#   2. 2 GPUs at SHORT (65,536) tokens; then, at once, the same code on GPU 0 alone at SHORT (tokens/s, losses) and
+#      the one-GPU fast path as a user gets it at SHORT on GPU 1 (the loss floor: labels, cuDNN's kernel);
 #   3. 2 GPUs at each of LONG (the target 278,528 = 2 x the one-GPU edge first, then the fallbacks below it if it
 #      fails; then ABOVE if the call still has time);
-#   4. the one-GPU fast path as a user gets it at SHORT on GPU 0 (the loss floor), if time is left;
 #   then merge.
 # env: OUT (required), DEADLINE_S (540), CAP (22.0 GiB), SHORT (65536), LONG ("278528 229376"), ABOVE (286720),
 #   STEPS_SHORT (3), STEPS_LONG (2), MODEL (llama-3.1-8b-shape), DRY (1: CPU, tiny, gloo).
@@ -44,7 +44,11 @@ run() {  # NAME NPROC DEVICES NEED_S ARGS...: one torchrun job if NEED_S seconds
 run attention 2 0,1 30 attention --seq-len "$([ "${DRY:-0}" = 1 ] && echo 64 || echo 32768)" \
   $([ "${DRY:-0}" = 1 ] && echo "--heads 4 --kv-heads 2 --head-dim 16")
 run "cp2_$SHORT" 2 0,1 90 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}"
+# the floor run on GPU 1 beside the one-GPU baseline on GPU 0: each alone on its GPU, sharing only the host
+run "plain_$SHORT" 1 1 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" --plain "${cap_args[@]}" &
+floor_pid=$!
 run "one_$SHORT" 1 0 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}"
+wait "$floor_pid"
 trained=""
 for L in $LONG; do
   if run "cp2_$L" 2 0,1 150 try --seq-len "$L" --steps "$STEPS_LONG" --model "$MODEL" "${cap_args[@]}"; then trained=$L; break; fi
@@ -52,7 +56,6 @@ done
 if [ -n "$ABOVE" ] && [ "$trained" = "${LONG%% *}" ]; then
   run "cp2_$ABOVE" 2 0,1 300 try --seq-len "$ABOVE" --steps "$STEPS_LONG" --model "$MODEL" "${cap_args[@]}"
 fi
-run "plain_$SHORT" 1 0 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" --plain "${cap_args[@]}"
 gpu=$([ "${DRY:-0}" = 1 ] && echo cpu || python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())")
 python3 -m lab.context_parallel merge "$OUT" --short "$SHORT" --model "$MODEL" ${CAP:+--cap-gib "$CAP"} \
   --out "$OUT/context_parallel_${gpu}.json"
