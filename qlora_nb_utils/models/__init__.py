@@ -12,6 +12,9 @@
 - ``prequantized``: an NF4 checkpoint saved once (``save_nf4``), which later loads read as it
   is instead of quantizing a bf16 one: the fastest start; ``load_prequantized``: how ``load``
   reads one (``nf4_config``, ``dequantize_to``: the run's compute dtype, other formats refused).
+- ``attention_scores``: what a model's attention does beyond causal softmax (a score soft cap,
+  sinks, a position bias, its sliding windows), read on a probe forward (``read_attention``);
+  ``load_model`` loads a model whose score changes SDPA would drop with its eager attention.
 
 Importing it is cheap: torch, transformers and peft are imported by the modules that need them,
 when first used.
@@ -26,4 +29,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "materialize": "build",
     **{name: "load" for name in ("load_tokenizer", "load_model", "describe")},
     "save_nf4": "prequantized",
+    **{name: "attention_scores" for name in ("read_attention", "AttentionScores")},
 })
