@@ -57,8 +57,6 @@ def _slope(xs, ys) -> float | None:
 
 
 def arm(out: Path, backend: str, unfixed: bool, steps: int, model_name: str, batch: int, seq: int) -> None:
-    import torch
-
     from qlora_nb_utils import env, models, optimize
     from qlora_nb_utils.training import TrainConfig, build_finetune_batches, train
 
