@@ -225,3 +225,23 @@ def test_the_plan_sizes_the_kept_outputs_from_the_batch_and_the_attention(tiny_d
     assert seen["host_free_gib"] is None  # a CPU model: nothing page-locked to weigh
     assert seen["planned"] == pytest.approx(50.0 * (1 - plan_mod.MEMORY_HEADROOM)) and seen["estimate"] > 0
     assert p.keep_attention is False and "cuDNN" in p.reasons["keep_attention"]
+
+
+def test_undo_releases_the_host_buffers_of_the_kept_outputs(tiny_dir, monkeypatch):
+    """Kept outputs in host memory take page-locked buffers from the offloader's pool; ``undo()`` must
+    unregister them, else a later buffer at a freed address fails to register (a second ``optimize()``
+    in the same process, as a memory search does)."""
+    from qlora_nb_utils.compile.offload import HostPool
+
+    released = []
+    monkeypatch.setattr(HostPool, "release", lambda self: released.append(self))
+    model = build(tiny_dir, quant=True, how="kbit")
+    opt = optimize(model, batches=[batch(seq=64)], backend="aot_eager", scope="regional", grad_ckpt=True, offload=False)
+    try:
+        offloader = CpuOffloader(exact_host_buffers=True)
+        handle = kept_attention.apply(model, offloader=offloader)
+        assert released == []
+        handle.undo()
+        assert released == [offloader.pool]
+    finally:
+        opt.undo()

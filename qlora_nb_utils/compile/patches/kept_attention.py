@@ -257,6 +257,12 @@ def apply(model: torch.nn.Module, offloader: Any = None) -> PatchHandle:
     store = KeptStore(offloader)
     layers = [m for m in decoder_layers(model) if m.gradient_checkpointing]
     handle = PatchHandle(NAME, {"layers": len(layers), "where": "host" if offloader is not None else "device"})
+    pool = getattr(offloader, "pool", None)
+    if pool is not None:
+        # the first step registered runs last: the page-locked buffers are unregistered once nothing
+        # can pack into them; a buffer freed while still registered would make the next registration
+        # at that address fail (and CUDA's error would then surface in an unrelated kernel)
+        handle.add_undo(pool.release)
     try:
         for cfg in {id(m.config): m.config for m in model.modules()
                     if hasattr(getattr(m, "config", None), "_attn_implementation")}.values():
