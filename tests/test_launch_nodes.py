@@ -4,7 +4,9 @@ Each layout is launched as users launch it on two machines: the same ``torchrun 
 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT`` command once per node with
 its ``--node-rank``, here both on localhost over gloo with the tiny model for 2 steps. What is
 checked is what a second machine changes: the rendezvous forms one world of 2 from two launches,
-the ranks train together, and node 0 writes the run's summary and adapter.
+the ranks train together, and node 0 writes the run's summary and adapter. The pipeline layout's
+rehearsal is ``tests/test_pipeline.py``'s 1F1B run, launched with :func:`two_nodes`: the same
+launch also checks its losses, gradients and adapter against one process (one launch, not two).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ COMMON = ["--model", "tiny", "--steps", "2", "--global-batch-size", "2", "--seq-
 #: Each layout's options for the rehearsal (a layout added to the launcher adds its line here).
 LAYOUT_ARGS = {
     "fsdp": [],
-    "pipeline": ["--schedule", "1f1b", "--micro-batch-size", "1", "--pack"],
     "context": ["--micro-batch-size", "1"],
 }
+#: Layouts rehearsed as two nodes by their own test module (with that module's checks of the run).
+REHEARSED_ELSEWHERE = {"pipeline": "tests/test_pipeline.py"}
 
 
 def _free_port() -> int:
@@ -35,8 +38,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(layout: str, out: Path, extra: list[str], timeout: int = 240) -> list[subprocess.CompletedProcess]:
-    """Launch ``layout`` as node 0 and node 1 of a 2-node job (one process each) on this machine."""
+def two_nodes(layout: str, out: Path, argv: list[str], timeout: int = 240) -> list[subprocess.CompletedProcess]:
+    """Launch ``layout`` as node 0 and node 1 of a 2-node job (one process each) on this machine;
+    ``argv``: the layout's command line (``--out`` included)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     endpoint = f"127.0.0.1:{_free_port()}"
@@ -45,7 +49,7 @@ def two_nodes(layout: str, out: Path, extra: list[str], timeout: int = 240) -> l
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                "--rdzv-id", f"rehearsal-{layout}", "-m", "qlora_nb_utils.distributed.launch", "--layout", layout,
-               *COMMON, *extra, "--out", str(out)]
+               *argv]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     done = []
@@ -63,7 +67,7 @@ def two_nodes(layout: str, out: Path, extra: list[str], timeout: int = 240) -> l
 @pytest.mark.parametrize("layout", sorted(LAYOUT_ARGS))
 def test_each_layout_trains_as_two_nodes_over_a_c10d_rendezvous(tmp_path, layout):
     out = tmp_path / layout
-    results = two_nodes(layout, out, LAYOUT_ARGS[layout])
+    results = two_nodes(layout, out, [*COMMON, *LAYOUT_ARGS[layout], "--out", str(out)])
     for node, r in enumerate(results):
         assert r.returncode == 0, f"node {node}:\n{r.stdout[-2000:]}\n{r.stderr[-5000:]}"
     summary = json.loads((out / "summary.json").read_text())
@@ -71,6 +75,14 @@ def test_each_layout_trains_as_two_nodes_over_a_c10d_rendezvous(tmp_path, layout
     assert len(summary["losses"]) == 2 and all(loss > 0 for loss in summary["losses"])
     assert summary["graph_breaks"]["total"] == 0
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_every_layout_of_the_launcher_is_rehearsed_as_two_nodes():
+    import qlora_nb_utils.distributed.launch as launch
+
+    assert set(LAYOUT_ARGS) | set(REHEARSED_ELSEWHERE) == set(launch.LAYOUTS)
+    for module in REHEARSED_ELSEWHERE.values():
+        assert "two_nodes" in (ROOT / module).read_text()
 
 
 def test_the_context_layout_without_its_module_exits_2_with_a_clear_message(monkeypatch, capsys):

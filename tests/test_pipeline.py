@@ -3,8 +3,10 @@
 Each run is a real ``torchrun`` launch of the layout on the tiny model (fp32, layers compiled with
 the ``eager`` backend and ``fullgraph=True``, so a graph break fails the run); the reference is the
 same model in this process, the model's own forward with the per-document mask on the same
-batches. GPipe splits the shipped tiny checkpoint's two layers over two ranks; the zero-bubble V
-schedule needs four stages, so it runs the tiny shape built with four layers.
+batches. 1F1B splits the shipped tiny checkpoint's two layers over two ranks, launched as the
+guide's multi-node command (two "nodes" of one process each over a c10d rendezvous on localhost:
+the layout's two-node rehearsal, beside the other layouts' in ``tests/test_launch_nodes.py``); the
+zero-bubble V schedule needs four stages, so it runs the tiny shape built with four layers.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMON = ["--model", "tiny", "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1",
+COMMON = ["--model", "tiny", "--steps", "2", "--global-batch-size", "4", "--micro-batch-size", "1",
           "--seq-len", "64", "--pack", "--device", "cpu", "--dtype", "float32", "--backend", "eager",
           "--lr", "1e-2", "--dump-grads", "--timing-warmup", "0"]
 RUNS = {
-    "gpipe": ["--schedule", "gpipe", "--eval"],
+    "1f1b": ["--schedule", "1f1b", "--eval"],
     # aot_eager: the weight pass runs each compiled layer's backward again, which eager's Functions refuse
     "zbv": ["--schedule", "zbv", "--build", "layerwise", "--layers", "4", "--no-adapter", "--backend", "aot_eager"],
 }
+#: the runs launched as two nodes over a c10d rendezvous (the others: ``torchrun --standalone``)
+TWO_NODES = {"1f1b"}
 #: fp32: a pipeline and one process differ only in summation order (measured below 1e-6).
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-5
@@ -40,13 +44,20 @@ def _env() -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Each run of :data:`RUNS` launched once; every test of this module reads them."""
+    from test_launch_nodes import two_nodes
+
     root = tmp_path_factory.mktemp("pipeline")
     out = {}
     for name, extra in RUNS.items():
         out[name] = root / name
+        argv = [*COMMON, *extra, "--out", str(out[name])]
+        if name in TWO_NODES:
+            for node, done in enumerate(two_nodes("pipeline", out[name], argv)):
+                assert done.returncode == 0, f"node {node}:\n{done.stdout[-2000:]}\n{done.stderr[-5000:]}"
+            continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "qlora_nb_utils.distributed.launch", "--layout", "pipeline", *COMMON, *extra,
-               "--out", str(out[name])]
+               "-m", "qlora_nb_utils.distributed.launch", "--layout", "pipeline", *argv]
         done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out
@@ -102,6 +113,7 @@ def _one_process(args) -> tuple[list[float], dict]:
 def test_the_pipeline_gives_one_process_losses_and_lora_gradients(runs, name):
     summary = json.loads((runs[name] / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["schedule"] == name and summary["layout"] == "pipeline"
+    assert summary["backend"] == "gloo"
     assert summary["graph_breaks"]["total"] == 0 and summary["graph_breaks"]["fullgraph"]
     losses, grads = _one_process(_args(name, runs[name]))
     assert max(abs(a - b) for a, b in zip(losses, summary["losses"])) < LOSS_TOL, (losses, summary["losses"])
@@ -125,11 +137,11 @@ def test_the_adapter_loads_in_one_process_with_the_same_eval_loss(runs):
     from qlora_nb_utils import models
     from qlora_nb_utils.distributed import pipeline_train
 
-    summary = json.loads((runs["gpipe"] / "summary.json").read_text())
+    summary = json.loads((runs["1f1b"] / "summary.json").read_text())
     base, tok = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu", lora=False)
-    model = PeftModel.from_pretrained(base, str(runs["gpipe"] / "adapter"))
+    model = PeftModel.from_pretrained(base, str(runs["1f1b"] / "adapter"))
     model.train()
-    args = _args("gpipe", runs["gpipe"])
+    args = _args("1f1b", runs["1f1b"])
     batch = pipeline_train.make_batches(tok, args)[0]
     targets = int((batch["labels"][:, 1:] != -100).sum())
     with torch.no_grad():
@@ -167,3 +179,96 @@ def test_bad_options_are_refused_before_any_model_loads(extra, match):
     args = pipeline_train.build_parser().parse_args(["--out", "x", *extra])
     with pytest.raises(ValueError, match=match):
         pipeline_train.validate(args, 2)
+
+
+def _input_then_weight_pass(fn, x, weight):
+    """What a zero-bubble schedule does to one compiled node: the input gradient first, keeping the
+    graph, then the weight gradient from the same saved tensors."""
+    y = fn(x)
+    (dx,) = torch.autograd.grad(y, [x], retain_graph=True)
+    (dw,) = torch.autograd.grad(y, [weight])
+    return dx, dw
+
+
+def test_zero_bubble_steps_compile_and_run_their_layers_without_donated_buffers():
+    """The weight pass runs a compiled backward twice; AOTAutograd's donated buffers forbid that
+    (Inductor compiles the backward with the forward, as ``force_non_lazy_backward_lowering`` makes
+    ``aot_eager`` do here, on a CPU in a second)."""
+    import torch._functorch.config as functorch_config
+
+    from qlora_nb_utils.distributed.pipeline import weight_pass, weight_pass_settings
+
+    if not hasattr(functorch_config, "donated_buffer") or not hasattr(functorch_config,
+                                                                      "force_non_lazy_backward_lowering"):
+        pytest.skip(f"this torch ({torch.__version__}) has no donated buffers or no eager backward lowering")
+    assert weight_pass("zbv") and weight_pass("interleaved-zb") and not weight_pass("1f1b")
+    before = functorch_config.donated_buffer
+    with weight_pass_settings("1f1b"):
+        assert functorch_config.donated_buffer == before  # the other schedules keep what donation saves
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def layer(t):
+        h = torch.relu(lin(t)) * 2
+        return (h.sin() * h).sum()
+
+    expected = _input_then_weight_pass(layer, x, lin.weight)
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        with pytest.raises(RuntimeError, match="donated buffers"):  # what the GPU run met
+            _input_then_weight_pass(torch.compile(layer, backend="aot_eager", fullgraph=True), x, lin.weight)
+        torch.compiler.reset()
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        for _ in range(2):  # the first step compiles, the next runs what it compiled
+            with weight_pass_settings("zbv"):
+                assert functorch_config.donated_buffer is False
+                got = _input_then_weight_pass(compiled, x, lin.weight)
+            assert functorch_config.donated_buffer == before  # restored after every step
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_a_pipeline_step_runs_the_schedule_under_its_weight_pass_settings():
+    """:meth:`PipelineQLoRA.step` is where every stage compiles (the first step) and runs."""
+    import types
+
+    import torch._functorch.config as functorch_config
+    import torch.distributed as dist
+
+    from qlora_nb_utils.distributed.pipeline import PipelineQLoRA
+
+    seen = {}
+
+    class Schedule:
+        def __init__(self, name):
+            self.name = name
+
+        def step(self, *args, target=None, losses=None, return_outputs=False, **kwargs):
+            seen[self.name] = getattr(functorch_config, "donated_buffer", None)
+            losses.append(torch.tensor(1.5))
+
+    batch = {"input_ids": torch.ones(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long),
+             "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for name in ("zbv", "1f1b"):
+            stage = types.SimpleNamespace(is_last=True, denominator=1.0)
+            pipe = PipelineQLoRA(schedule=Schedule(name), schedule_name=name, stages=[stage], stage_ids=[0],
+                                 ranges=[range(2)], peft=torch.nn.Linear(1, 1), opt=None, params=[], last_rank=0,
+                                 micro_batches=2)
+            assert float(pipe.step(batch, torch.device("cpu"))) == 1.5
+            assert stage.denominator == 14.0  # the global batch's target count
+    finally:
+        dist.destroy_process_group()
+    if hasattr(functorch_config, "donated_buffer"):
+        assert seen == {"zbv": False, "1f1b": functorch_config.donated_buffer}
+
+
+def test_a_rank_without_the_first_stage_holds_no_embedding_table():
+    from qlora_nb_utils.distributed.pipeline import SkippedEmbedding
+
+    emb = SkippedEmbedding(512, 16, dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(emb, torch.nn.Embedding) and emb.num_embeddings == 512 and emb.weight.numel() == 0
+    ids = torch.tensor([[1, 511, 7]])
+    out = emb(ids)
+    assert out.shape == (1, 3, 16) and out.dtype == torch.float32 and not out.any()
+    assert not any(p.requires_grad for p in emb.parameters())

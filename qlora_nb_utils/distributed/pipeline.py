@@ -42,7 +42,9 @@ whole batch (``tests/test_pipeline.py`` checks both in fp32).
 **Zero bubble and compiled layers.** A compiled layer's backward is one autograd node that makes
 the input and the weight gradients together, so the zero-bubble schedules' weight pass runs that
 node again (torch's own check refuses only ``torch.compile``'d module wrappers, not layers
-compiled in place). The gradients are the same; what it costs is measured, not assumed.
+compiled in place). The gradients are the same; what it costs is measured, not assumed. Running
+a compiled backward twice needs AOTAutograd's donated buffers off (:func:`weight_pass_settings`),
+and the ``eager`` backend cannot do it at all (:func:`zero_bubble_backend_error` says why).
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["SCHEDULES", "MODEL_TYPES", "SkippedLayer", "DecoderStage", "PipelineQLoRA", "schedule_class",
-           "stage_ids", "split_layers", "as_packed", "owned_layers", "build_pipeline", "pipeline_clip_grad_norm"]
+__all__ = ["SCHEDULES", "MODEL_TYPES", "SkippedLayer", "SkippedEmbedding", "DecoderStage", "PipelineQLoRA",
+           "schedule_class", "stage_ids", "split_layers", "as_packed", "owned_layers", "build_pipeline",
+           "pipeline_clip_grad_norm", "weight_pass", "weight_pass_settings", "zero_bubble_backend_error"]
 
 #: The schedules by name: (``torch.distributed.pipelining`` class, stages per rank).
 SCHEDULES = {
@@ -85,6 +88,58 @@ def schedule_class(name: str):
         have = [n for n, (c, _) in SCHEDULES.items() if hasattr(pp, c)]
         raise ValueError(f"this torch ({torch.__version__}) has no {cls_name}; schedules it has: {have}")
     return cls, per_rank
+
+
+def weight_pass(schedule: str) -> bool:
+    """Whether ``schedule`` splits each backward into an input pass and a later weight pass (the
+    zero-bubble ones): every autograd node on both paths then runs twice, the first time with
+    ``retain_graph=True``."""
+    return schedule in ("zbv", "interleaved-zb")
+
+
+@contextlib.contextmanager
+def weight_pass_settings(schedule: str):
+    """AOTAutograd's settings for compiling and running the stages of ``schedule``; nothing changes
+    for a schedule without a weight pass.
+
+    Why: AOTAutograd marks the tensors a compiled forward saves only for its backward as *donated
+    buffers* (``torch._functorch.config.donated_buffer``, on by default), which the compiled
+    backward may overwrite in place to save memory, so that backward may run once only; it
+    refuses ``retain_graph=True``, and the zero-bubble input pass is exactly that (the weight pass
+    runs the same compiled backward again from the same saved tensors). The flag is read twice:
+    when the backward graph is made (which saved tensors are donated) and at every backward call
+    (the refusal), so it must be off both while the layers compile and while they run; hence
+    around every step (the first step compiles), restored at the end of each. Only the zero-bubble
+    schedules pay for it: the other schedules keep the memory the donation saves.
+    """
+    config = torch._functorch.config
+    if not weight_pass(schedule) or not hasattr(config, "donated_buffer"):  # a torch without donation: nothing to do
+        yield
+        return
+    with config.patch(donated_buffer=False):
+        yield
+
+
+def zero_bubble_backend_error(schedule: str, backend: Any) -> str | None:
+    """Why ``schedule`` cannot run with ``backend``, or None when it can.
+
+    The ``eager`` backend runs the traced graph itself, and the autograd Functions in it (the 4-bit
+    matmul, the in-place LoRA update, the chunked loss) keep their saved values outside the autograd
+    graph, which :mod:`qlora_nb_utils.compile.saved_values` frees at their first backward, since
+    nothing else ever would. The zero-bubble input pass is a first backward after which the weight
+    pass needs them again. Keeping them for it (releasing only a backward without
+    ``retain_graph``, as ``save_for_backward`` does) would keep, after every step, the values of
+    the Functions on the input path alone, which the weight pass never runs again: the leak that
+    module removes. The backends that compile through AOTAutograd keep saved values in the autograd
+    graph, which frees them with the graph.
+    """
+    from ..compile.saved_values import runs_graph_as_traced
+
+    if weight_pass(schedule) and runs_graph_as_traced(backend):
+        return (f"--schedule {schedule} runs each compiled layer's backward a second time for the weight gradients, "
+                f"and the {backend!r} backend frees an autograd Function's saved values at the first: use "
+                "--backend aot_eager or inductor")
+    return None
 
 
 def stage_ids(schedule: str, rank: int, world_size: int) -> list[int]:
@@ -145,6 +200,32 @@ class SkippedLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"index={self.index} (held by another pipeline rank)"
+
+
+class SkippedEmbedding(nn.Embedding):
+    """What stands in for the token embedding on a rank without the first stage: no table (a weight
+    of no rows, for its dtype and device), the vocabulary size kept, and zeros for any token ids.
+
+    Why not free the table only after ``optimize()``: the last rank's ``optimize()`` reads the LM
+    head and the attention on a probe forward through the whole model, which starts at the
+    embedding; with this in its place that probe runs (zeros are as good a probe input as any for
+    what the head and the attention do to it), and the table, as large as the LM head, is gone
+    before anything is compiled, so the memory it held is never cut up by the allocations that
+    follow (:func:`build_pipeline` returns it to the device).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        nn.Module.__init__(self)
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        self.padding_idx, self.max_norm, self.norm_type = None, None, 2.0
+        self.scale_grad_by_freq, self.sparse = False, False
+        self.weight = nn.Parameter(torch.empty(0, self.embedding_dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Embedding's name)
+        return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim} (held by the first pipeline stage's rank)"
 
 
 def as_packed(batch: dict) -> dict:
@@ -267,7 +348,7 @@ class PipelineQLoRA:
         kwargs = {k: packed[k] for k in ("position_ids", "document_ids", "labels")}
         has_last = any(s.is_last for s in self.stages)
         losses: list = [] if has_last else None
-        with partitioner_settings(**self._settings):
+        with partitioner_settings(**self._settings), weight_pass_settings(self.schedule_name):
             self.schedule.step(*args, target=packed["labels"] if has_last else None, losses=losses,
                                return_outputs=False, **kwargs)
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -318,9 +399,9 @@ def build_pipeline(peft: nn.Module, *, schedule: str, ranges: Sequence[range], r
 
     Args:
         peft: the PEFT QLoRA model on ``device`` whose decoder layers outside this rank's stages are
-            :class:`SkippedLayer` placeholders (the embedding and LM head may still be there: the
-            last rank's ``optimize()`` reads the head on a probe forward; they are freed here where
-            no stage of this rank reads them).
+            :class:`SkippedLayer` placeholders (the embedding and LM head may still be there; they
+            are freed here, before ``optimize()``, where no stage of this rank reads them: the
+            embedding becomes a :class:`SkippedEmbedding`, the head a weight of no rows).
         schedule: a name in :data:`SCHEDULES`.
         ranges: every stage's layers (:func:`split_layers`).
         micro_batches, micro_batch_size, seq_len: the shape of a step (every micro-batch the same).
@@ -349,13 +430,17 @@ def build_pipeline(peft: nn.Module, *, schedule: str, ranges: Sequence[range], r
     tied = head_module.weight is decoder.embed_tokens.weight
     if not last and not tied:
         _drop_weight(head_module)  # no loss on this rank: optimize() keeps the model's own loss, unread
+    if not first and not tied:  # before optimize(): its probe runs through a SkippedEmbedding
+        table = decoder.embed_tokens.weight
+        decoder.embed_tokens = SkippedEmbedding(table.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
+        del table
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # what the dropped tables held goes back whole, not cut up by what follows
     sample = [as_packed(b) for b in batches]
     if not last:
         optimize_kwargs["ce_chunks"] = 0
     opt = optimize(peft, batches=sample, scope="regional", backend=backend, **optimize_kwargs)
     try:
-        if not first and not tied:
-            _drop_weight(decoder.embed_tokens)
         kernel = opt.choices.get("doc_attention") or "sdpa"
         autocast = opt.choices.get("autocast")
         loss = opt.module if last else None

@@ -103,7 +103,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         ValueError: with a message that says what to change.
     """
     from .fast import optimize_options
-    from .pipeline import SCHEDULES, schedule_class
+    from .pipeline import SCHEDULES, schedule_class, zero_bubble_backend_error
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1; got {args.steps}")
@@ -116,10 +116,9 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                          "micro-batch has the same shape")
     schedule_class(args.schedule)  # refused here when this torch lacks it
     per_rank = SCHEDULES[args.schedule][1]
-    if per_rank > 1 and args.backend == "eager":
-        raise ValueError(f"--schedule {args.schedule} runs each compiled layer's backward a second time for the weight "
-                         "gradients, and the 'eager' backend frees an autograd Function's saved values at the first: "
-                         "use --backend aot_eager or inductor")
+    refused = zero_bubble_backend_error(args.schedule, args.backend)
+    if refused:
+        raise ValueError(refused)
     n_micro = g // micro
     if args.schedule == "1f1b" and n_micro < world_size:
         raise ValueError(f"--schedule 1f1b needs at least one micro-batch per stage ({world_size}); "
