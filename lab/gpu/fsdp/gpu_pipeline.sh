@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# Writes: $OUT/runs/<name>/summary.json + log.jsonl + $OUT/runs/<name>.log, $OUT/pipeline_<gpu>.json
-#   (lab/gpu/fsdp/pipeline_results.py; copy it to lab/results/fsdp/), $OUT/pipeline_logs.tgz
-# Rerun: OUT=$OUT bash lab/gpu/fsdp/gpu_pipeline.sh (nvidia-h200-x2; carry .whl .gpucache). Not yet run on a GPU.
-# The pipeline layout (qlora_nb_utils/distributed/pipeline.py) against one GPU and FSDP2, in one call:
-#   one_1 (1 GPU, every layer one stage) beside floor_1 (the same, rows of every batch permuted: the bf16
-#     floor) on the other GPU; then, each alone on the machine, the 8B shape on 2 GPUs with 1f1b, zbv and
-#     gpipe (global batch GB rows of SEQ, micro-batches of 1 row), big_70b (the Llama-3.1-70B shape, all 80
-#     layers, 2 GPUs, every weight on its GPU, each process capped at CAP GiB, every layer checkpointed
-#     with its input offloaded to host memory, 1f1b), and fsdp_2 (FSDP2 fast path, NF4 sharded, the same
-#     global batch, 4 rows per GPU and micro-batch).
-# BUDGET (s, default 540) bounds the whole; a run that no longer fits is skipped and listed in missing_runs.
-# PHASE=8b or PHASE=big runs one half (two calls, when one runs out of time). DRY=1: the tiny shape with 4
-# layers on the CPU over gloo, 2 steps (by hand: about 6 minutes on 2 busy cores), zbv with aot_eager.
+# Writes: $OUT/runs/<name>/summary.json + log.jsonl + $OUT/runs/<name>.log + <name>.status, $OUT/pipeline_<gpu>.json
+#   (lab/gpu/fsdp/pipeline_results.py; copy it to lab/results/fsdp/), $OUT/pipeline_logs.tgz, $OUT/errors.txt
+# Rerun: OUT=$OUT KEEP=lab/results/fsdp/pipeline_h200.json bash lab/gpu/fsdp/gpu_pipeline.sh (nvidia-h200-x2;
+#   carry .whl .gpucache). First call: 1f1b, gpipe, one GPU, floor and FSDP2 ran; zbv and the 70B shape failed.
+# The pipeline layout (qlora_nb_utils/distributed/pipeline.py) against one GPU and FSDP2, in one call, in this order:
+#   big_70b first (it needs the most time): the Llama-3.1-70B shape, all 80 layers, 2 GPUs, every weight on its
+#     GPU, each process capped at CAP GiB, every layer checkpointed with its input offloaded to host memory,
+#     1f1b, the loss in 256-row pieces, the allocator's expandable segments (the cap counts reserved memory, and
+#     the first call died of a 2 MiB block with 1.8 GiB reserved but cut up); an out-of-memory first try is
+#     tried again at BIG_SEQ_RETRY (1024) when time allows (its first log kept as big_70b_try1.log);
+#   pp_zbv (the 8B shape on 2 GPUs, ScheduleZBVZeroBubble); one_1 (1 GPU, every layer one stage) beside
+#   floor_1 (the same, rows of every batch permuted: the floor) on the other GPU; pp_1f1b, pp_gpipe; fsdp_2
+#   (FSDP2 fast path, NF4 sharded, the same global batch, 4 rows per GPU and micro-batch). The 8B runs: global
+#   batch GB rows of SEQ, micro-batches of 1 row.
+# BUDGET (s, default 540) bounds the whole; a run that no longer fits is skipped (its .status says so).
+# ONLY="big_70b pp_zbv" runs those alone; KEEP=<earlier results file> merges in the runs this call did not
+# finish, each with its own date and command (pipeline_results.py --keep). PHASE=8b or big: one half.
+# DRY=1: the tiny shape with 4 layers on the CPU over gloo, 2 steps, zbv with aot_eager (about 3 minutes
+# on 2 idle cores).
 set -uo pipefail
 OUT=${OUT:-$PWD/out/pipeline}
 mkdir -p "$OUT/runs"
@@ -27,7 +33,8 @@ if [ "${DRY:-0}" = 1 ]; then
   DEV=(--device cpu --dtype float32 --backend eager --timing-warmup 0)
   FSDP=(--model tiny --device cpu --dtype float32 --backend eager --timing-warmup 0); FSDP_SEQ=128
   ZB=(--backend aot_eager)  # eager frees an autograd Function's saved values at the first backward
-  BIG_OPT=(--optimize grad_ckpt=true)
+  BIG_OPT=(--optimize grad_ckpt=true --optimize ce_chunks=8 --optimize ce_min_rows=16)
+  BIG_SEQ=${BIG_SEQ:-64}; BIG_SEQ_RETRY=${BIG_SEQ_RETRY:-64}; BIG_SPLIT=${BIG_SPLIT:-2,2}
   G0=""; G1=""; G01=""
 else
   PY=python3
@@ -39,49 +46,71 @@ else
   DEV=(--device cuda --dtype bfloat16 --backend inductor --timing-warmup 3)
   FSDP=(--model "$MODEL" --build layerwise --device cuda --dtype bfloat16 --backend inductor --timing-warmup 3); FSDP_SEQ=$SEQ
   ZB=()
-  read -r -a BIG_OPT <<< "${BIG_OPT:---optimize grad_ckpt=true --optimize offload=true}"
+  read -r -a BIG_OPT <<< "${BIG_OPT:---optimize grad_ckpt=true --optimize offload=true --optimize ce_chunks=8 --optimize ce_min_rows=256}"
+  BIG_SEQ=${BIG_SEQ:-2048}; BIG_SEQ_RETRY=${BIG_SEQ_RETRY:-1024}; BIG_SPLIT=${BIG_SPLIT:-40,40}
   G0=0; G1=1; G01=0,1
 fi
-PP=(--seq-len "$SEQ" --pack --global-batch-size "$GB" --micro-batch-size 1 --lr 2e-4 --seed 0 --no-adapter "${DEV[@]}")
+PP=(--pack --global-batch-size "$GB" --micro-batch-size 1 --lr 2e-4 --seed 0 --no-adapter "${DEV[@]}")
 RUNS="$OUT/runs"
+ONLY=${ONLY:-}
 
-trun() {  # trun NAME LIMIT_S GPUS NPROC ARGS...: one torchrun of the launcher, its log in $RUNS/NAME.log
+trun() {  # trun NAME LIMIT_S GPUS NPROC ARGS...: one torchrun of the launcher, its log in $RUNS/NAME.log, exit in NAME.status
   local name=$1 limit=$2 gpus=$3 nproc=$4
   shift 4
-  if [ "$limit" -lt 40 ]; then echo "[pipeline] skip $name: ${limit}s left" | tee -a "$OUT/errors.txt"; return 1; fi
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then echo "[pipeline] $name: not in ONLY"; return 1; fi
+  if [ "$limit" -lt 40 ]; then
+    echo "skipped: ${limit}s left" > "$RUNS/$name.status"
+    echo "[pipeline] skip $name: ${limit}s left" | tee -a "$OUT/errors.txt"; return 1
+  fi
   echo "[pipeline] $name: $nproc process(es), GPUs '${gpus}', limit ${limit}s ($(( $(date +%s) - T0 )) s elapsed)"
   CUDA_VISIBLE_DEVICES=$gpus timeout --signal=TERM --kill-after=20 "$limit" \
     $PY -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m qlora_nb_utils.distributed.launch "$@" \
     > "$RUNS/$name.log" 2>&1
   local rc=$?
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "exit $rc: stopped at the ${limit}s limit" > "$RUNS/$name.status"
+  else echo "exit $rc" > "$RUNS/$name.status"; fi
   [ $rc -ne 0 ] && { echo "[pipeline] $name FAILED (exit $rc)" | tee -a "$OUT/errors.txt"; tail -25 "$RUNS/$name.log" >> "$OUT/errors.txt"; }
   grep -h "^\[pipeline\]\|^\[fsdp_train\]" "$RUNS/$name.log" | tail -1
   return $rc
 }
 cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
+big() {  # big SEQ LIMIT: the 70B shape, every weight on its GPU, under the cap
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True trun big_70b "$2" "$G01" 2 --layout pipeline "${BIG[@]}" \
+    --seq-len "$1" "${PP[@]}" "${BIG_OPT[@]}" --schedule 1f1b --layers-per-stage "$BIG_SPLIT" \
+    --steps "${BIG_STEPS:-4}" --timing-warmup 1 --max-mem-gib "$CAP" --out "$RUNS/big_70b"
+}
 
+if [ "$PHASE" = all ] || [ "$PHASE" = big ]; then
+  big "$BIG_SEQ" "$(cap 220)"
+  if [ $? -ne 0 ] && grep -q "OutOfMemoryError" "$RUNS/big_70b.log" 2>/dev/null && [ "$(left)" -gt "${BIG_RETRY_MIN_S:-330}" ]; then
+    mv "$RUNS/big_70b.log" "$RUNS/big_70b_try1.log"; mv "$RUNS/big_70b.status" "$RUNS/big_70b_try1.status"
+    echo "[pipeline] big_70b ran out of memory at --seq-len $BIG_SEQ; again at $BIG_SEQ_RETRY"
+    big "$BIG_SEQ_RETRY" "$(cap 180)"
+  fi
+fi
 if [ "$PHASE" = all ] || [ "$PHASE" = 8b ]; then
+  trun pp_zbv "$(cap 120)" "$G01" 2 --layout pipeline "${SHAPE[@]}" --seq-len "$SEQ" "${PP[@]}" --schedule zbv "${ZB[@]}" \
+    --steps "$STEPS" --out "$RUNS/pp_zbv"
   LIM=$(cap 150)
-  trun one_1 "$LIM" "$G0" 1 --layout pipeline "${SHAPE[@]}" "${PP[@]}" --schedule gpipe --steps "$STEPS" --out "$RUNS/one_1" &
+  trun one_1 "$LIM" "$G0" 1 --layout pipeline "${SHAPE[@]}" --seq-len "$SEQ" "${PP[@]}" --schedule gpipe --steps "$STEPS" \
+    --out "$RUNS/one_1" &
   P1=$!
-  trun floor_1 "$LIM" "$G1" 1 --layout pipeline "${SHAPE[@]}" "${PP[@]}" --schedule gpipe --steps "$STEPS" --permute-rows 1 --out "$RUNS/floor_1" &
+  trun floor_1 "$LIM" "$G1" 1 --layout pipeline "${SHAPE[@]}" --seq-len "$SEQ" "${PP[@]}" --schedule gpipe --steps "$STEPS" \
+    --permute-rows 1 --out "$RUNS/floor_1" &
   P2=$!
   wait $P1; wait $P2
-  trun pp_1f1b "$(cap 110)" "$G01" 2 --layout pipeline "${SHAPE[@]}" "${PP[@]}" --schedule 1f1b --steps "$STEPS" --out "$RUNS/pp_1f1b"
-fi
-if [ "$PHASE" = all ] || [ "$PHASE" = big ]; then
-  trun big_70b "$(cap 200)" "$G01" 2 --layout pipeline "${BIG[@]}" "${PP[@]}" "${BIG_OPT[@]}" --schedule 1f1b \
-    --steps "${BIG_STEPS:-4}" --timing-warmup 1 --max-mem-gib "$CAP" --out "$RUNS/big_70b"
-fi
-if [ "$PHASE" = all ] || [ "$PHASE" = 8b ]; then
-  trun pp_zbv "$(cap 110)" "$G01" 2 --layout pipeline "${SHAPE[@]}" "${PP[@]}" --schedule zbv "${ZB[@]}" --steps "$STEPS" --out "$RUNS/pp_zbv"
-  trun pp_gpipe "$(cap 110)" "$G01" 2 --layout pipeline "${SHAPE[@]}" "${PP[@]}" --schedule gpipe --steps "$STEPS" --out "$RUNS/pp_gpipe"
+  trun pp_1f1b "$(cap 110)" "$G01" 2 --layout pipeline "${SHAPE[@]}" --seq-len "$SEQ" "${PP[@]}" --schedule 1f1b \
+    --steps "$STEPS" --out "$RUNS/pp_1f1b"
+  trun pp_gpipe "$(cap 100)" "$G01" 2 --layout pipeline "${SHAPE[@]}" --seq-len "$SEQ" "${PP[@]}" --schedule gpipe \
+    --steps "$STEPS" --out "$RUNS/pp_gpipe"
   trun fsdp_2 "$(( $(left) - 10 ))" "$G01" 2 --layout fsdp "${FSDP[@]}" --quant nf4 --nf4 shard --frozen shard --fast-path \
     --seq-len "$FSDP_SEQ" --pack --global-batch-size "$GB" --micro-batch-size "$(( GB / 2 > 4 ? 4 : GB / 2 ))" \
     --lr 2e-4 --seed 0 --no-adapter --steps "$STEPS" --out "$RUNS/fsdp_2"
 fi
 
-$PY lab/gpu/fsdp/pipeline_results.py "$RUNS" "$OUT" --cap "$CAP" \
-  --command "OUT=\$OUT PHASE=$PHASE BUDGET=$BUDGET DRY=${DRY:-0} bash lab/gpu/fsdp/gpu_pipeline.sh"
+KEEP_ARGS=()
+[ -n "${KEEP:-}" ] && KEEP_ARGS=(--keep "$KEEP")
+$PY lab/gpu/fsdp/pipeline_results.py "$RUNS" "$OUT" --cap "$CAP" "${KEEP_ARGS[@]}" \
+  --command "OUT=\$OUT PHASE=$PHASE BUDGET=$BUDGET ONLY='$ONLY' KEEP=${KEEP:-} DRY=${DRY:-0} bash lab/gpu/fsdp/gpu_pipeline.sh"
 tar czf "$OUT/pipeline_logs.tgz" -C "$OUT" runs 2>/dev/null
 echo "[pipeline] finished in $(( $(date +%s) - T0 )) s"
