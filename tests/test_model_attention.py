@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from qlora_nb_utils.compile import optimize
 from qlora_nb_utils.compile.packed import choose_doc_kernel
 from qlora_nb_utils.data import packing
+from qlora_nb_utils.models import attention_scores
 from qlora_nb_utils.models.attention_scores import AttentionScores, read_attention
 from qlora_nb_utils.ops import model_attention
 from qlora_nb_utils.ops.attention import choose_attention
@@ -198,7 +199,18 @@ def test_flex_masks_for_every_window_a_layer_passes():
         model_attention.with_block_masks(model, (0,))
 
 
-def test_choices_for_a_capped_model():
+def test_a_capped_model_trains_with_its_own_attention_on_cuda_until_flex_is_trusted():
+    model, batch = _gemma2(), _padded()
+    scores = AttentionScores(seen=True, softcap=CAP, windows=(4096,))
+    choice, why = choose_attention(model, "auto", [batch], packed=False, scores=scores, device=CUDA)
+    assert choice == "eager" and "soft-caps its scores at 5, which SDPA drops" in why
+    assert "not yet known to match" in why
+    kernel, why = choose_doc_kernel(CUDA, "auto", scores)
+    assert kernel == "eager" and "not yet known to match" in why
+
+
+def test_choices_for_a_capped_model(monkeypatch):
+    monkeypatch.setattr(attention_scores, "FLEX_TRAINS_SCORES", True)
     model, batch = _gemma2(), _padded()
     scores = AttentionScores(seen=True, softcap=CAP, windows=(4096,))
     choice, why = choose_attention(model, "auto", [batch], packed=False, scores=scores, device=CUDA)

@@ -24,12 +24,19 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["AttentionScores", "read_attention", "PROBE_TOKENS"]
+__all__ = ["AttentionScores", "read_attention", "PROBE_TOKENS", "FLEX_TRAINS_SCORES"]
 
 _PROBE = "qlora_nb_attention_probe"
 #: Tokens in the probe forward.
 PROBE_TOKENS = 8
 #: What an attention call may take that changes nothing SDPA and flex attention do not do themselves.
+#: Whether ``optimize()`` may train a score change SDPA drops with flex attention (the change in its
+#: score modification) on CUDA. Off: the model's own eager attention trains instead. Eager
+#: attention is the reference a model's loss is judged by, so it is right by definition; flex
+#: attention is faster and leaner at long rows, and becomes the default once its loss and LoRA
+#: gradients match the eager forward's to fp32 rounding on a GPU with the score change biting.
+#: ``attention``/``doc_attention`` choices say which one ran.
+FLEX_TRAINS_SCORES = False
 _KNOWN = {"dropout", "scaling", "sliding_window", "softcap", "s_aux", "sinks", "position_bias", "is_causal",
           "position_ids", "use_cache", "cache_position", "output_attentions", "cu_seq_lens_q", "cu_seq_lens_k",
           "max_length_q", "max_length_k", "past_key_values", "kernel_options"}
@@ -71,6 +78,9 @@ class AttentionScores:
         """Why flex attention cannot train this attention on ``device`` (None: it can)."""
         if device.type != "cuda":
             return f"torch has no flex-attention backward on {device.type}"
+        if not FLEX_TRAINS_SCORES:
+            return ("its gradients with a score modification are not yet known to match the model's own "
+                    "attention to fp32 rounding")
         if self.dropout:
             return f"attention dropout {self.dropout:g}, which flex attention has not"
         if self.unknown:
