@@ -91,9 +91,10 @@ def test_an_options_object_or_dict_reads_as_its_keywords(cases):
 DEFAULTS = {  # optimize()'s keyword defaults before the options object
     "grad_ckpt": "auto", "max_memory_gib": None, "mode": "auto", "attention": "auto", "ckpt_layers": None,
     "dtype": None, "backend": "inductor", "ce_chunks": 4, "cast": True, "autocast": "auto", "pad_multiple": 8,
-    "dynamic": "auto", "memory_budget": None, "eager_numerics": "auto", "scope": "whole", "doc_attention": "auto",
+    "dynamic": "auto", "memory_budget": None, "eager_numerics": "auto", "scope": "auto", "doc_attention": "auto",
     "offload": "auto", "loss_rows": "auto", "recompute": "auto", "lora_addmm": "auto", "nf4_dequant": "auto",
     "warm_cache": "auto", "ce_min_rows": "auto", "tile_mlp": "auto", "sdpa_kernel": "auto", "keep_attention": "auto",
+    "steps": None, "compile_cache": "auto",
 }
 
 
@@ -173,7 +174,7 @@ def test_build_puts_keywords_over_the_options():
     base = OptimizeOptions(scope="regional")
     assert OptimizeOptions.build(base) is base
     assert OptimizeOptions.build(base, backend="eager") == OptimizeOptions(scope="regional", backend="eager")
-    assert OptimizeOptions.build({"scope": "regional"}, scope="whole") == OptimizeOptions()
+    assert OptimizeOptions.build({"scope": "regional"}, scope="whole") == OptimizeOptions(scope="whole")
     assert OptimizeOptions.build(None, mode="default") == OptimizeOptions(mode="default")
     with pytest.raises(ValueError, match="scope must be one of"):  # a keyword is validated with the rest
         OptimizeOptions.build(base, scope="layer")

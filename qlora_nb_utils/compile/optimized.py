@@ -58,8 +58,14 @@ class Optimized:
         return self.forward(**batch)
 
     def eager(self, **batch: Any) -> Any:
-        """The same recipe uncompiled (padding, the document mask, autocast, the chunked loss): parity's reference."""
-        return self.eager_prepared(**self.prepare(**batch))
+        """The same recipe uncompiled (padding, the document mask, autocast, the chunked loss): parity's reference.
+
+        Uncompiled in every scope: in regional scope the decoder layers themselves are compiled, so
+        the recipe runs under the ``force_eager`` stance, which makes them run as plain code and
+        compile nothing (a reference that went through the compiled layers would judge them by
+        themselves, and its first call would compile them)."""
+        with torch.compiler.set_stance("force_eager"):
+            return self.eager_prepared(**self.prepare(**batch))
 
     def prepare(self, **batch: Any) -> dict:
         """``batch`` as the recipe takes it: on the model's device, padded, with its labelled rows
