@@ -60,10 +60,14 @@ class Optimized:
     def eager(self, **batch: Any) -> Any:
         """The same recipe uncompiled (padding, the document mask, autocast, the chunked loss): parity's reference.
 
-        Uncompiled in every scope: in regional scope the decoder layers themselves are compiled, so
-        the recipe runs under the ``force_eager`` stance, which makes them run as plain code and
-        compile nothing (a reference that went through the compiled layers would judge them by
-        themselves, and its first call would compile them)."""
+        In regional scope the decoder layers themselves are compiled, so the recipe runs under the
+        ``force_eager`` stance, which makes them run as plain code and compile nothing (a reference
+        that went through the compiled layers would judge them by themselves, and its first call
+        would compile them). Not where layers are checkpointed: their recompute runs in the
+        backward, after this returns, and a checkpoint must recompute what its forward ran, so
+        there the reference takes the compiled layers."""
+        if str(self.choices.get("ckpt_layers", "0")).split("/")[0] not in ("0", "None"):
+            return self.eager_prepared(**self.prepare(**batch))
         with torch.compiler.set_stance("force_eager"):
             return self.eager_prepared(**self.prepare(**batch))
 
