@@ -48,7 +48,7 @@ else
   ZB=()
   read -r -a BIG_OPT <<< "${BIG_OPT:---optimize grad_ckpt=true --optimize offload=true --optimize ce_chunks=8 --optimize ce_min_rows=256}"
   BIG_SEQ=${BIG_SEQ:-2048}; BIG_SEQ_RETRY=${BIG_SEQ_RETRY:-1024}; BIG_SPLIT=${BIG_SPLIT:-40,40}
-  G0=0; G1=1; G01=0,1
+  G0=${G0:-0}; G1=${G1:-1}; G01=$G0,$G1  # G0/G1: which two GPUs (another job may hold the others)
 fi
 PP=(--pack --global-batch-size "$GB" --micro-batch-size 1 --lr 2e-4 --seed 0 --no-adapter "${DEV[@]}")
 RUNS="$OUT/runs"

@@ -13,12 +13,12 @@
 #      fails; then ABOVE if the call still has time);
 #   then merge.
 # env: OUT (required), DEADLINE_S (540), CAP (22.0 GiB), SHORT (65536), LONG ("278528 229376"), ABOVE (286720),
-#   STEPS_SHORT (3), STEPS_LONG (2), MODEL (llama-3.1-8b-shape), DRY (1: CPU, tiny, gloo).
+#   STEPS_SHORT (3), STEPS_LONG (2), MODEL (llama-3.1-8b-shape), DRY (1: CPU, tiny, gloo), D0/D1 (the two GPUs: 0, 1).
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 DEADLINE_S=${DEADLINE_S:-540}
 CAP=${CAP:-22.0}; SHORT=${SHORT:-65536}; LONG=${LONG:-278528 229376}; ABOVE=${ABOVE:-286720}
-STEPS_SHORT=${STEPS_SHORT:-3}; STEPS_LONG=${STEPS_LONG:-2}; MODEL=${MODEL:-llama-3.1-8b-shape}
+D0=${D0:-0}; D1=${D1:-1}; STEPS_SHORT=${STEPS_SHORT:-3}; STEPS_LONG=${STEPS_LONG:-2}; MODEL=${MODEL:-llama-3.1-8b-shape}
 if [ "${DRY:-0}" = 1 ]; then  # the same steps on the CPU: tiny model, short rows, no cap
   CAP=""; SHORT=${DRY_SHORT:-256}; LONG=${DRY_LONG:-1024}; ABOVE=""; MODEL=tiny; STEPS_SHORT=2; STEPS_LONG=2
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=""
@@ -41,20 +41,20 @@ run() {  # NAME NPROC DEVICES NEED_S ARGS...: one torchrun job if NEED_S seconds
   grep -h "^\[context_parallel\]" "$OUT/$name.log"; echo "[gpu_context_parallel] $name: exit $rc at $(elapsed) s"
   return $rc
 }
-run attention 2 0,1 30 attention --seq-len "$([ "${DRY:-0}" = 1 ] && echo 64 || echo 32768)" \
+run attention 2 $D0,$D1 30 attention --seq-len "$([ "${DRY:-0}" = 1 ] && echo 64 || echo 32768)" \
   $([ "${DRY:-0}" = 1 ] && echo "--heads 4 --kv-heads 2 --head-dim 16")
-run "cp2_$SHORT" 2 0,1 90 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}"
+run "cp2_$SHORT" 2 $D0,$D1 90 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}"
 # the floor run on GPU 1 beside the one-GPU baseline on GPU 0: each alone on its GPU, sharing only the host
-run "plain_$SHORT" 1 1 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" --plain "${cap_args[@]}" &
+run "plain_$SHORT" 1 $D1 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" --plain "${cap_args[@]}" &
 floor_pid=$!
-run "one_$SHORT" 1 0 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}"
+run "one_$SHORT" 1 $D0 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}"
 wait "$floor_pid"
 trained=""
 for L in $LONG; do
-  if run "cp2_$L" 2 0,1 150 try --seq-len "$L" --steps "$STEPS_LONG" --model "$MODEL" "${cap_args[@]}"; then trained=$L; break; fi
+  if run "cp2_$L" 2 $D0,$D1 150 try --seq-len "$L" --steps "$STEPS_LONG" --model "$MODEL" "${cap_args[@]}"; then trained=$L; break; fi
 done
 if [ -n "$ABOVE" ] && [ "$trained" = "${LONG%% *}" ]; then
-  run "cp2_$ABOVE" 2 0,1 300 try --seq-len "$ABOVE" --steps "$STEPS_LONG" --model "$MODEL" "${cap_args[@]}"
+  run "cp2_$ABOVE" 2 $D0,$D1 300 try --seq-len "$ABOVE" --steps "$STEPS_LONG" --model "$MODEL" "${cap_args[@]}"
 fi
 gpu=$([ "${DRY:-0}" = 1 ] && echo cpu || python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())")
 python3 -m lab.context_parallel merge "$OUT" --short "$SHORT" --model "$MODEL" ${CAP:+--cap-gib "$CAP"} \
