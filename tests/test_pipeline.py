@@ -263,6 +263,48 @@ def test_a_pipeline_step_runs_the_schedule_under_its_weight_pass_settings():
         assert seen == {"zbv": False, "1f1b": functorch_config.donated_buffer}
 
 
+def test_the_weight_pass_takes_gradient_edges_of_function_nodes_where_torch_hides_their_metadata(monkeypatch):
+    """The zero-bubble weight pass asks ``torch.autograd.grad`` for weight gradients from edges at
+    autograd Function nodes; where a torch refuses those nodes' metadata, the given gradient stands in
+    for the check, the gradients are autograd's own, and the patch is gone after the step."""
+    import torch.autograd as autograd
+    from torch.autograd.graph import get_gradient_edge
+
+    from qlora_nb_utils.distributed import pipeline
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g * w, (g * x).sum(0)
+
+    def weight_grad():
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+        w = torch.randn(3, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        mid = Scale.apply(x, w)
+        out = mid.tanh()
+        g_mid = torch.autograd.grad(out.sum(), mid, retain_graph=True)[0]
+        return torch.autograd.grad([get_gradient_edge(mid)], [w], grad_outputs=[g_mid])[0], x, w
+
+    expected, x, w = weight_grad()
+    assert torch.allclose(expected, ((1 - (x * w).tanh() ** 2) * x).sum(0).detach(), atol=1e-6)
+    original = autograd._make_grads
+    monkeypatch.setattr(pipeline, "_function_nodes_hide_metadata", lambda: True)
+    monkeypatch.setattr(pipeline, "_hides_metadata", lambda node: True)
+    with pipeline.weight_pass_settings("zbv"):
+        assert autograd._make_grads is not original
+        got, _, _ = weight_grad()
+    assert autograd._make_grads is original
+    assert torch.equal(got, expected)
+    with pipeline.weight_pass_settings("1f1b"):  # no weight pass: nothing patched
+        assert autograd._make_grads is original
+
+
 def test_a_rank_without_the_first_stage_holds_no_embedding_table():
     from qlora_nb_utils.distributed.pipeline import SkippedEmbedding
 

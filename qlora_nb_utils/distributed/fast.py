@@ -108,7 +108,7 @@ def _input_embeddings(model: nn.Module) -> nn.Module | None:
 
 def optimize_sharded(model: nn.Module, *, batches: Iterable[dict], world_size: int, mp_policy=None,
                      nf4: str = "shard", frozen: str = "shard", cpu_offload: bool = False,
-                     reshard_after_forward: bool = True, grad_ckpt: bool = False, backend: Any = "inductor",
+                     reshard_after_forward: bool = True, grad_ckpt: bool | str = "auto", backend: Any = "inductor",
                      verify: bool | str = True, mesh=None, shard_one: bool = False, one_scope: str = "whole",
                      vocab_head: bool = False, **optimize_kwargs: Any) -> FastSharded:
     """Apply ``optimize()`` to a PEFT QLoRA model on this rank, then shard it with FSDP2.
@@ -121,7 +121,9 @@ def optimize_sharded(model: nn.Module, *, batches: Iterable[dict], world_size: i
             unless ``shard_one``.
         mp_policy, nf4, frozen, cpu_offload, reshard_after_forward, verify, mesh: as
             :func:`.fsdp.apply_fsdp2`.
-        grad_ckpt: ``optimize``'s ``grad_ckpt`` (True: every decoder layer checkpointed).
+        grad_ckpt: ``optimize``'s ``grad_ckpt`` (True: every decoder layer checkpointed; ``"auto"``,
+            the default: as many as a memory target needs; False: none, and a target no plan meets
+            without them is refused).
         backend: the compile backend.
         shard_one: shard even on one process (FSDP2 over a world of one).
         one_scope: ``optimize``'s scope on one process, nothing sharded: ``"whole"`` (the single-GPU

@@ -224,8 +224,8 @@ def _setup(args, info):
         sample = [m for b in batches[:4] for m in _local_micro_batches(b, info, args)]
         sharded = optimize_sharded(model, batches=sample, world_size=info.world_size, mp_policy=mp, nf4=nf4,
                                    frozen=frozen, cpu_offload=args.cpu_offload,
-                                   reshard_after_forward=args.reshard_after_forward, grad_ckpt=args.grad_ckpt,
-                                   backend=args.backend, verify="exact" if args.check_bytes else True,
+                                   reshard_after_forward=args.reshard_after_forward,
+                                   grad_ckpt=True if args.grad_ckpt else "auto", backend=args.backend, verify="exact" if args.check_bytes else True,
                                    one_scope=args.one_gpu_scope, vocab_head=args.vocab_parallel_head,
                                    **optimize_options(args.optimize))
         return sharded, tok, dtype, mp, storage, batches

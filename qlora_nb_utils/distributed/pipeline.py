@@ -113,11 +113,70 @@ def weight_pass_settings(schedule: str):
     schedules pay for it: the other schedules keep the memory the donation saves.
     """
     config = torch._functorch.config
-    if not weight_pass(schedule) or not hasattr(config, "donated_buffer"):  # a torch without donation: nothing to do
+    if not weight_pass(schedule):
         yield
         return
-    with config.patch(donated_buffer=False):
+    with contextlib.ExitStack() as stack:
+        if hasattr(config, "donated_buffer"):  # a torch without donation: nothing to do
+            stack.enter_context(config.patch(donated_buffer=False))
+        stack.enter_context(edge_grads_for_function_nodes())
         yield
+
+
+def _function_nodes_hide_metadata() -> bool:
+    """Whether this torch's backward nodes of Python autograd Functions refuse ``_input_metadata``."""
+    class _Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    return _hides_metadata(_Probe.apply(torch.zeros(1, requires_grad=True)).grad_fn)
+
+
+def _hides_metadata(node) -> bool:
+    try:
+        node._input_metadata  # noqa: B018 (the access is the probe)
+    except RuntimeError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def edge_grads_for_function_nodes():
+    """Let ``torch.autograd.grad`` take gradient edges of autograd Function nodes, where this torch
+    cannot; restored on exit. Nothing changes on a torch that can.
+
+    Why: the zero-bubble weight pass asks autograd for the weight gradients from gradient edges
+    inside each stage (``torch.distributed.pipelining``'s ``stage_backward_weight``), and before
+    it runs, ``torch.autograd.grad`` reads each edge's shape and dtype from its node's
+    ``_input_metadata`` to check the given gradient. The nodes there are compiled graphs and the
+    package's autograd Functions, and some torch releases refuse that attribute on such nodes, so
+    the weight pass fails before it starts. Where an edge's gradient is given, the check needs
+    nothing but a tensor of that gradient's own shape and dtype, so the gradient stands in for
+    the edge in the check; the engine still runs from the edge.
+    """
+    import torch.autograd as autograd
+
+    original = getattr(autograd, "_make_grads", None)
+    if original is None or not _function_nodes_hide_metadata():
+        yield
+        return
+    from torch.autograd.graph import GradientEdge
+
+    def make_grads(outputs, grads, is_grads_batched):
+        checked = [g.detach() if isinstance(o, GradientEdge) and isinstance(g, torch.Tensor) and _hides_metadata(o.node) else o
+                   for o, g in zip(outputs, grads)]
+        return original(checked, grads, is_grads_batched)
+
+    autograd._make_grads = make_grads
+    try:
+        yield
+    finally:
+        autograd._make_grads = original
 
 
 def zero_bubble_backend_error(schedule: str, backend: Any) -> str | None:

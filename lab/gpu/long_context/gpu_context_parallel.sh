@@ -12,12 +12,13 @@
 #   3. 2 GPUs at each of LONG (the target 278,528 = 2 x the one-GPU edge first, then the fallbacks below it if it
 #      fails; then ABOVE if the call still has time);
 #   then merge.
-# env: OUT (required), DEADLINE_S (540), CAP (22.0 GiB), SHORT (65536), LONG ("278528 229376"), ABOVE (286720),
+# env: OUT (required), DEADLINE_S (540), CAP (22.0 GiB), SHORT (65536), ABOVE (286720),
+#   LONG ("278528 262144 229376 196608": the first that trains is the edge found),
 #   STEPS_SHORT (3), STEPS_LONG (2), MODEL (llama-3.1-8b-shape), DRY (1: CPU, tiny, gloo), D0/D1 (the two GPUs: 0, 1).
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 DEADLINE_S=${DEADLINE_S:-540}
-CAP=${CAP:-22.0}; SHORT=${SHORT:-65536}; LONG=${LONG:-278528 229376}; ABOVE=${ABOVE:-286720}
+CAP=${CAP:-22.0}; SHORT=${SHORT:-65536}; LONG=${LONG:-278528 262144 229376 196608}; ABOVE=${ABOVE:-286720}
 D0=${D0:-0}; D1=${D1:-1}; STEPS_SHORT=${STEPS_SHORT:-3}; STEPS_LONG=${STEPS_LONG:-2}; MODEL=${MODEL:-llama-3.1-8b-shape}
 if [ "${DRY:-0}" = 1 ]; then  # the same steps on the CPU: tiny model, short rows, no cap
   CAP=""; SHORT=${DRY_SHORT:-256}; LONG=${DRY_LONG:-1024}; ABOVE=""; MODEL=tiny; STEPS_SHORT=2; STEPS_LONG=2
