@@ -21,9 +21,11 @@ unsloth_site() {
 
 # models_outside_tree: build the named models under /tmp (16 GB at 8B), not in the carried tree; the
 # tokenizer comes from .gpucache. Scripts of one call that use it share the built models.
+# MODELS_DIR (default /tmp/qlora_nb_cache) gives a script run beside another its own cache.
 models_outside_tree() {
-  mkdir -p /tmp/qlora_nb_cache && cp -rn .gpucache/qlora_nb/. /tmp/qlora_nb_cache/ 2>/dev/null
-  export QLORA_NB_CACHE=/tmp/qlora_nb_cache
+  local dir=${MODELS_DIR:-/tmp/qlora_nb_cache}
+  mkdir -p "$dir" && cp -rn .gpucache/qlora_nb/. "$dir/" 2>/dev/null
+  export QLORA_NB_CACHE=$dir
 }
 
 # long_context_call LOG: the start the long-context scripts share: the call's clock (T0; `left` prints the

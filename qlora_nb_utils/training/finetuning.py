@@ -292,11 +292,13 @@ class Run:
         self.autocast = self.opt.choices["dtype"] if self.opt.choices["autocast"] else None
         history = o.get("resume_history")
         self.sample = self._sample_texts()
+        clock = time.perf_counter()
         if history is None:
             self.sample["before"] = self._complete()
             self.log(f"==> before training, the held-out prompt continues as: {self.sample['before']!r}")
         else:
             self.sample["before"] = history.get("sample_before")
+        self.phases["before_sample_s"] = round(time.perf_counter() - clock, 3)
         if o["check_parity"]:
             self.parity = self._parity(o["check_parity"])
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -305,7 +307,9 @@ class Run:
         if history is None:
             self.history = {"steps_done": 0, "sessions": 1, "rows": [], "eval_losses": [],
                             "sample_before": self.sample["before"]}
+            clock = time.perf_counter()
             self._evaluate(0)
+            self.phases["eval0_s"] = round(time.perf_counter() - clock, 3)
         else:
             state, self.history = load_checkpoint(self.out)
             load_trainable_state(self.model, state["trainable"])
