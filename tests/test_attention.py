@@ -6,6 +6,7 @@ from tiny_lora import build, save_tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from qlora_nb_utils import diagnostics
+from qlora_nb_utils.compile.choices import choose_sdpa_kernel
 from qlora_nb_utils.ops import attention
 
 
@@ -324,7 +325,8 @@ def _windowed(window: int, layer_types=None):
 def test_a_sliding_window_shorter_than_the_batches_keeps_the_models_mask():
     """Causal-only SDPA drops a sliding window: where it would bite, optimize keeps the model's mask
     (and the loss is the model's own); where the batches fit in the window, causal-only is exact."""
-    from qlora_nb_utils.ops.attention import choose_attention, sliding_window
+    from qlora_nb_utils.compile.choices import choose_attention
+    from qlora_nb_utils.ops.attention import sliding_window
 
     ids = torch.randint(0, 64, (2, 24))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
@@ -388,7 +390,7 @@ def test_the_sdpa_kernel_choice_reads_device_attention_and_probe():
     long = attention.CUDNN_MIN_POSITIONS
 
     def choose(*args, longest=long, cuda_graphs=False):
-        return attention.choose_sdpa_kernel(*args, longest=longest, cuda_graphs=cuda_graphs)
+        return choose_sdpa_kernel(*args, longest=longest, cuda_graphs=cuda_graphs)
 
     assert choose("auto", "causal", cuda, hopper, ok)[0] == "cudnn"
     assert choose("auto", "causal", cuda, hopper, refused) == ("default", refused()[1])

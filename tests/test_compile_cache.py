@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qlora_nb_utils import optimize
+from qlora_nb_utils.compile import choices
 from qlora_nb_utils.compile import compile_cache as cc
 from qlora_nb_utils.compile.choices import choose_scope, regional_pays_until
 from qlora_nb_utils.compile.options import OptimizeOptions
@@ -50,14 +51,14 @@ def test_optimize_takes_the_steps_and_says_why(tiny):
 
 
 def test_the_cache_choice(tmp_path):
-    assert cc.choose_compile_cache("auto", "inductor", "cuda").value == cc.default_folder()
-    assert cc.choose_compile_cache("auto", "inductor", "cpu").value is False  # this machine's cache serves
-    assert cc.choose_compile_cache(True, "inductor", "cpu").value == cc.default_folder()
-    assert cc.choose_compile_cache(str(tmp_path), "inductor", "cpu").value == tmp_path
-    assert cc.choose_compile_cache(False, "inductor", "cuda") == (False, "asked for")
-    assert cc.choose_compile_cache("auto", "eager", "cuda").value is False
+    assert choices.choose_compile_cache("auto", "inductor", "cuda").value == cc.default_folder()
+    assert choices.choose_compile_cache("auto", "inductor", "cpu").value is False  # this machine's cache serves
+    assert choices.choose_compile_cache(True, "inductor", "cpu").value == cc.default_folder()
+    assert choices.choose_compile_cache(str(tmp_path), "inductor", "cpu").value == tmp_path
+    assert choices.choose_compile_cache(False, "inductor", "cuda") == (False, "asked for")
+    assert choices.choose_compile_cache("auto", "eager", "cuda").value is False
     with pytest.raises(ValueError, match="leaves no compiled artifacts"):
-        cc.choose_compile_cache(True, "aot_eager", "cuda")
+        choices.choose_compile_cache(True, "aot_eager", "cuda")
     with pytest.raises(ValueError, match="compile_cache must be"):
         OptimizeOptions(compile_cache="")
 
@@ -129,7 +130,7 @@ def test_optimize_loads_before_and_keeps_after(tiny, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: calls.append("save") or (b"blob", None))
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: calls.append(("load", blob)) or object())
-    monkeypatch.setattr(cc, "choose_compile_cache", lambda asked, backend, device: cc.Choice(tmp_path, "asked for"))
+    monkeypatch.setattr(choices, "choose_compile_cache", lambda asked, backend, device: choices.Choice(tmp_path, "asked for"))
     model, tok = tiny
     batches = qdata.build_batches(tok, batch_size=2, steps=2, max_len=64, padding="fixed")
     opt = optimize(model, batches=batches, backend="eager", steps=2)

@@ -18,12 +18,11 @@ from test_lm_head import _COMMON, FAMILIES
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from qlora_nb_utils.compile import optimize
-from qlora_nb_utils.compile.packed import choose_doc_kernel
+from qlora_nb_utils.compile.choices import choose_attention, choose_doc_kernel
 from qlora_nb_utils.data import packing
 from qlora_nb_utils.models import attention_scores
 from qlora_nb_utils.models.attention_scores import AttentionScores, read_attention
 from qlora_nb_utils.ops import model_attention
-from qlora_nb_utils.ops.attention import choose_attention
 
 TOL = 1e-5
 CAP = 5.0
@@ -131,7 +130,7 @@ def test_read_attention_finds_what_each_layer_passes():
     assert scores == AttentionScores(seen=True, softcap=CAP, windows=(4,))
     assert scores.sdpa_drops == [f"soft-caps its scores at {CAP:g}"]
     assert torch.equal(torch.random.get_rng_state(), state) and model.training
-    assert {c._attn_implementation for c in model_attention._configs(model)} == {"sdpa"}
+    assert {c._attn_implementation for c in model_attention.model_configs(model)} == {"sdpa"}
     # Gemma-3's config has the field, its layers do not pass it on: nothing SDPA drops
     assert not read_attention(_model("gemma3_text", attn_logit_softcapping=CAP)).sdpa_drops
     assert read_attention(_model("llama")) == AttentionScores(seen=True)
@@ -150,7 +149,7 @@ def test_optimize_trains_gemma2_with_its_capped_attention(kind):
         _assert_same(_loss_and_grads(model, opt.forward, batch), own)
     finally:
         opt.undo()
-    assert {c._attn_implementation for c in model_attention._configs(model)} == {"sdpa"}
+    assert {c._attn_implementation for c in model_attention.model_configs(model)} == {"sdpa"}
 
 
 @pytest.mark.parametrize("kind", list(BATCHES))

@@ -87,7 +87,7 @@ def test_optimize_trains_packed_batches_like_each_document_alone_in_one_compilat
 
 def test_flex_on_cuda_is_chosen_and_its_config_switch_undoes(tiny):
     model, _ = tiny
-    from qlora_nb_utils.compile.packed import choose_doc_kernel
+    from qlora_nb_utils.compile.choices import choose_doc_kernel
     from qlora_nb_utils.ops.doc_attention import use_document_attention
 
     assert choose_doc_kernel(torch.device("cuda"), "auto")[0] == "flex_attention"

@@ -5,28 +5,46 @@ Why this module exists: ``optimize()`` turns every ``"auto"`` of its options
 dtype, the torch it runs on and the batches it is shown, and it says why
 (:attr:`~qlora_nb_utils.compile.optimized.Optimized.description`). Each decision is one function
 here, of plain values, returning a :class:`Choice` (the value and its reason, the text the
-description shows); the facts (the device, what this torch has) are gathered by the caller, so
-each rule reads, and is tested, on its own. :func:`~qlora_nb_utils.compile.plan.decide` runs
-them in order. The choices made elsewhere keep their modules: the attention path
-(``ops.attention.choose_attention``), the packed mask's kernel (:func:`.packed.choose_doc_kernel`),
-the head (``ops.lm_head.choose_head``), checkpointing and offload (:func:`.offload.plan`), the
-labelled rows (:func:`.step_inputs.choose_loss_rows`) and the model patches (:mod:`.model_patches`).
+description shows), or a ``(value, reason)`` pair; the facts (the device, what this torch has,
+the model's head and attention read on a probe) are gathered by the caller or by the probes of
+:mod:`qlora_nb_utils.ops` these functions call, so each rule reads, and is tested, on its own.
+:func:`~qlora_nb_utils.compile.plan.decide` runs them in order, before the model changes; the
+modules that apply a choice (the ops, :mod:`.recipe`, :mod:`.model_patches`) decide nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..ops.losses import CHUNK_MIN_ROWS
+from ..ops.attention import (
+    CAUSAL_SDPA,
+    CAUSAL_SDPA_CUDNN,
+    CUDNN_FIRST_CAPABILITIES,
+    CUDNN_MIN_POSITIONS,
+    SDPA_KERNELS,
+    check_right_padded,
+    longest_document,
+    model_configs,
+    sliding_window,
+)
+from ..ops.doc_attention import varlen_available
+from ..ops.lm_head import LMHead, read_head
+from ..ops.losses import CHUNK_MIN_ROWS, labelled_rows
+from .compile_cache import default_folder
+from .packed import DOC_ATTENTION
+from .step_inputs import pad_batch
 
 __all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "regional_pays_until",
            "WHOLE_COMPILE_S_PER_LAYER", "REGIONAL_STEP_S_PER_LAYER", "choose_recompute",
            "choose_warm_cache", "choose_head_choice", "choose_packing", "choose_mode", "choose_dynamic",
            "choose_pad_multiple", "choose_autocast", "chunk_rows", "choose_loss", "choose_loss_rows_scope",
            "choose_eager_numerics", "choose_cast", "choose_keep_attention", "KEEP_HOST_SHARE",
-           "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show"]
+           "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show", "choose_sdpa_kernel", "choose_attention",
+           "choose_head", "choose_loss_rows", "LOSS_ROWS_WHEN_IGNORED_OVER", "choose_compile_cache",
+           "choose_doc_kernel"]
 
 #: At most this many distinct batch shapes get CUDA graphs (one graph each) under ``mode="auto"``.
 MAX_CUDAGRAPH_SHAPES = 4
@@ -131,7 +149,7 @@ def choose_warm_cache(asked: bool | str, backend: Any, available: bool) -> Choic
 
 
 def choose_head_choice(head: Any) -> Choice | None:
-    """The head the chunked loss computes (``ops.lm_head.choose_head`` read and checked it); None: no
+    """The head the chunked loss computes (:func:`choose_head` read and checked it); None: no
     chunked loss asked for."""
     if head is None:
         return None
@@ -208,7 +226,7 @@ def choose_loss(ce_chunks: int, head_asked: bool, rows: int) -> Choice:
 
 
 def choose_loss_rows_scope(rows: tuple[str, str], scope: str) -> Choice:
-    """The labelled rows (:func:`.step_inputs.choose_loss_rows`), per batch where the loss runs outside the
+    """The labelled rows (:func:`choose_loss_rows`), per batch where the loss runs outside the
     graph (regional scope: each batch its own count, in multiples of 64 rows); inside it, one count (the
     most a batch shown needs: one compilation, one CUDA graph)."""
     value, why = rows
@@ -300,3 +318,245 @@ def choose_keep_attention(asked: bool | str, *, cudnn: bool, scope: str, ckpt_la
                              f"{KEEP_HOST_SHARE:.0%} of the {host_free_gib:.1f} GiB available")
     return Choice("host", f"the recompute skips the attention kernel; {kept_gib:.2f} GiB kept in host memory "
                           f"({host_gib:.1f} GiB with the offloaded inputs), {transient_gib:.2f} GiB more on the device")
+
+
+def choose_sdpa_kernel(asked: str, attention: str, device: torch.device, capability: tuple[int, int] | None,
+                       works: Callable[[], tuple[bool, str]], longest: int = 0,
+                       cuda_graphs: bool = False) -> tuple[str, str]:
+    """``optimize(sdpa_kernel=...)``'s choice and its reason: ``"cudnn"`` or ``"default"``.
+
+    ``"auto"`` takes cuDNN's kernel for causal-only SDPA on a GPU of :data:`~qlora_nb_utils.ops.attention.CUDNN_FIRST_CAPABILITIES`,
+    for rows (``longest`` positions) of at least :data:`~qlora_nb_utils.ops.attention.CUDNN_MIN_POSITIONS`, without CUDA graphs
+    (where it was measured), and where ``works()`` (:func:`~qlora_nb_utils.ops.attention.cudnn_attention_works` on the model's
+    shape) passes: the same attention (its loss within bf16 noise of the flash kernel's), faster
+    there. Elsewhere SDPA chooses as it does by default.
+
+    Raises:
+        ValueError: ``asked`` is not in :data:`~qlora_nb_utils.ops.attention.SDPA_KERNELS`; ``"cudnn"`` without causal-only SDPA
+            (a mask or packed documents) or where ``works()`` fails.
+    """
+    if asked not in SDPA_KERNELS:
+        raise ValueError(f"sdpa_kernel must be one of {list(SDPA_KERNELS)}, got {asked!r}")
+    if asked == "default":
+        return "default", "asked for"
+    if attention != "causal":
+        if asked == "cudnn":
+            raise ValueError(f"sdpa_kernel='cudnn' needs causal-only SDPA; the attention is {attention!r}")
+        if attention in ("flex", "eager"):
+            return "default", f"no SDPA: {attention} attention"
+        return "default", "not causal-only SDPA: SDPA's own order"
+    if asked == "auto" and device.type != "cuda":
+        return "default", "SDPA's own order (cuDNN's kernel is a CUDA kernel)"
+    if asked == "auto" and capability not in CUDNN_FIRST_CAPABILITIES:
+        return "default", "SDPA's own order: cuDNN first only on Hopper GPUs (sm_90), where it was measured faster"
+    if asked == "auto" and longest < CUDNN_MIN_POSITIONS:
+        return "default", (f"SDPA's own order: cuDNN first only for rows of at least {CUDNN_MIN_POSITIONS} "
+                           "positions, where it was measured faster")
+    if asked == "auto" and cuda_graphs:
+        return "default", "SDPA's own order: CUDA graphs (cuDNN's kernel was measured without them)"
+    ok, why = works()
+    if not ok:
+        if asked == "cudnn":
+            raise ValueError(f"sdpa_kernel='cudnn': {why}")
+        return "default", why
+    return "cudnn", "asked for" if asked == "cudnn" else "causal SDPA on Hopper: cuDNN's kernel first (then flash)"
+
+
+def _attention_keeping_scores(scores, drops: list[str], attention: str, batches: list[dict] | None,
+                    device: torch.device) -> tuple[str, str]:
+    """The attention for padded rows of a model whose attention changes its scores in a way SDPA drops:
+    ``"flex"`` (:data:`~qlora_nb_utils.ops.model_attention.FLEX_SCORES`) where it can train, else ``"eager"``."""
+    own = f"the model's attention {' and '.join(drops)}, which SDPA drops"
+    eager = "the model's own eager attention with its mask"
+    if attention == "mask":
+        return "eager", f"asked for the model's own mask; {own}: {eager}"
+    if (cannot := scores.flex_cannot(device)) is not None:
+        return "eager", f"{own}; flex attention, which keeps it, cannot train here ({cannot}): {eager}"
+    if batches is None:
+        return "eager", f"{own}; no batches shown to check right padding for flex attention's causal masks: {eager}"
+    try:
+        check_right_padded(batches)
+    except ValueError:
+        return "eager", f"{own}; some batch is not right-padded (flex attention's masks here are causal only): {eager}"
+    windows = ", ".join(str(w) for w in scores.windows)
+    return "flex", (f"{own}: flex attention with it in the score modification, causal block masks built outside "
+                    "the graph" + (f" (sliding window {windows} on the layers that have one)" if windows else ""))
+
+
+def choose_attention(model: torch.nn.Module, attention: str, batches: list[dict] | None,
+                     packed: bool, scores: Any = None, device: torch.device | None = None) -> tuple[str, str]:
+    """``optimize(attention=...)``'s choice and its reason: ``"document"``, ``"causal"``, ``"mask"``,
+    ``"flex"`` or ``"eager"``.
+
+    Causal-only SDPA (:func:`~qlora_nb_utils.ops.attention.use_causal_sdpa`) drops a sliding window, and the per-document mask of
+    packed rows applies none: where a window is shorter than the longest row shown, ``"auto"``
+    keeps the model's own mask, and packing (or ``"causal"``) is refused.
+
+    SDPA also drops what some models do to their attention scores (a soft cap, sinks, a position
+    bias: ``scores``, :func:`~qlora_nb_utils.ops.model_attention.read_attention`): for those,
+    padded rows take ``"flex"`` (flex attention with the change in its score modification, on
+    ``device`` CUDA, right-padded batches) or else ``"eager"`` (the model's own eager attention),
+    and ``"causal"`` is refused. A model loaded with another attention than SDPA keeps its own
+    (``"mask"``) under ``"auto"``: causal-only SDPA replaces SDPA only.
+
+    Raises:
+        ValueError: packed rows, or ``attention="causal"`` on rows, longer than the model's sliding window;
+            ``attention="causal"`` for a model whose score changes SDPA drops.
+    """
+    window = sliding_window(model)
+    longest = max(int(b["input_ids"].shape[-1]) for b in batches) if batches else 0
+    longer = window is not None and longest > window
+    if packed:
+        if longer and (doc := longest_document(batches)) > window:
+            raise ValueError(f"a packed document of {doc} tokens is longer than the model's sliding window "
+                             f"({window}), which the per-document mask does not apply: pack to at most {window} "
+                             "tokens (--seq-len) or train on padded batches (--packing off)")
+        return "document", "packed rows: each token attends to its own document only"
+    drops = scores.sdpa_drops if scores is not None else []
+    if drops:
+        if attention == "causal":
+            raise ValueError(f"attention='causal' (causal-only SDPA) would drop what the model's attention does: it "
+                             f"{' and '.join(drops)}; use attention='auto'")
+        return _attention_keeping_scores(scores, drops, attention, batches, device or next(model.parameters()).device)
+    if attention == "causal" and longer:
+        raise ValueError(f"attention='causal' drops the model's sliding window ({window} tokens), and the batches "
+                         f"hold {longest}; use attention='auto' or 'mask'")
+    if attention != "auto":
+        return attention, "asked for"
+    if batches is None:
+        return "mask", "no batches shown to check right padding"
+    try:
+        check_right_padded(batches)
+    except ValueError:
+        return "mask", "some batch is not right-padded"
+    if longer:
+        return "mask", (f"the model's sliding window ({window} tokens) is shorter than the longest batch "
+                        f"({longest}): its own mask (causal-only SDPA would drop the window)")
+    loaded = {cfg._attn_implementation for cfg in model_configs(model)} - {"sdpa", CAUSAL_SDPA, CAUSAL_SDPA_CUDNN}
+    if loaded:
+        return "mask", (f"the model attends with {', '.join(sorted(map(str, loaded)))}: its own, with its mask "
+                        "(causal-only SDPA replaces SDPA only)")
+    return "causal", "every batch is right-padded: causal-only SDPA (flash, GQA)"
+
+
+def choose_head(model: torch.nn.Module, ce_chunks: int, loss_rows: bool | str,
+                batches: list[dict] | None) -> tuple[LMHead | None, int]:
+    """The LM head the chunked loss computes, and the chunk count that follows: ``(head, ce_chunks)``.
+
+    With ``ce_chunks`` > 0 the model's head is read and checked on a probe forward
+    (:func:`~qlora_nb_utils.ops.lm_head.read_head`); a head the chunked loss does not reproduce
+    turns it off (``ce_chunks`` 0: the model's own head and loss). ``(None, 0)`` when it was off.
+
+    Raises:
+        ValueError: ``loss_rows=True`` (which needs the chunked loss) for a head it does not reproduce.
+    """
+    if not ce_chunks:
+        return None, 0
+    sample = batches[0].get("input_ids") if batches else None
+    head = read_head(model, sample if torch.is_tensor(sample) else None)
+    if head.reproduced:
+        return head, ce_chunks
+    if loss_rows is True:
+        raise ValueError(f"loss_rows=True needs the chunked loss, which would not compute this model's loss: "
+                         f"{head.why}; use loss_rows='auto'")
+    return head, 0
+
+
+#: ``optimize(loss_rows="auto")`` takes the labelled rows only when the batches shown ignore at
+#: least this share of their target rows (below it, the per-step label count is not worth it).
+LOSS_ROWS_WHEN_IGNORED_OVER = 0.1
+
+
+def choose_loss_rows(asked: bool | str, ce_chunks: int, batches: list[dict] | None,
+                      multiple: int) -> tuple[str, str, int | None]:
+    """``optimize(loss_rows=...)``'s choice: (choice, reason, the most head rows a batch shown
+    needs, None: every token)."""
+    if not ce_chunks:
+        return "all", "the model's own loss", None
+    if asked is not True and not batches:
+        return (("labelled", "batches not shown: labelled rows (the same loss; costs a label count per step)")
+                if asked == "auto" else ("all", "asked for")) + (None,)
+    ignored = total = most = 0
+    for batch in batches or ():
+        shifted = "shift_labels" in batch
+        key = "shift_labels" if shifted else "labels"
+        labels = pad_batch(batch, multiple)[key] if key in batch else None
+        if torch.is_tensor(labels) and labels.dim() == 2:
+            targets = labels if shifted else labels[:, 1:]
+            ignored += int((targets == -100).sum())
+            total += targets.numel()
+            most = max(most, labelled_rows(labels, multiple=ce_chunks, shifted=shifted).numel())
+    share = ignored / total if total else 0.0
+    if asked != "auto":
+        return ("labelled", "asked for", most or None) if asked else ("all", "asked for", None)
+    if share >= LOSS_ROWS_WHEN_IGNORED_OVER:
+        return "labelled", f"{share:.0%} of target rows ignored: LM head and loss skip them", most
+    return "all", f"{share:.0%} of target rows ignored: every row (no per-step label count)", None
+
+
+def choose_compile_cache(asked: Any, backend: Any, device_type: str) -> Choice:
+    """Where the run's cache artifacts are kept: a folder, or False.
+
+    ``"auto"``: the package's cache folder on CUDA with Inductor (its artifacts hold the generated
+    kernels, which a new machine or runtime would otherwise compile again); not on a CPU, where the
+    same machine's Inductor cache serves a warm start already. True: that folder anywhere; a path:
+    that folder; False: none.
+    """
+    if asked is False:
+        return Choice(False, "asked for")
+    if backend != "inductor":
+        if asked != "auto":
+            raise ValueError(f"compile_cache: backend {backend!r} leaves no compiled artifacts to keep; "
+                             "use compile_cache='auto' or False")
+        return Choice(False, f"backend {backend!r}: nothing compiled to keep")
+    if asked == "auto" and device_type != "cuda":
+        return Choice(False, f"{device_type}: this machine's Inductor cache serves a warm start")
+    folder = default_folder() if asked in ("auto", True) else Path(asked).expanduser()
+    return Choice(folder, "asked for" if asked not in ("auto", True) else "the package's cache folder")
+
+
+def _doc_keeping_scores(device: torch.device, doc_attention: str, scores: Any, drops: list[str]) -> tuple[str, str]:
+    """The kernel for packed rows of a model whose attention changes its scores in a way SDPA (and varlen) drop."""
+    own = f"the model's attention {' and '.join(drops)}"
+    if doc_attention in ("sdpa", "varlen"):
+        raise ValueError(f"doc_attention={doc_attention!r} would drop what the model's attention does: it "
+                         f"{' and '.join(drops)}; use 'auto' (flex attention on CUDA, its eager attention elsewhere)")
+    if doc_attention != "auto":
+        return doc_attention, "asked for"
+    if (cannot := scores.flex_cannot(device)) is None:
+        return "flex_attention", (f"packed rows: document-causal BlockMask, blocks across documents skipped; {own}, "
+                                  "which flex attention keeps in its score modification")
+    return "eager", (f"packed rows: {own}, which SDPA drops, and flex attention cannot train here ({cannot}): "
+                     "the model's own eager attention with the document mask added to its scores")
+
+
+def choose_doc_kernel(device: torch.device, doc_attention: str, scores: Any = None) -> tuple[str, str]:
+    """The attention kernel for packed batches and why: ``(kernel, reason)``.
+
+    ``scores``: what the model's attention does beyond causal softmax
+    (:func:`~qlora_nb_utils.ops.model_attention.read_attention`). Where SDPA would drop it (Gemma-2's
+    score soft cap), ``"auto"`` takes flex attention on CUDA (the change in its score modification)
+    and the model's eager attention with an additive document mask elsewhere.
+
+    Raises:
+        ValueError: ``doc_attention`` not in :data:`.packed.DOC_ATTENTION`, flex attention asked for
+            on a CPU (no backward there), varlen on CUDA without ``torch.nn.attention.varlen``,
+            or SDPA or varlen asked for where they would drop the model's score changes.
+    """
+    if doc_attention not in DOC_ATTENTION:
+        raise ValueError(f"doc_attention must be one of {list(DOC_ATTENTION)}, got {doc_attention!r}")
+    if doc_attention == "flex_attention" and device.type == "cpu":
+        raise ValueError("doc_attention='flex_attention' cannot train on a CPU (torch has no flex-attention "
+                         "backward there); use 'sdpa' or 'auto'")
+    if doc_attention == "varlen" and device.type == "cuda" and not varlen_available():
+        raise ValueError(f"doc_attention='varlen' needs torch.nn.attention.varlen (torch {torch.__version__} "
+                         "has none); use 'flex_attention' or 'auto'")
+    if drops := (scores.sdpa_drops if scores is not None else []):
+        return _doc_keeping_scores(device, doc_attention, scores, drops)
+    if doc_attention != "auto":
+        why = ("asked for (on a CPU: SDPA with the dense mask of the same cuts)"
+               if doc_attention == "varlen" and device.type != "cuda" else "asked for")
+        return doc_attention, why
+    if device.type == "cuda":
+        return "flex_attention", "packed rows: document-causal BlockMask, blocks across documents skipped"
+    return "sdpa", f"packed rows: dense document mask (no flex-attention backward on {device.type})"

@@ -28,9 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .choices import Choice
-
-__all__ = ["CompileCache", "choose_compile_cache", "cache_key", "default_folder", "save_after_first_step"]
+__all__ = ["CompileCache", "cache_key", "default_folder", "save_after_first_step"]
 
 #: The config fields that make one model's compiled graphs another's: the graphs' shapes.
 SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -80,27 +78,6 @@ def _shown(path: Path) -> str:
     home = str(Path.home())
     text = str(path)
     return "~" + text[len(home):] if home and text.startswith(home + os.sep) else text
-
-
-def choose_compile_cache(asked: Any, backend: Any, device_type: str) -> Choice:
-    """Where the run's cache artifacts are kept: a folder, or False.
-
-    ``"auto"``: the package's cache folder on CUDA with Inductor (its artifacts hold the generated
-    kernels, which a new machine or runtime would otherwise compile again); not on a CPU, where the
-    same machine's Inductor cache serves a warm start already. True: that folder anywhere; a path:
-    that folder; False: none.
-    """
-    if asked is False:
-        return Choice(False, "asked for")
-    if backend != "inductor":
-        if asked != "auto":
-            raise ValueError(f"compile_cache: backend {backend!r} leaves no compiled artifacts to keep; "
-                             "use compile_cache='auto' or False")
-        return Choice(False, f"backend {backend!r}: nothing compiled to keep")
-    if asked == "auto" and device_type != "cuda":
-        return Choice(False, f"{device_type}: this machine's Inductor cache serves a warm start")
-    folder = default_folder() if asked in ("auto", True) else Path(asked).expanduser()
-    return Choice(folder, "asked for" if asked not in ("auto", True) else "the package's cache folder")
 
 
 class CompileCache:

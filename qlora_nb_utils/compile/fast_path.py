@@ -94,15 +94,22 @@ import torch
 from ..ops.doc_attention import with_document_mask
 from ..ops.model_attention import MODEL_ATTENTION, use_attention, with_block_masks
 from ..reversible import PatchHandle
+from . import choices as table
 from . import compile_cache as _artifacts
-from .choices import LORA_NO_GROUP_WHY, LORA_OUT_OF_PLACE_WHY, MAX_CUDAGRAPH_SHAPES, choose_cast
+from .choices import (
+    LORA_NO_GROUP_WHY,
+    LORA_OUT_OF_PLACE_WHY,
+    LOSS_ROWS_WHEN_IGNORED_OVER,
+    MAX_CUDAGRAPH_SHAPES,
+    choose_cast,
+)
 from .memory_estimate import _config_of, estimate_peak_gib
 from .model_patches import keep_bnb_training_layout, use_lora_addmm, use_nf4_dequant
 from .optimized import Optimized, _show
 from .options import MODES, OptimizeOptions
 from .plan import decide
 from .recipe import can_cache_functions, can_recompute_elementwise, prepare_fast
-from .step_inputs import LOSS_ROWS_WHEN_IGNORED_OVER, pad_batch, step_forward
+from .step_inputs import pad_batch, step_forward
 
 __all__ = ["Optimized", "OptimizeOptions", "optimize", "estimate_peak_gib", "pad_batch", "MAX_CUDAGRAPH_SHAPES",
            "MODES", "LOSS_ROWS_WHEN_IGNORED_OVER"]
@@ -139,7 +146,7 @@ def _compile_cache(model: torch.nn.Module, opts: OptimizeOptions, device: torch.
                    reasons: dict, forward: Any) -> tuple[Any, list[PatchHandle]]:
     """The run's cache artifacts (:mod:`.compile_cache`): loaded now, before anything compiles, and saved
     after the first step (by the ``forward`` returned) or at ``undo()`` (by the handle returned)."""
-    choice = _artifacts.choose_compile_cache(opts.compile_cache, opts.backend, device.type)
+    choice = table.choose_compile_cache(opts.compile_cache, opts.backend, device.type)
     if choice.value is False:
         choices["compile_cache"], reasons["compile_cache"] = choice
         return forward, []
@@ -175,7 +182,7 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             ``"mask"`` its eager attention, and ``"causal"`` is refused.
         sdpa_kernel: for causal-only SDPA, ``"auto"`` (cuDNN's kernel first on Hopper GPUs, for rows
             of at least 16384 positions without CUDA graphs, where a probe of the model's attention
-            shape runs: ``ops.attention.choose_sdpa_kernel``), ``"cudnn"`` or ``"default"`` (SDPA's
+            shape runs: :func:`~qlora_nb_utils.compile.choices.choose_sdpa_kernel`), ``"cudnn"`` or ``"default"`` (SDPA's
             own order: flash first).
         keep_attention: each checkpointed layer's recompute takes the attention output its forward
             kept instead of running the attention kernel again (:mod:`.patches.kept_attention`):

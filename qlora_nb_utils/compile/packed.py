@@ -9,7 +9,7 @@ model switched to that kernel (reversibly), and the mask built from each batch's
 nor recompile (:mod:`qlora_nb_utils.ops.doc_attention` says why inside the graph fails). They
 live here so that ``fast_path`` stays one page of choices.
 
-The kernel (``doc_attention="auto"``): flex attention with a document-causal ``BlockMask`` on
+The kernel (``doc_attention="auto"``, chosen by :func:`.choices.choose_doc_kernel`): flex attention with a document-causal ``BlockMask`` on
 CUDA (blocks where two documents do not meet are skipped), the dense boolean mask with SDPA
 elsewhere (torch has no flex-attention backward on a CPU). Either can be asked for. A model whose
 attention changes its scores in a way SDPA drops (Gemma-2's soft cap) keeps it: flex attention's
@@ -26,13 +26,11 @@ assert flex on CUDA. Ask for ``doc_attention="varlen"`` to use it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
-import torch
+from ..ops.doc_attention import DOC_MASK_KERNELS
 
-from ..ops.doc_attention import DOC_MASK_KERNELS, varlen_available
-
-__all__ = ["DOC_ATTENTION", "packed_batches", "choose_doc_kernel"]
+__all__ = ["DOC_ATTENTION", "packed_batches"]
 
 #: What ``optimize(doc_attention=...)`` accepts.
 DOC_ATTENTION = ("auto",) + DOC_MASK_KERNELS
@@ -63,48 +61,3 @@ def packed_batches(batches: Sequence[dict] | None) -> bool:
     return True
 
 
-def _keeping_scores(device: torch.device, doc_attention: str, scores: Any, drops: list[str]) -> tuple[str, str]:
-    """The kernel for packed rows of a model whose attention changes its scores in a way SDPA (and varlen) drop."""
-    own = f"the model's attention {' and '.join(drops)}"
-    if doc_attention in ("sdpa", "varlen"):
-        raise ValueError(f"doc_attention={doc_attention!r} would drop what the model's attention does: it "
-                         f"{' and '.join(drops)}; use 'auto' (flex attention on CUDA, its eager attention elsewhere)")
-    if doc_attention != "auto":
-        return doc_attention, "asked for"
-    if (cannot := scores.flex_cannot(device)) is None:
-        return "flex_attention", (f"packed rows: document-causal BlockMask, blocks across documents skipped; {own}, "
-                                  "which flex attention keeps in its score modification")
-    return "eager", (f"packed rows: {own}, which SDPA drops, and flex attention cannot train here ({cannot}): "
-                     "the model's own eager attention with the document mask added to its scores")
-
-
-def choose_doc_kernel(device: torch.device, doc_attention: str, scores: Any = None) -> tuple[str, str]:
-    """The attention kernel for packed batches and why: ``(kernel, reason)``.
-
-    ``scores``: what the model's attention does beyond causal softmax
-    (:func:`~qlora_nb_utils.ops.model_attention.read_attention`). Where SDPA would drop it (Gemma-2's
-    score soft cap), ``"auto"`` takes flex attention on CUDA (the change in its score modification)
-    and the model's eager attention with an additive document mask elsewhere.
-
-    Raises:
-        ValueError: ``doc_attention`` not in :data:`DOC_ATTENTION`, flex attention asked for
-            on a CPU (no backward there), varlen on CUDA without ``torch.nn.attention.varlen``,
-            or SDPA or varlen asked for where they would drop the model's score changes.
-    """
-    if doc_attention not in DOC_ATTENTION:
-        raise ValueError(f"doc_attention must be one of {list(DOC_ATTENTION)}, got {doc_attention!r}")
-    if doc_attention == "flex_attention" and device.type == "cpu":
-        raise ValueError("doc_attention='flex_attention' cannot train on a CPU (torch has no flex-attention "
-                         "backward there); use 'sdpa' or 'auto'")
-    if doc_attention == "varlen" and device.type == "cuda" and not varlen_available():
-        raise ValueError(f"doc_attention='varlen' needs torch.nn.attention.varlen (torch {torch.__version__} "
-                         "has none); use 'flex_attention' or 'auto'")
-    if drops := (scores.sdpa_drops if scores is not None else []):
-        return _keeping_scores(device, doc_attention, scores, drops)
-    if doc_attention != "auto":
-        why = ("asked for (on a CPU: SDPA with the dense mask of the same cuts)"
-               if doc_attention == "varlen" and device.type != "cuda" else "asked for")
-        return doc_attention, why
-    if device.type == "cuda":
-        return "flex_attention", "packed rows: document-causal BlockMask, blocks across documents skipped"
-    return "sdpa", f"packed rows: dense document mask (no flex-attention backward on {device.type})"

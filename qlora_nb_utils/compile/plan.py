@@ -2,7 +2,7 @@
 
 Why this module exists: ``optimize()`` decides first and changes the model after, so that a bad
 option or a refused choice leaves the model as it was given. :func:`decide` runs the decision
-table (:mod:`.choices`, and the choices that live with what they decide) in the order the
+table (:mod:`.choices`) in the order the
 description lists them, gathering the facts each needs once (the model's compute dtype, the
 batch shapes, the memory estimate), and hands back every choice with its reason and the values
 the recipe is built from (:meth:`Plan.recipe_options`).
@@ -16,21 +16,21 @@ from typing import Any
 
 import torch
 
-from ..ops.attention import choose_attention, choose_sdpa_kernel, cudnn_attention_works
-from ..ops.lm_head import choose_head
+from ..ops.attention import cudnn_attention_works
 from ..ops.model_attention import read_attention
 from . import choices as table
 from . import offload as host
 from .checkpointing import decoder_layers
+from .choices import choose_attention, choose_doc_kernel, choose_head, choose_loss_rows, choose_sdpa_kernel
 from .memory_estimate import _config_of, estimate_terms, longest_fitting, peak_from_terms
 from .model_patches import lora_addmm_expected
 from .offload import check_host_memory, host_bytes
 from .offload import plan as checkpoint_plan
 from .options import OptimizeOptions, RecipeOptions
-from .packed import choose_doc_kernel, packed_batches
+from .packed import packed_batches
 from .patches.kept_attention import attention_unsupported, output_bytes
 from .patches.tiled_mlp import find_mlps
-from .step_inputs import batch_shapes, choose_loss_rows
+from .step_inputs import batch_shapes
 
 __all__ = ["Plan", "decide", "compute_dtype"]
 
@@ -88,7 +88,7 @@ class Plan:
     eager_numerics: bool = False
     chunk_rows: int = 0
     head_rows: int | None = None
-    loss_rows_choice: tuple[str, str] = ("all", "")  # step_inputs.choose_loss_rows' (choice, reason)
+    loss_rows_choice: tuple[str, str] = ("all", "")  # choices.choose_loss_rows' (choice, reason)
 
     def record(self, name: str, choice: table.Choice | None) -> Any:
         """Enter ``choice`` under ``name`` (None: nothing to say) and return its value."""

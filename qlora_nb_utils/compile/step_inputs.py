@@ -34,12 +34,7 @@ import torch
 from ..ops.losses import ROW_BUCKETS, labelled_rows
 from .recipe import partitioner_settings
 
-__all__ = ["to_device", "pad_batch", "batch_shapes", "prepare_batch", "step_forward", "choose_loss_rows", "SEQ_KEYS",
-           "LOSS_ROWS_WHEN_IGNORED_OVER"]
-
-#: ``optimize(loss_rows="auto")`` takes the labelled rows only when the batches shown ignore at
-#: least this share of their target rows (below it, the per-step label count is not worth it).
-LOSS_ROWS_WHEN_IGNORED_OVER = 0.1
+__all__ = ["to_device", "pad_batch", "batch_shapes", "prepare_batch", "step_forward", "SEQ_KEYS"]
 
 #: The per-token keys padding extends and the dynamic marks cover.
 SEQ_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "document_ids", "shift_labels")
@@ -154,28 +149,3 @@ def step_forward(compiled: Callable[..., Any], *, multiple: int, pad_id: int, ma
     return forward
 
 
-def choose_loss_rows(asked: bool | str, ce_chunks: int, batches: list[dict] | None,
-                      multiple: int) -> tuple[str, str, int | None]:
-    """``optimize(loss_rows=...)``'s choice: (choice, reason, the most head rows a batch shown
-    needs, None: every token)."""
-    if not ce_chunks:
-        return "all", "the model's own loss", None
-    if asked is not True and not batches:
-        return (("labelled", "batches not shown: labelled rows (the same loss; costs a label count per step)")
-                if asked == "auto" else ("all", "asked for")) + (None,)
-    ignored = total = most = 0
-    for batch in batches or ():
-        shifted = "shift_labels" in batch
-        key = "shift_labels" if shifted else "labels"
-        labels = pad_batch(batch, multiple)[key] if key in batch else None
-        if torch.is_tensor(labels) and labels.dim() == 2:
-            targets = labels if shifted else labels[:, 1:]
-            ignored += int((targets == -100).sum())
-            total += targets.numel()
-            most = max(most, labelled_rows(labels, multiple=ce_chunks, shifted=shifted).numel())
-    share = ignored / total if total else 0.0
-    if asked != "auto":
-        return ("labelled", "asked for", most or None) if asked else ("all", "asked for", None)
-    if share >= LOSS_ROWS_WHEN_IGNORED_OVER:
-        return "labelled", f"{share:.0%} of target rows ignored: LM head and loss skip them", most
-    return "all", f"{share:.0%} of target rows ignored: every row (no per-step label count)", None

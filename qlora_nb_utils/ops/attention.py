@@ -77,15 +77,15 @@ with this mask or with none (an ``AttributeError`` on the cache layer's ``dtype`
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 import torch
 
 from ..reversible import PatchHandle
 
-__all__ = ["CAUSAL_SDPA", "CAUSAL_SDPA_CUDNN", "SDPA_KERNELS", "cudnn_attention_works", "choose_sdpa_kernel",
-           "CAUSAL_FLEX", "KERNELS", "register_causal", "register_causal_sdpa", "use_causal_attention",
-           "sliding_window", "choose_attention",
+__all__ = ["CAUSAL_SDPA", "CAUSAL_SDPA_CUDNN", "SDPA_KERNELS", "cudnn_attention_works", "CUDNN_FIRST_CAPABILITIES",
+           "CUDNN_MIN_POSITIONS", "CAUSAL_FLEX", "KERNELS", "register_causal", "register_causal_sdpa",
+           "use_causal_attention", "sliding_window", "longest_document", "model_configs", "cached_block_mask",
            "use_causal_sdpa", "use_causal_flex", "causal_masks_for", "check_right_padded", "causal_block_mask",
            "with_causal_block_mask"]
 
@@ -93,7 +93,7 @@ __all__ = ["CAUSAL_SDPA", "CAUSAL_SDPA_CUDNN", "SDPA_KERNELS", "cudnn_attention_
 CAUSAL_SDPA = "qlora_causal_sdpa"
 #: :data:`CAUSAL_SDPA` with SDPA's cuDNN kernel first (then flash, memory-efficient, math).
 CAUSAL_SDPA_CUDNN = "qlora_causal_sdpa_cudnn"
-#: ``optimize(sdpa_kernel=...)``'s values: ``"auto"`` (:func:`choose_sdpa_kernel`), ``"cudnn"``, ``"default"``.
+#: ``optimize(sdpa_kernel=...)``'s values: ``"auto"`` (:func:`~qlora_nb_utils.compile.choices.choose_sdpa_kernel`), ``"cudnn"``, ``"default"``.
 SDPA_KERNELS = ("auto", "cudnn", "default")
 #: The compute capabilities where ``"auto"`` takes cuDNN's kernel: Hopper, where it was measured
 #: faster than SDPA's flash kernel for causal training (the lab's attention-backend record).
@@ -184,7 +184,9 @@ def register_causal_sdpa() -> str:
     return register_causal("sdpa")
 
 
-def _configs(model: torch.nn.Module) -> list:
+def model_configs(model: torch.nn.Module) -> list:
+    """Every config ``model`` carries that names an attention implementation, once each (a PEFT
+    wrapper, the causal LM and its decoder may share one): what switching the attention changes."""
     seen, out = set(), []
     for m in model.modules():
         cfg = getattr(m, "config", None)
@@ -192,6 +194,9 @@ def _configs(model: torch.nn.Module) -> list:
             seen.add(id(cfg))
             out.append(cfg)
     return out
+
+
+_configs = model_configs  # the older private name, still imported by distributed.ring_attention
 
 
 def use_causal_attention(model: torch.nn.Module, kernel: str, cudnn: bool = False) -> PatchHandle:
@@ -216,7 +221,7 @@ def use_causal_attention(model: torch.nn.Module, kernel: str, cudnn: bool = Fals
     """
     name = register_causal(kernel, cudnn)
     short = {"sdpa": "sdpa", "flex_attention": "flex"}[kernel]
-    configs = _configs(model)
+    configs = model_configs(model)
     if not configs:
         raise ValueError(f"{type(model).__name__} holds no transformers config with an attention implementation")
     current = {cfg._attn_implementation for cfg in configs}
@@ -261,48 +266,6 @@ def cudnn_attention_works(device: torch.device, heads: int, kv_heads: int, head_
     except RuntimeError as exc:  # "No available kernel", a cuDNN error: SDPA's default then
         return False, f"cuDNN attention refused a probe of this shape ({str(exc).splitlines()[0][:120]})"
     return True, ""
-
-
-def choose_sdpa_kernel(asked: str, attention: str, device: torch.device, capability: tuple[int, int] | None,
-                       works: Callable[[], tuple[bool, str]], longest: int = 0,
-                       cuda_graphs: bool = False) -> tuple[str, str]:
-    """``optimize(sdpa_kernel=...)``'s choice and its reason: ``"cudnn"`` or ``"default"``.
-
-    ``"auto"`` takes cuDNN's kernel for causal-only SDPA on a GPU of :data:`CUDNN_FIRST_CAPABILITIES`,
-    for rows (``longest`` positions) of at least :data:`CUDNN_MIN_POSITIONS`, without CUDA graphs
-    (where it was measured), and where ``works()`` (:func:`cudnn_attention_works` on the model's
-    shape) passes: the same attention (its loss within bf16 noise of the flash kernel's), faster
-    there. Elsewhere SDPA chooses as it does by default.
-
-    Raises:
-        ValueError: ``asked`` is not in :data:`SDPA_KERNELS`; ``"cudnn"`` without causal-only SDPA
-            (a mask or packed documents) or where ``works()`` fails.
-    """
-    if asked not in SDPA_KERNELS:
-        raise ValueError(f"sdpa_kernel must be one of {list(SDPA_KERNELS)}, got {asked!r}")
-    if asked == "default":
-        return "default", "asked for"
-    if attention != "causal":
-        if asked == "cudnn":
-            raise ValueError(f"sdpa_kernel='cudnn' needs causal-only SDPA; the attention is {attention!r}")
-        if attention in ("flex", "eager"):
-            return "default", f"no SDPA: {attention} attention"
-        return "default", "not causal-only SDPA: SDPA's own order"
-    if asked == "auto" and device.type != "cuda":
-        return "default", "SDPA's own order (cuDNN's kernel is a CUDA kernel)"
-    if asked == "auto" and capability not in CUDNN_FIRST_CAPABILITIES:
-        return "default", "SDPA's own order: cuDNN first only on Hopper GPUs (sm_90), where it was measured faster"
-    if asked == "auto" and longest < CUDNN_MIN_POSITIONS:
-        return "default", (f"SDPA's own order: cuDNN first only for rows of at least {CUDNN_MIN_POSITIONS} "
-                           "positions, where it was measured faster")
-    if asked == "auto" and cuda_graphs:
-        return "default", "SDPA's own order: CUDA graphs (cuDNN's kernel was measured without them)"
-    ok, why = works()
-    if not ok:
-        if asked == "cudnn":
-            raise ValueError(f"sdpa_kernel='cudnn': {why}")
-        return "default", why
-    return "cudnn", "asked for" if asked == "cudnn" else "causal SDPA on Hopper: cuDNN's kernel first (then flash)"
 
 
 def use_causal_flex(model: torch.nn.Module) -> PatchHandle:
@@ -388,7 +351,9 @@ def _window_mod(window: int):
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_block_mask(seq_len: int, device: str, block_size: int, window: int | None = None):
+def cached_block_mask(seq_len: int, device: str, block_size: int, window: int | None = None):
+    """The causal ``BlockMask`` of ``seq_len`` (within ``window`` tokens when given), built once per
+    length, device, block size and window: the mask a forward outside the graph hands the model."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     mask_mod = _causal_mod if window is None else _window_mod(window)
@@ -426,7 +391,7 @@ def causal_block_mask(seq_len: int, device: str | torch.device = "cpu", block_si
     for name, value in (("seq_len", seq_len), ("block_size", block_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return _cached_block_mask(seq_len, str(torch.device(device)), block_size)
+    return cached_block_mask(seq_len, str(torch.device(device)), block_size)
 
 
 def with_causal_block_mask(forward, block_size: int = 128):
@@ -457,7 +422,7 @@ def sliding_window(model: torch.nn.Module) -> int | None:
     Read from the config (``sliding_window``; with ``layer_types``, only when some layer is
     ``"sliding_attention"``): Mistral, Gemma-2/3, Qwen2 with ``use_sliding_window`` and their kin.
     """
-    for cfg in _configs(model):
+    for cfg in model_configs(model):
         window = getattr(cfg, "sliding_window", None)
         types = getattr(cfg, "layer_types", None)
         if isinstance(window, int) and not isinstance(window, bool) and window > 0 and (
@@ -466,11 +431,7 @@ def sliding_window(model: torch.nn.Module) -> int | None:
     return None
 
 
-def _longest(batches: Iterable[dict]) -> int:
-    return max(int(b["input_ids"].shape[-1]) for b in batches)
-
-
-def _longest_document(batches: Iterable[dict]) -> int:
+def longest_document(batches: Iterable[dict]) -> int:
     """The most tokens one document spans in packed rows (runs of equal ``document_ids``)."""
     most = 0
     for batch in batches:
@@ -480,80 +441,4 @@ def _longest_document(batches: Iterable[dict]) -> int:
             most = max(most, int(real.max()) if real.numel() else 0)
     return most
 
-
-def _keeping_scores(scores, drops: list[str], attention: str, batches: list[dict] | None,
-                    device: torch.device) -> tuple[str, str]:
-    """The attention for padded rows of a model whose attention changes its scores in a way SDPA drops:
-    ``"flex"`` (:data:`~qlora_nb_utils.ops.model_attention.FLEX_SCORES`) where it can train, else ``"eager"``."""
-    own = f"the model's attention {' and '.join(drops)}, which SDPA drops"
-    eager = "the model's own eager attention with its mask"
-    if attention == "mask":
-        return "eager", f"asked for the model's own mask; {own}: {eager}"
-    if (cannot := scores.flex_cannot(device)) is not None:
-        return "eager", f"{own}; flex attention, which keeps it, cannot train here ({cannot}): {eager}"
-    if batches is None:
-        return "eager", f"{own}; no batches shown to check right padding for flex attention's causal masks: {eager}"
-    try:
-        check_right_padded(batches)
-    except ValueError:
-        return "eager", f"{own}; some batch is not right-padded (flex attention's masks here are causal only): {eager}"
-    windows = ", ".join(str(w) for w in scores.windows)
-    return "flex", (f"{own}: flex attention with it in the score modification, causal block masks built outside "
-                    "the graph" + (f" (sliding window {windows} on the layers that have one)" if windows else ""))
-
-
-def choose_attention(model: torch.nn.Module, attention: str, batches: list[dict] | None,
-                     packed: bool, scores: Any = None, device: torch.device | None = None) -> tuple[str, str]:
-    """``optimize(attention=...)``'s choice and its reason: ``"document"``, ``"causal"``, ``"mask"``,
-    ``"flex"`` or ``"eager"``.
-
-    Causal-only SDPA (:func:`use_causal_sdpa`) drops a sliding window, and the per-document mask of
-    packed rows applies none: where a window is shorter than the longest row shown, ``"auto"``
-    keeps the model's own mask, and packing (or ``"causal"``) is refused.
-
-    SDPA also drops what some models do to their attention scores (a soft cap, sinks, a position
-    bias: ``scores``, :func:`~qlora_nb_utils.ops.model_attention.read_attention`): for those,
-    padded rows take ``"flex"`` (flex attention with the change in its score modification, on
-    ``device`` CUDA, right-padded batches) or else ``"eager"`` (the model's own eager attention),
-    and ``"causal"`` is refused. A model loaded with another attention than SDPA keeps its own
-    (``"mask"``) under ``"auto"``: causal-only SDPA replaces SDPA only.
-
-    Raises:
-        ValueError: packed rows, or ``attention="causal"`` on rows, longer than the model's sliding window;
-            ``attention="causal"`` for a model whose score changes SDPA drops.
-    """
-    window = sliding_window(model)
-    longest = _longest(batches) if batches else 0
-    longer = window is not None and longest > window
-    if packed:
-        if longer and (doc := _longest_document(batches)) > window:
-            raise ValueError(f"a packed document of {doc} tokens is longer than the model's sliding window "
-                             f"({window}), which the per-document mask does not apply: pack to at most {window} "
-                             "tokens (--seq-len) or train on padded batches (--packing off)")
-        return "document", "packed rows: each token attends to its own document only"
-    drops = scores.sdpa_drops if scores is not None else []
-    if drops:
-        if attention == "causal":
-            raise ValueError(f"attention='causal' (causal-only SDPA) would drop what the model's attention does: it "
-                             f"{' and '.join(drops)}; use attention='auto'")
-        return _keeping_scores(scores, drops, attention, batches, device or next(model.parameters()).device)
-    if attention == "causal" and longer:
-        raise ValueError(f"attention='causal' drops the model's sliding window ({window} tokens), and the batches "
-                         f"hold {longest}; use attention='auto' or 'mask'")
-    if attention != "auto":
-        return attention, "asked for"
-    if batches is None:
-        return "mask", "no batches shown to check right padding"
-    try:
-        check_right_padded(batches)
-    except ValueError:
-        return "mask", "some batch is not right-padded"
-    if longer:
-        return "mask", (f"the model's sliding window ({window} tokens) is shorter than the longest batch "
-                        f"({longest}): its own mask (causal-only SDPA would drop the window)")
-    loaded = {cfg._attn_implementation for cfg in _configs(model)} - {"sdpa", CAUSAL_SDPA, CAUSAL_SDPA_CUDNN}
-    if loaded:
-        return "mask", (f"the model attends with {', '.join(sorted(map(str, loaded)))}: its own, with its mask "
-                        "(causal-only SDPA replaces SDPA only)")
-    return "causal", "every batch is right-padded: causal-only SDPA (flash, GQA)"
 

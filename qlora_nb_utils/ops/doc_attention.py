@@ -62,7 +62,7 @@ from typing import Any, Callable
 import torch
 
 from ..reversible import PatchHandle
-from .attention import _configs
+from .attention import model_configs
 
 __all__ = ["DOC_MASK_KERNELS", "document_mask_mod", "document_block_mask", "document_dense_mask",
            "document_additive_mask",
@@ -271,7 +271,7 @@ def use_document_attention(model: torch.nn.Module, kernel: str) -> PatchHandle:
     if kernel not in DOC_MASK_KERNELS:
         raise ValueError(f"kernel must be one of {DOC_MASK_KERNELS}, got {kernel!r}")
     name = register_varlen() if kernel == "varlen" else kernel
-    configs = _configs(model)
+    configs = model_configs(model)
     if not configs:
         raise ValueError(f"{type(model).__name__} holds no transformers config with an attention implementation")
     handle = PatchHandle("document_attention", {"configs": len(configs), "implementation": name})

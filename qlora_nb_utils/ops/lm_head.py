@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LMHead", "read_head", "choose_head", "causal_lm_of", "decoder_of", "PROBE_TOKENS", "PROBE_MAGNITUDE"]
+__all__ = ["LMHead", "read_head", "causal_lm_of", "decoder_of", "PROBE_TOKENS", "PROBE_MAGNITUDE"]
 
 #: Tokens in the probe forward.
 PROBE_TOKENS = 8
@@ -228,24 +228,3 @@ def read_head(model: torch.nn.Module, input_ids: torch.Tensor | None = None) -> 
                                         f"the caps and scales its config names (largest difference {best:.3g} on a probe)")
 
 
-def choose_head(model: torch.nn.Module, ce_chunks: int, loss_rows: bool | str,
-                batches: list[dict] | None) -> tuple[LMHead | None, int]:
-    """The LM head the chunked loss computes, and the chunk count that follows: ``(head, ce_chunks)``.
-
-    With ``ce_chunks`` > 0 the model's head is read and checked on a probe forward
-    (:func:`~qlora_nb_utils.ops.lm_head.read_head`); a head the chunked loss does not reproduce
-    turns it off (``ce_chunks`` 0: the model's own head and loss). ``(None, 0)`` when it was off.
-
-    Raises:
-        ValueError: ``loss_rows=True`` (which needs the chunked loss) for a head it does not reproduce.
-    """
-    if not ce_chunks:
-        return None, 0
-    sample = batches[0].get("input_ids") if batches else None
-    head = read_head(model, sample if torch.is_tensor(sample) else None)
-    if head.reproduced:
-        return head, ce_chunks
-    if loss_rows is True:
-        raise ValueError(f"loss_rows=True needs the chunked loss, which would not compute this model's loss: "
-                         f"{head.why}; use loss_rows='auto'")
-    return head, 0

@@ -13,7 +13,7 @@ sliding windows live in the mask, so those are kept by the mask paths already.
 What the model does is read from it, not assumed from its name: one probe forward records what
 every layer passes to its attention (``softcap``, ``s_aux``, ``position_bias``, ``sliding_window``,
 ``dropout``, anything unknown; :func:`~qlora_nb_utils.models.attention_scores.read_attention`).
-:func:`~qlora_nb_utils.ops.attention.choose_attention` then keeps what SDPA would drop:
+:func:`~qlora_nb_utils.compile.choices.choose_attention` then keeps what SDPA would drop:
 
 * **Flex attention with the change as a score modification** (:data:`FLEX_SCORES`, CUDA):
   transformers' own ``flex_attention_forward``, which applies ``softcap`` (and ``s_aux``,
@@ -30,7 +30,7 @@ every layer passes to its attention (``softcap``, ``s_aux``, ``position_bias``, 
   batches that are not right-padded (the causal block masks assume right padding).
 
 Packed rows take the same choice through their per-document mask
-(:func:`~qlora_nb_utils.compile.packed.choose_doc_kernel`): flex attention's ``score_mod`` keeps
+(:func:`~qlora_nb_utils.compile.choices.choose_doc_kernel`): flex attention's ``score_mod`` keeps
 the cap beside the document ``BlockMask``, and elsewhere the dense document mask is given to the
 eager attention as an additive mask (:func:`~qlora_nb_utils.ops.doc_attention.document_additive_mask`).
 
@@ -46,7 +46,7 @@ import torch
 
 from ..models.attention_scores import AttentionScores, read_attention
 from ..reversible import PatchHandle
-from .attention import _cached_block_mask, _configs
+from .attention import cached_block_mask, model_configs
 
 __all__ = ["AttentionScores", "read_attention", "FLEX_SCORES", "MASKS_KWARG", "register_flex_scores",
            "use_attention", "block_masks", "with_block_masks", "MODEL_ATTENTION"]
@@ -104,7 +104,7 @@ def use_attention(model: torch.nn.Module, name: str) -> PatchHandle:
     """
     if name == FLEX_SCORES:
         register_flex_scores()
-    configs = _configs(model)
+    configs = model_configs(model)
     if not configs:
         raise ValueError(f"{type(model).__name__} holds no transformers config with an attention implementation")
     handle = PatchHandle("model_attention", {"configs": len(configs), "implementation": name})
@@ -127,7 +127,7 @@ def block_masks(seq_len: int, device: str | torch.device, windows: tuple[int, ..
         raise RuntimeError("block_masks runs outside the compiled graph: wrap the compiled model with "
                            "with_block_masks(torch.compile(model), ...), not the reverse")
     where = str(torch.device(device))
-    return {w: _cached_block_mask(seq_len, where, block_size, w or None) for w in (0, *windows)}
+    return {w: cached_block_mask(seq_len, where, block_size, w or None) for w in (0, *windows)}
 
 
 def _check_windows(windows: tuple) -> tuple[int, ...]:
