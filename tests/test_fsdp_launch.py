@@ -51,7 +51,7 @@ def test_the_adapter_loads_in_one_process_with_the_same_eval_loss(rehearsal):
     from peft import PeftModel
 
     from qlora_nb_utils import models
-    from qlora_nb_utils.distributed.global_batches import _loss_sum, _target_count, make_global_batches
+    from qlora_nb_utils.distributed.global_batches import loss_sum, make_global_batches, target_count
 
     summary = json.loads((rehearsal / "summary.json").read_text())
     base, tok = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu", lora=False)
@@ -61,12 +61,12 @@ def test_the_adapter_loads_in_one_process_with_the_same_eval_loss(rehearsal):
                                                                       "pack", "seed", "permute_rows")})
     batch = make_global_batches(tok, opts)[0]
     with torch.no_grad():
-        loss = float(_loss_sum(model, batch)) / _target_count(batch)
+        loss = float(loss_sum(model, batch)) / target_count(batch)
     assert abs(loss - summary["eval_loss"]) <= EVAL_TOL, (loss, summary["eval_loss"])
     fresh, _ = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu", lora=True)
     fresh.train()
     with torch.no_grad():
-        untrained = float(_loss_sum(fresh, batch)) / _target_count(batch)
+        untrained = float(loss_sum(fresh, batch)) / target_count(batch)
     assert abs(untrained - loss) > 100 * EVAL_TOL  # the adapter changed the loss: the check can fail
 
 

@@ -28,8 +28,10 @@ that loads in a plain ``PeftModel``, checkpoints that resume bit for bit).
   rank's rows, and the loss normalised to the one-process loss.
 - ``trainer``: the same fine-tune through HF ``Trainer`` / TRL (``run_trainer``,
   ``--trainer hf|trl``).
-- ``runs``: the parent-process side for notebook 07: ``runs.launch``, ``read_log``,
-  ``compare_runs``.
+- ``runs``: what every layout's run shares: its options (``add_common_arguments``), their checks
+  (``check_common``, the ``--optimize`` options once as one ``compile.OptimizeOptions``), the steps
+  around each rank's loop (``RankRun``: log, summary, process group); and the parent-process side
+  for notebook 07: ``runs.launch``, ``read_log``, ``compare_runs``.
 - ``launch``: the one ``torchrun`` entry for every layout (``--layout fsdp|pipeline|context``),
   ``python -m qlora_nb_utils.distributed.launch``; the module owns the name ``launch`` here.
 - ``pipeline``: the decoder layers split into stages over the ranks on
@@ -59,6 +61,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "use_ring_attention": "ring_attention",
     "make_global_batches": "global_batches",
     "run_trainer": "trainer",
-    **{name: "runs" for name in ("read_log", "compare_runs")},  # runs.launch: the name is the launch module's
+    # runs.launch: the name is the launch module's
+    **{name: "runs" for name in ("read_log", "compare_runs", "RankRun", "add_common_arguments", "check_common",
+                                 "optimize_knobs")},
     **{name: "pipeline" for name in ("SCHEDULES", "PipelineQLoRA", "build_pipeline", "split_layers")},
 })

@@ -273,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..training.device import peak_mem_gib, reset_peak, sync
     from .fsdp import apply_fsdp2, clip_grad_norm
     from .packed_words import sharded_nf4_precision
+    from .runs import graph_break_total, max_over_ranks
     from .setup import init_distributed
-    from .summary import _graph_break_total, _max_over_ranks
 
     info = init_distributed(args.device)
     dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if q.requires_grad:
                 q.data = q.data.to(info.device)
     build_s = time.perf_counter() - t0
-    build_peak = _max_over_ranks(peak_mem_gib(info.device), info.device)
+    build_peak = max_over_ranks(peak_mem_gib(info.device), info.device)
     gen = torch.Generator().manual_seed(info.rank)
     make = lambda: torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=gen)  # noqa: E731
     fast = None
@@ -307,8 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         sharded = apply_fsdp2(model, mp_policy=plan, nf4="shard", grad_ckpt=True, cpu_offload=args.cpu_offload,
                               compile_layers=args.compile, fullgraph=False, frozen="shard")
-    shard_peak = _max_over_ranks(peak_mem_gib(info.device), info.device)  # the build's and the sharding's
-    breaks_before = _graph_break_total()[0]
+    shard_peak = max_over_ranks(peak_mem_gib(info.device), info.device)  # the build's and the sharding's
+    breaks_before = graph_break_total()[0]
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     reset_peak(info.device)
@@ -329,11 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         times.append(time.perf_counter() - t)
     timed = sorted(times[1:] or times)
     step_s = timed[len(timed) // 2]
-    peak = _max_over_ranks(peak_mem_gib(info.device), info.device)
+    peak = max_over_ranks(peak_mem_gib(info.device), info.device)
     ram = cpu_ram_gib()
     rss = torch.tensor([ram["peak_rss"]], dtype=torch.float64, device=info.device)
     dist.all_reduce(rss)  # every rank's peak resident memory, summed: what the run asked of the host
-    machine = _max_over_ranks(ram["machine_used"] or 0.0, info.device)
+    machine = max_over_ranks(ram["machine_used"] or 0.0, info.device)
     measured = {"peak_mem_gib_per_gpu": peak, "tokens_per_s": args.batch * args.seq_len * info.world_size / step_s,
                 "median_step_s": step_s, "first_step_s": times[0], "build_s": build_s,
                 "build_peak_mem_gib_per_gpu": build_peak, "shard_peak_mem_gib_per_gpu": shard_peak,
@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               **measured, "fast_path": fast is not None,
               "optimize_choices": {k: str(v) for k, v in fast.opt.choices.items()} if fast is not None else None,
               "compile_stats": fast.compile_stats() if fast is not None else None,
-              "graph_breaks": _graph_break_total()[0] - breaks_before,
+              "graph_breaks": graph_break_total()[0] - breaks_before,
               "extrapolated": config.num_hidden_layers < total,
               "extrapolation": extrapolate(measured, config.num_hidden_layers, total)
               if config.num_hidden_layers < total else None,

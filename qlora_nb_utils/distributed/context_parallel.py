@@ -43,16 +43,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
-import os
-import shlex
 import sys
-import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
+from .runs import RankRun, add_common_arguments, add_sharding_arguments, check_common, run_main, world_size_from_env
 
 __all__ = ["head_tail_order", "shard_positions", "shard_multiple", "shift_targets", "target_count", "shard_batch",
            "ContextParallel", "optimize_context_parallel", "train_step", "eval_loss", "build_parser", "add_arguments",
@@ -240,42 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options: the layouts' shared model, data, batch and output options (``qlora-nb train``'s
-    names), the memory target, the shards and the FSDP2 ones (``launch --layout context`` takes them)."""
-    from .fsdp import FROZEN_MODES, NF4_MODES
-
-    p.add_argument("--model", default="tiny", help="a named model (models.MODEL_NAMES), a folder or a hub id")
-    p.add_argument("--data", default=None, help="a JSONL file or a save_to_disk folder (default: the shipped set)")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps")
-    p.add_argument("--out", required=True, help="output folder (log.jsonl, summary.json, adapter/)")
-    p.add_argument("--global-batch-size", "--batch-size", dest="global_batch_size", type=int, default=1,
-                   help="rows per optimizer step; every rank holds a shard of every row")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per forward (default: all)")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per row, split over the ranks")
-    p.add_argument("--pack", action="store_true", help="pack examples into full --seq-len rows (no document mask)")
+    names; here one row per step of 1024 tokens by default), FSDP2's, the memory target and the
+    shards (``launch --layout context`` takes them)."""
+    add_common_arguments(p, global_batch_size=1, seq_len=1024, timing_warmup=1)
+    add_sharding_arguments(p)
     p.add_argument("--limit", type=int, default=None, help="read only the first N examples of the data")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--build", default="load", choices=("load", "layerwise"),
-                   help="layerwise: the named shape with random NF4 weights, built one linear layer at a time")
     p.add_argument("--max-memory-gib", type=float, default=None,
                    help="optimize()'s peak-memory target per GPU, met for each rank's shard of a row")
     p.add_argument("--no-load-balance", dest="load_balance", action="store_false",
                    help="contiguous shards instead of head-tail ones (uneven causal work)")
-    p.add_argument("--nf4", default="auto", choices=("auto",) + tuple(NF4_MODES))
-    p.add_argument("--frozen", default="auto", choices=("auto",) + tuple(FROZEN_MODES))
-    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPUOffloadPolicy")
-    p.add_argument("--check-bytes", action="store_true", help="compare every packed byte after the first all-gather")
-    p.add_argument("--backend", default="inductor", help="torch.compile backend")
-    p.add_argument("--optimize", action="append", default=[], metavar="KEY=VALUE", help="an optimize() option")
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--warmup", "--warmup-steps", dest="warmup", type=int, default=0)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timing-warmup", type=int, default=1, help="steps left out of the tokens/s median")
-    p.add_argument("--eval", action="store_true", help="the mean loss over the first batch after training")
-    p.add_argument("--no-adapter", action="store_true")
 
 
 _DEFAULTS = {name: a.default for a in build_parser()._actions for name in [a.dest] if name != "help"}
@@ -297,28 +266,27 @@ def _settings(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Check the options (before any model loads); returns them with ``micro_batch_size`` filled in.
+    """Check the options (before any model loads); returns them with ``micro_batch_size`` and
+    ``optimize_knobs`` filled in.
 
     Raises:
         ValueError: with what to change.
     """
     args = _settings(args)
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1; got {args.steps}")
-    if args.global_batch_size < 1:
-        raise ValueError(f"--global-batch-size must be >= 1; got {args.global_batch_size}")
+    if args.max_memory_gib is not None and args.max_memory_gib <= 0:
+        raise ValueError(f"--max-memory-gib must be > 0; got {args.max_memory_gib}")
+    # what optimize_context_parallel hands optimize() itself, checked with --optimize's options
+    check_common(args, layout="context",
+                 fixed={"scope": "regional", "cast": False, "backend": args.backend, "keep_attention": False,
+                        "sdpa_kernel": "default", "max_memory_gib": args.max_memory_gib},
+                 flags={"backend": "--backend", "max_memory_gib": "--max-memory-gib"})
     micro = args.micro_batch_size or args.global_batch_size
-    if micro < 1 or args.global_batch_size % micro:
+    if args.global_batch_size % micro:
         raise ValueError(f"--micro-batch-size {micro} must divide --global-batch-size {args.global_batch_size}")
-    need = shard_multiple(world_size, 8, args.load_balance)
+    need = shard_multiple(world_size, args.optimize_knobs.get("pad_multiple", 8), args.load_balance)
     if args.seq_len < need:
         raise ValueError(f"--seq-len {args.seq_len} is shorter than {need}: {world_size} ranks need at least that "
                          "many positions (rows are padded to a multiple of it)")
-    if args.max_memory_gib is not None and args.max_memory_gib <= 0:
-        raise ValueError(f"--max-memory-gib must be > 0; got {args.max_memory_gib}")
-    from .fast import optimize_options
-
-    optimize_options(args.optimize)
     args.micro_batch_size = micro
     return args
 
@@ -332,15 +300,11 @@ def _batches(tok, args) -> list[dict]:
                          pack=args.pack, seed=args.seed)
 
 
-def _setup(args, info):
-    """Load (or build), then :func:`optimize_context_parallel`. Returns ``(cp, batches, dtype)``."""
-    from .fast import optimize_options
-    from .fsdp_train import frozen_mode
+def _setup(args, info, dtype):
+    """Load (or build), then :func:`optimize_context_parallel`. Returns ``(cp, batches)``."""
     from .packed_words import sharded_nf4_precision
-    from .setup import load_qlora, resolve_nf4_mode
+    from .setup import load_qlora, resolve_frozen_mode, resolve_nf4_mode
 
-    dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
-        else getattr(torch, args.dtype)
     mp, storage = sharded_nf4_precision(dtype, "auto")  # no 16-bit all-gather of packed words
     if args.build == "layerwise":
         from .big_model import build_named_qlora
@@ -351,15 +315,16 @@ def _setup(args, info):
         model, tok = load_qlora(args.model, dtype=dtype, device=info.device, quant_storage=storage,
                                 lora_r=args.lora_r, lora_alpha=args.lora_alpha, seed=args.seed)
     batches = _batches(tok, args)
-    knobs = optimize_options(args.optimize)
+    knobs = dict(args.optimize_knobs)
     if args.max_memory_gib is not None:
         knobs["max_memory_gib"] = args.max_memory_gib
     micro = [{k: v[:args.micro_batch_size] for k, v in b.items()} for b in batches[:2]]
     cp = optimize_context_parallel(model, batches=micro, load_balance=args.load_balance, mp_policy=mp,
-                                   nf4=resolve_nf4_mode(args.nf4, info.backend), frozen=frozen_mode(args, info),
+                                   nf4=resolve_nf4_mode(args.nf4, info.backend),
+                                   frozen=resolve_frozen_mode(args.frozen, info.backend),
                                    cpu_offload=args.cpu_offload, backend=args.backend,
                                    verify="exact" if args.check_bytes else True, **knobs)
-    return cp, batches, dtype
+    return cp, batches
 
 
 def train_step(cp: ContextParallel, batch: dict, micro_batch_size: int, device) -> dict:
@@ -402,103 +367,56 @@ def run(args: argparse.Namespace) -> dict | None:
     """Train as ``args`` say on this rank (under ``torchrun``). Returns the summary on rank 0, None elsewhere."""
     import torch.distributed as dist
 
-    from ..training.device import peak_mem_gib, reset_peak, sync
+    from ..training.device import reset_peak
     from .checkpoint import save_adapter
     from .fsdp import clip_grad_norm
-    from .setup import init_distributed
-    from .summary import _graph_break_total, _max_over_ranks
 
-    args = validate(args, int(os.environ.get("WORLD_SIZE", "1")))
-    info = init_distributed(args.device)
-    out = Path(args.out)
-    if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "log.jsonl").unlink(missing_ok=True)
-    torch.manual_seed(args.seed)
-    breaks_before, _ = _graph_break_total()
-    cp, batches, dtype = _setup(args, info)
+    if not hasattr(args, "optimize_knobs"):  # not checked yet (launch and main check before they call this)
+        args = validate(args, world_size_from_env())
+    job = RankRun(args, tag="context_parallel", module="qlora_nb_utils.distributed.context_parallel")
+    info, out = job.info, job.out
+    job.reset_log()
+    cp, batches = _setup(args, info, job.dtype)
     root = cp.fast.root
     params = [p for p in root.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    warm = max(args.warmup, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    opt, sched = job.optimizer(params)
     dist.barrier()
     reset_peak(info.device)
     root.train()
-    records, peak = [], 0.0
+    records = []
     for step in range(args.steps):
         batch = batches[step % len(batches)]
-        sync(info.device)
-        t0 = time.perf_counter()
+        t0 = job.clock()
         rec = train_step(cp, batch, args.micro_batch_size, info.device)
-        grad_norm = clip_grad_norm(params, args.max_grad_norm if args.max_grad_norm > 0 else None)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        sync(info.device)
-        rec["step_ms"] = (time.perf_counter() - t0) * 1e3
-        if not math.isfinite(rec["loss"]):
-            raise FloatingPointError(f"loss is {rec['loss']} at step {step}")
-        peak = max(peak, _max_over_ranks(peak_mem_gib(info.device), info.device))
-        rec.update(step=step, grad_norm=grad_norm, peak_mem_gib=peak, world_size=info.world_size,
+        grad_norm, lr = job.optimizer_step(opt, sched, lambda max_norm: clip_grad_norm(params, max_norm))
+        rec["step_ms"] = (job.clock() - t0) * 1e3
+        rec.update(step=step, grad_norm=grad_norm, lr=lr, tokens_padded=int(batch["input_ids"].numel()),
                    seq_len=int(batch["input_ids"].shape[1]))
-        records.append(rec)
-        if info.is_main:
-            with (out / "log.jsonl").open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+        records.append(job.log(rec))
     final_eval = eval_loss(cp, batches[0], args.micro_batch_size, info.device) if args.eval else None
     if not args.no_adapter:
         save_adapter(cp.fast.peft, out / "adapter", is_main=info.is_main)
-    summary = None
-    if info.is_main:
-        summary = _summary(args, info, records, cp, dtype, breaks_before, peak, final_eval)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        print(f"[context_parallel] world_size={info.world_size} seq_len={args.seq_len} steps={len(records)} "
-              f"final_loss={records[-1]['loss']:.6f} tokens/s={summary['tokens_per_s']} "
-              f"graph_breaks={summary['graph_breaks']['total']}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    summary = _summary(job, records, cp, final_eval) if info.is_main else None
+    job.finish(summary, seq_len=args.seq_len)
     return summary
 
 
-def _summary(args, info, records, cp, dtype, breaks_before, peak, final_eval) -> dict:
-    import datetime as _dt
-
-    from .. import env
-    from .summary import _graph_break_total
-
-    after, reasons = _graph_break_total()
-    timed = [r for r in records if r["step"] >= args.timing_warmup] or records[-1:]
-    rates = sorted(r["tokens"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0)
-    return {
-        "layout": "context", "world_size": info.world_size, "backend": info.backend, "model": args.model,
-        "seq_len": args.seq_len, "load_balance": args.load_balance, "options": vars(args),
-        "dtype": str(dtype).replace("torch.", ""), "nf4": cp.fast.nf4, "steps": len(records),
-        "losses": [r["loss"] for r in records], "eval_loss": final_eval,
-        "tokens_per_s": rates[len(rates) // 2] if rates else None,
-        "step_ms": [r["step_ms"] for r in records], "peak_mem_gib_per_gpu": peak,
-        "graph_breaks": {"total": after - breaks_before if after >= 0 else None, "reasons": reasons,
-                         "compiled_layers": len(cp.fast.layers), "fullgraph": True},
-        "compile": cp.fast.compile_stats(), "bytes_check": cp.fast.bytes_check,
-        "choices": {k: str(v) for k, v in cp.fast.opt.choices.items()},
-        "ring_attention": None if cp.ring is None else dict(cp.ring.details),
-        "device": env.device_info(info.device), "versions": env.versions(),
-        "command": " ".join(shlex.quote(a) for a in
-                            [sys.executable, "-m", "qlora_nb_utils.distributed.context_parallel", *sys.argv[1:]]),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-    }
+def _summary(job: RankRun, records: list[dict], cp: ContextParallel, final_eval: float | None) -> dict:
+    """The shared fields (:func:`.runs.summary_fields`) and the context layout's: the row length, the
+    shards, the 4-bit weights' sharding and byte check, ``optimize()``'s choices, the ring."""
+    args = job.args
+    summary = {"layout": "context", **job.summary(records)}
+    summary["graph_breaks"].update(compiled_layers=len(cp.fast.layers), fullgraph=True)
+    summary.update(seq_len=args.seq_len, load_balance=args.load_balance, nf4=cp.fast.nf4, eval_loss=final_eval,
+                   compile=cp.fast.compile_stats(), bytes_check=cp.fast.bytes_check,
+                   choices={k: str(v) for k, v in cp.fast.opt.choices.items()},
+                   ring_attention=None if cp.ring is None else dict(cp.ring.details))
+    return summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, validate (before any model loads), run. Returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        validate(args, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError as exc:
-        parser.error(str(exc))
-    run(args)
-    return 0
+    return run_main(build_parser(), validate, run, argv)
 
 
 if __name__ == "__main__":

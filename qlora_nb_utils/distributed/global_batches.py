@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["make_global_batches"]
+__all__ = ["make_global_batches", "target_count", "loss_sum", "local_micro_batches"]
 
 
 def make_global_batches(tok, args) -> list[dict]:
-    """The list of global batches every rank builds identically (shipped data, fixed padding)."""
+    """The list of global batches every rank builds identically (``--data`` or the shipped set, fixed padding)."""
     from ..data import build_batches
 
     need = args.steps * args.global_batch_size * (max(1, args.seq_len // 64) if args.pack else 1)
     batches = build_batches(tok, batch_size=args.global_batch_size, steps=args.steps, max_len=args.seq_len,
-                            padding="fixed", limit=min(4000, max(64, need)), pack=args.pack, seed=args.seed)
+                            padding="fixed", data=getattr(args, "data", None), limit=min(4000, max(64, need)),
+                            pack=args.pack, seed=args.seed)
     if getattr(args, "permute_rows", None) is not None:  # the floor run: same examples, other row order
         from ..training.parity import permute_rows
 
@@ -32,11 +33,12 @@ def make_global_batches(tok, args) -> list[dict]:
     return batches
 
 
-def _target_count(batch: dict) -> int:
+def target_count(batch: dict) -> int:
+    """The next-token targets of a batch: the denominator of its mean loss."""
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
-def _loss_sum(model, micro: dict) -> torch.Tensor:
+def loss_sum(model, micro: dict) -> torch.Tensor:
     """Summed next-token cross-entropy of a micro-batch (HF's shift, fp32 logits)."""
     logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits
     logits = logits[:, :-1].float()
@@ -45,7 +47,8 @@ def _loss_sum(model, micro: dict) -> torch.Tensor:
                                              ignore_index=-100, reduction="sum")
 
 
-def _local_micro_batches(batch: dict, info, args) -> list[dict]:
+def local_micro_batches(batch: dict, info, args) -> list[dict]:
+    """This rank's rows of a global batch, in micro-batches of ``args.micro_batch_size``, on its device."""
     local = args.global_batch_size // info.world_size
     lo = info.rank * local
     rows = {k: v[lo:lo + local] for k, v in batch.items()}

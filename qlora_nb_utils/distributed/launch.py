@@ -16,8 +16,8 @@ model, data, batch and output options (``--model``, ``--data``, ``--out``, ``--s
 * ``context``: each sequence split over the ranks (``qlora_nb_utils.distributed.context_parallel``,
   imported only when asked for). Its contract: a function ``run(args)`` taking the parsed
   options; optionally ``add_arguments(parser)`` to add its own beside the shared ones
-  (:func:`.pipeline_train.add_common_arguments`) and ``validate(args, world_size)`` raising
-  ``ValueError`` on bad input.
+  (:func:`.runs.add_common_arguments`) and ``validate(args, world_size)`` returning the checked
+  options or raising ``ValueError`` on bad input.
 
 ``--layout`` is read first; the rest is the layout's own command line (``--layout pipeline --help``
 lists it). Bad input exits with status 2 before any model loads.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from typing import Sequence
 
@@ -53,7 +52,7 @@ def _context(argv: list[str]) -> int:
         print(f"launch: --layout context needs {CONTEXT_MODULE}.run(args), which this install does not have; "
               "use --layout fsdp or --layout pipeline", file=sys.stderr)
         return 2
-    from .pipeline_train import add_common_arguments
+    from .runs import add_common_arguments, run_main
 
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m qlora_nb_utils.distributed.launch "
                                           "--layout context", description=(mod.__doc__ or "").split("\n\n")[0])
@@ -61,14 +60,8 @@ def _context(argv: list[str]) -> int:
         mod.add_arguments(parser)
     else:
         add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    if hasattr(mod, "validate"):
-        try:
-            mod.validate(args, int(os.environ.get("WORLD_SIZE", "1")))
-        except ValueError as exc:
-            parser.error(str(exc))
-    mod.run(args)
-    return 0
+    validate = getattr(mod, "validate", lambda args, world_size: args)
+    return run_main(parser, validate, mod.run, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

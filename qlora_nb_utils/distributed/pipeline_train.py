@@ -8,7 +8,7 @@ Why a loop of its own and not ``fsdp_train``'s: a pipeline step is one call of t
 the whole global batch (it runs every micro-batch's forward and backward in its own order), every
 rank holds different weights (no rank holds the whole adapter, and none of its optimizer state is
 shared), and the loss exists only on the rank of the last stage. What stays the same is what a
-user reads: ``OUT/log.jsonl`` (one line per step), ``OUT/summary.json`` (``summary.py``'s fields
+user reads: ``OUT/log.jsonl`` (one line per step), ``OUT/summary.json`` (every layout's fields, :mod:`.runs`,
 plus the schedule, the stages and their layers), ``OUT/adapter/`` (one plain PEFT adapter, the
 ranks' LoRA weights gathered to rank 0 under their global layer names: it loads into a
 single-process model) and, with ``--eval``, the loss of the first global batch after training.
@@ -23,11 +23,7 @@ is loaded.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import math
-import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -35,45 +31,13 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["build_parser", "validate", "run", "main", "load_stage_model"]
+from .runs import RankRun, add_common_arguments, check_common, run_main
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-
-
-def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    """The options every layout shares (model, data, output, batch, optimizer): ``qlora-nb train``'s names."""
-    p.add_argument("--model", default="tiny", help="a named model (models.MODEL_NAMES), a folder or a hub id")
-    p.add_argument("--data", default=None,
-                   help="prompt/response, prompt/completion or chat JSONL, or a save_to_disk folder (default: the shipped set)")
-    p.add_argument("--out", required=True, help="output folder (log.jsonl, summary.json, adapter/)")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=4, help="rows per optimizer step")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--pack", action="store_true",
-                   help="whole examples packed into rows of --seq-len, attending per document")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--backend", default="inductor", help="torch.compile backend ('eager' traces only)")
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0 disables clipping")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timing-warmup", type=int, default=3, help="steps left out of the tokens/s median")
-    p.add_argument("--eval", action="store_true", help="after training, the loss of the first global batch")
-    p.add_argument("--no-adapter", action="store_true", help="do not save the adapter at the end")
-    p.add_argument("--optimize", action="append", default=[], metavar="KEY=VALUE",
-                   help="an optimize() option on every rank (e.g. grad_ckpt=true, offload=true); repeatable")
-    p.add_argument("--build", default="load", choices=("load", "layerwise"),
-                   help="load: the named or given checkpoint; layerwise: the named shape with random NF4 weights, "
-                        "each rank making only its own layers, one linear layer at a time")
+__all__ = ["build_parser", "validate", "run", "main", "load_stage_model", "make_batches", "save_pipeline_adapter"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The pipeline layout's options (see ``--help``)."""
+    """The pipeline layout's options (see ``--help``): the layouts' shared ones and the stages'."""
     from .pipeline import SCHEDULES
 
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m qlora_nb_utils.distributed.launch --layout pipeline",
@@ -97,21 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check the options against each other and the world size; fill in ``micro_batch_size``,
-    ``micro_batches`` and ``stage_counts``.
+    ``micro_batches``, ``stage_counts`` and ``optimize_knobs``.
 
     Raises:
         ValueError: with a message that says what to change.
     """
-    from .fast import optimize_options
     from .pipeline import SCHEDULES, schedule_class, zero_bubble_backend_error
 
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1; got {args.steps}")
-    if args.seq_len < 8:
-        raise ValueError(f"--seq-len must be >= 8; got {args.seq_len}")
+    # what build_pipeline hands optimize() itself, checked with --optimize's options
+    check_common(args, layout="pipeline", fixed={"scope": "regional", "cast": True, "backend": args.backend},
+                 flags={"backend": "--backend"})
     g = args.global_batch_size
     micro = args.micro_batch_size or 1
-    if g < 1 or micro < 1 or g % micro:
+    if g % micro:
         raise ValueError(f"--micro-batch-size {micro} must divide --global-batch-size {g} (both >= 1): every "
                          "micro-batch has the same shape")
     schedule_class(args.schedule)  # refused here when this torch lacks it
@@ -138,14 +100,8 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                              f"{world_size} ranks has {world_size * per_rank}")
     if args.layers is not None and (args.build != "layerwise" or args.layers < 1):
         raise ValueError("--layers N (>= 1) sets the layer count of a shape built with --build layerwise")
-    if args.timing_warmup < 0:
-        raise ValueError(f"--timing-warmup must be >= 0; got {args.timing_warmup}")
     if args.max_mem_gib is not None and args.max_mem_gib <= 0:
         raise ValueError(f"--max-mem-gib must be > 0; got {args.max_mem_gib}")
-    kw = optimize_options(args.optimize)
-    for key in ("scope", "cast", "backend"):
-        if key in kw:
-            raise ValueError(f"--optimize {key}=... is set by the pipeline layout itself")
     args.micro_batch_size, args.micro_batches, args.stage_counts = micro, n_micro, counts
     return args
 
@@ -243,103 +199,74 @@ def _real_tokens(batch: dict) -> int:
     return int(real_tokens(batch))
 
 
+def _layer_count(args) -> int:
+    """The decoder layers of the model to build (a named model or shape: from its config, without loading)."""
+    from .. import models
+    from .big_model import SHAPES
+
+    if args.model in (*models.MODEL_NAMES, *SHAPES):
+        return int(_layerwise_config(args).num_hidden_layers)
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(args.model).num_hidden_layers)
+
+
 def run(args: argparse.Namespace) -> dict | None:
     """Train as ``args`` says on this rank (under torchrun). Returns the summary on rank 0."""
     import torch.distributed as dist
 
-    from ..training.device import peak_mem_gib, reset_peak, sync
-    from .fast import optimize_options
+    from ..training.device import peak_mem_gib, reset_peak
     from .pipeline import SCHEDULES, build_pipeline, owned_layers, pipeline_clip_grad_norm, split_layers, stage_ids
-    from .setup import init_distributed
-    from .summary import _graph_break_total, _max_over_ranks
+    from .runs import graph_break_total, max_over_ranks
 
-    info = init_distributed(args.device)
+    job = RankRun(args, tag="pipeline", module="qlora_nb_utils.distributed.launch")
+    info, out, dtype = job.info, job.out, job.dtype
     if args.max_mem_gib is not None and info.device.type == "cuda":
         total = torch.cuda.get_device_properties(info.device).total_memory / 2**30
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_mem_gib / total), info.device)
-    out = Path(args.out)
-    if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "log.jsonl").unlink(missing_ok=True)
-    dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
-        else getattr(torch, args.dtype)
-    from .. import models
-    from .big_model import SHAPES
-
-    n_layers = int(_layerwise_config(args).num_hidden_layers) if args.model in (*models.MODEL_NAMES, *SHAPES) \
-        else None
-    if n_layers is None:
-        from transformers import AutoConfig
-
-        n_layers = int(AutoConfig.from_pretrained(args.model).num_hidden_layers)
+    job.reset_log()
     per_rank = SCHEDULES[args.schedule][1]
-    ranges = split_layers(n_layers, info.world_size * per_rank, args.stage_counts)
+    ranges = split_layers(_layer_count(args), info.world_size * per_rank, args.stage_counts)
     mine = stage_ids(args.schedule, info.rank, info.world_size)
-    torch.manual_seed(args.seed)
-    breaks_before, _ = _graph_break_total()
     t0 = time.perf_counter()
     peft, tok = load_stage_model(args, info.device, dtype, owned_layers(ranges, mine))
     batches = make_batches(tok, args)
-    build_peak = _max_over_ranks(peak_mem_gib(info.device), info.device)
+    build_peak = max_over_ranks(peak_mem_gib(info.device), info.device)
     pipe = build_pipeline(peft, schedule=args.schedule, ranges=ranges, rank=info.rank, world_size=info.world_size,
                           micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                           seq_len=args.seq_len, device=info.device, batches=batches[:4], dtype=dtype,
-                          backend=args.backend, **optimize_options(args.optimize))
+                          backend=args.backend, **args.optimize_knobs)
     build_s = time.perf_counter() - t0
-    opt = torch.optim.AdamW(pipe.params, lr=args.lr, weight_decay=0.0)
-    warm = max(args.warmup, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    opt, sched = job.optimizer(pipe.params)
     reset_peak(info.device)
-    peak = 0.0
     records = []
     for step in range(args.steps):
         batch = batches[step]
-        sync(info.device)
-        t = time.perf_counter()
+        t = job.clock()
         loss = pipe.step(batch, info.device)
         if args.dump_grads and step == 0:
             torch.save({n: p.grad.detach().cpu().clone() for n, p in peft.named_parameters()
                         if p.requires_grad and p.grad is not None}, out / f"grads_rank{info.rank}.pt")
-        grad_norm = pipeline_clip_grad_norm(pipe.params, args.max_grad_norm if args.max_grad_norm > 0 else None)
-        lr = float(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        grad_norm, lr = job.optimizer_step(opt, sched, lambda max_norm: pipeline_clip_grad_norm(pipe.params, max_norm))
         value = float(loss)
-        sync(info.device)
-        ms = (time.perf_counter() - t) * 1e3
-        if not math.isfinite(value):
-            raise FloatingPointError(f"loss is {value} at step {step}")
-        peak = max(peak, _max_over_ranks(peak_mem_gib(info.device), info.device))
-        rec = {"step": step, "loss": value, "step_ms": ms, "grad_norm": grad_norm, "lr": lr,
-               "tokens": _real_tokens(batch), "tokens_padded": int(batch["input_ids"].numel()), "peak_mem_gib": peak,
-               "world_size": info.world_size}
-        records.append(rec)
-        if info.is_main:
-            with (out / "log.jsonl").open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+        ms = (job.clock() - t) * 1e3
+        records.append(job.log({"step": step, "loss": value, "step_ms": ms, "grad_norm": grad_norm, "lr": lr,
+                                "tokens": _real_tokens(batch), "tokens_padded": int(batch["input_ids"].numel())}))
     eval_loss = None
     if args.eval:
         eval_loss = float(pipe.step(batches[0], info.device))
         opt.zero_grad(set_to_none=True)
     if not args.no_adapter:
         save_pipeline_adapter(peft, out / "adapter", info)
-    breaks_after, reasons = _graph_break_total()
+    breaks_after = graph_break_total()[0]
     ranks = [None] * info.world_size
     dist.all_gather_object(ranks, {"rank": info.rank, "stages": mine,
                                    "layers": [list(ranges[s]) for s in mine],
                                    "compile": pipe.compile_stats(),
-                                   "graph_breaks": breaks_after - breaks_before if breaks_after >= 0 else None,
+                                   "graph_breaks": breaks_after - job.breaks_before if breaks_after >= 0 else None,
                                    "choices": {k: str(v) for k, v in pipe.opt.choices.items()}})
-    summary = None
-    if info.is_main:
-        summary = _pipeline_summary(args, info, records, ranks, reasons, dtype, peak, build_peak, build_s, eval_loss)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        print(f"[pipeline] world_size={info.world_size} schedule={args.schedule} steps={len(records)} "
-              f"final_loss={records[-1]['loss']:.6f} tokens/s={summary['tokens_per_s']} "
-              f"graph_breaks={summary['graph_breaks']['total']}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    summary = _pipeline_summary(job, records, ranks, build_peak, build_s, eval_loss) if info.is_main else None
+    job.finish(summary, schedule=args.schedule)
     return summary
 
 
@@ -359,57 +286,24 @@ def save_pipeline_adapter(peft, folder: Path, info) -> None:
         save_file(full, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
-def _pipeline_summary(args, info, records, ranks, reasons, dtype, peak, build_peak, build_s, eval_loss) -> dict:
-    from .. import env
-
-    timed = [r for r in records if r["step"] >= args.timing_warmup] or records[-1:]
-    med = lambda xs: float(sorted(xs)[len(xs) // 2]) if xs else None  # noqa: E731
+def _pipeline_summary(job: RankRun, records, ranks, build_peak, build_s, eval_loss) -> dict:
+    """The shared fields (:func:`.runs.summary_fields`; graph breaks summed over the ranks) and the
+    pipeline's: the schedule, each rank's stages and layers, the build's peak and time, compilations."""
+    args = job.args
     breaks = [r["graph_breaks"] for r in ranks]
-    return {
-        "layout": "pipeline",
-        "world_size": info.world_size,
-        "backend": info.backend,
-        "model": args.model,
-        "schedule": args.schedule,
-        "micro_batches": args.micro_batches,
-        "micro_batch_size": args.micro_batch_size,
-        "stages": {str(r["rank"]): {"stages": r["stages"], "layers": r["layers"]} for r in ranks},
-        "options": {k: v for k, v in vars(args).items()},
-        "dtype": str(dtype).replace("torch.", ""),
-        "steps": len(records),
-        "losses": [r["loss"] for r in records],
-        "tokens_per_s": med([r["tokens"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0]),
-        "tokens_per_s_padded": med([r["tokens_padded"] / (r["step_ms"] / 1e3) for r in timed if r["step_ms"] > 0]),
-        "median_step_ms": med([r["step_ms"] for r in timed]),
-        "step_ms": [r["step_ms"] for r in records],
-        "first_step_s": records[0]["step_ms"] / 1e3 if records else None,
-        "timed_steps": len(timed),
-        "peak_mem_gib_per_gpu": peak,
-        "build_peak_mem_gib_per_gpu": build_peak,
-        "build_s": build_s,
-        "eval_loss": eval_loss,
-        "graph_breaks": {"total": sum(b for b in breaks if b is not None) if None not in breaks else None,
-                         "per_rank": breaks, "reasons": reasons, "fullgraph": True},
-        "compile": {str(r["rank"]): r["compile"] for r in ranks},
-        "choices": ranks[0]["choices"],
-        "device": env.device_info(info.device),
-        "versions": env.versions(),
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "qlora_nb_utils.distributed.launch",
-                                                     *sys.argv[1:]]),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-    }
+    summary = {"layout": "pipeline", **job.summary(records)}
+    summary["graph_breaks"].update(total=sum(b for b in breaks if b is not None) if None not in breaks else None,
+                                   per_rank=breaks, fullgraph=True)
+    summary.update(schedule=args.schedule, micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+                   stages={str(r["rank"]): {"stages": r["stages"], "layers": r["layers"]} for r in ranks},
+                   build_peak_mem_gib_per_gpu=build_peak, build_s=build_s, eval_loss=eval_loss,
+                   compile={str(r["rank"]): r["compile"] for r in ranks}, choices=ranks[0]["choices"])
+    return summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, validate (before any model is loaded), run. Returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        validate(args, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError as exc:
-        parser.error(str(exc))
-    run(args)
-    return 0
+    return run_main(build_parser(), validate, run, argv)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ __all__ = [
     "mixed_precision",
     "resolve_quant_storage",
     "resolve_nf4_mode",
+    "resolve_frozen_mode",
     "load_qlora",
 ]
 
@@ -153,6 +154,12 @@ def resolve_nf4_mode(mode: str, backend: str) -> str:
     if mode not in ("auto", "shard", "replicate"):
         raise ValueError(f"nf4 mode must be 'auto', 'shard' or 'replicate'; got {mode!r}")
     return "shard" if mode == "auto" else mode
+
+
+def resolve_frozen_mode(mode: str, backend: str) -> str:
+    """``--frozen``: ``"auto"`` replicates the other frozen weights on NCCL (no all-gather traffic
+    for them) and shards them on gloo; ``"shard"`` and ``"replicate"`` stay."""
+    return mode if mode != "auto" else ("replicate" if backend == "nccl" else "shard")
 
 
 def load_qlora(name: str, *, quant: str = "nf4", dtype: str | torch.dtype = "bfloat16",

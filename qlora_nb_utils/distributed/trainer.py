@@ -57,12 +57,12 @@ def run_trainer(args: argparse.Namespace) -> dict | None:
     """
     from .. import env
     from .packed_words import sharded_nf4_precision
+    from .runs import compute_dtype
     from .setup import init_distributed, load_qlora, resolve_nf4_mode, resolve_quant_storage
 
     info = init_distributed(args.device)
     out = Path(args.out)
-    dtype = (torch.bfloat16 if info.device.type == "cuda" else torch.float32) if args.dtype == "auto" \
-        else getattr(torch, args.dtype)
+    dtype = compute_dtype(args.dtype, info.device)
     nf4 = resolve_nf4_mode(args.nf4, info.backend)
     if nf4 == "shard":  # float32 words, no accelerate mixed precision: no bf16 all-gather of packed words
         storage = sharded_nf4_precision(dtype, args.quant_storage)[1]

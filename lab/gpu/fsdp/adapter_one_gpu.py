@@ -29,14 +29,14 @@ TOL = 1e-2
 
 
 def eval_loss(model, batch: dict, rows_at_once: int) -> float:
-    from qlora_nb_utils.distributed.global_batches import _loss_sum, _target_count
+    from qlora_nb_utils.distributed.global_batches import loss_sum, target_count
 
     total = 0.0
     with torch.no_grad():
         for i in range(0, batch["input_ids"].shape[0], rows_at_once):
             micro = {k: v[i:i + rows_at_once].cuda() for k, v in batch.items()}
-            total += float(_loss_sum(model, micro))
-    return total / max(1, _target_count(batch))
+            total += float(loss_sum(model, micro))
+    return total / max(1, target_count(batch))
 
 
 def main(argv: list[str] | None = None) -> int:

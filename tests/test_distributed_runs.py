@@ -1,0 +1,100 @@
+"""What the three layouts share (``distributed/runs.py``): one set of options, checked once, before any model.
+
+No process group and no model here: the options each layout's ``launch`` command line takes, the
+``--optimize KEY=VALUE`` options parsed once into ``compile.OptimizeOptions`` (a bad one exits with
+status 2 and a message that names it, before anything loads), and the shared summary fields. The
+runs themselves are tested per layout (``test_fsdp*.py``, ``test_pipeline.py``,
+``test_context_parallel.py``, ``test_launch_nodes.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+import torch
+
+from qlora_nb_utils.distributed import launch, runs
+
+LAYOUT_FLAGS = {"fsdp": ["--fast-path"], "pipeline": [], "context": []}
+SHARED = ("model", "build", "data", "out", "steps", "global_batch_size", "micro_batch_size", "seq_len", "pack",
+          "device", "dtype", "backend", "optimize", "lora_r", "lora_alpha", "lr", "warmup", "max_grad_norm", "seed",
+          "timing_warmup", "eval", "no_adapter")
+
+
+def _parser(layout: str) -> argparse.ArgumentParser:
+    if layout == "fsdp":
+        from qlora_nb_utils.distributed.fsdp_train import build_parser
+    elif layout == "pipeline":
+        from qlora_nb_utils.distributed.pipeline_train import build_parser
+    else:
+        from qlora_nb_utils.distributed.context_parallel import build_parser
+    return build_parser()
+
+
+@pytest.mark.parametrize("layout", launch.LAYOUTS)
+def test_every_layout_takes_the_shared_options_by_the_same_names(layout):
+    args = _parser(layout).parse_args(["--out", "x", "--batch-size", "2", "--warmup-steps", "3", "--data", "d.jsonl"])
+    assert set(SHARED) <= set(vars(args))
+    assert (args.global_batch_size, args.warmup, args.data) == (2, 3, "d.jsonl")  # qlora-nb train's names too
+
+
+@pytest.mark.parametrize("layout", launch.LAYOUTS)
+@pytest.mark.parametrize("pair, message", [
+    ("nf4_dequant", "KEY=VALUE"),
+    ("bogus=1", r"unknown optimize\(\) option"),
+    ("mode=turbo", "mode must be one of"),
+    ("backend=eager", "set by the .* layout itself: use --backend"),
+])
+def test_a_bad_optimize_option_exits_2_before_any_model_loads(layout, pair, message, capsys, monkeypatch, tmp_path):
+    from qlora_nb_utils import models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as err:
+        launch.main(["--layout", layout, *LAYOUT_FLAGS[layout], "--out", str(out), "--optimize", pair])
+    assert err.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
+
+
+def test_optimize_knobs_checks_the_pairs_with_what_the_layout_sets():
+    got = runs.optimize_knobs(["nf4_dequant=true", "ce_chunks=8", "dtype=bfloat16"], layout="x",
+                              fixed={"scope": "regional", "cast": False})
+    assert got == {"nf4_dequant": True, "ce_chunks": 8, "dtype": torch.bfloat16}  # only what was asked for
+    # a value that does not go with what the layout sets: refused here, not on every rank later
+    with pytest.raises(ValueError, match="mode 'max-autotune' is an Inductor option"):
+        runs.optimize_knobs(["mode=max-autotune"], layout="x", fixed={"backend": "eager"})
+    with pytest.raises(ValueError, match="offload=True keeps checkpointed layers"):
+        runs.optimize_knobs(["offload=true", "grad_ckpt=false"], layout="x")
+
+
+def test_fsdp_takes_optimize_options_only_with_the_fast_path():
+    from qlora_nb_utils.distributed import fsdp_train
+
+    args = fsdp_train.build_parser().parse_args(["--out", "x", "--optimize", "nf4_dequant=true"])
+    with pytest.raises(ValueError, match="add --fast-path"):
+        fsdp_train.validate(args, 2)
+    args = fsdp_train.build_parser().parse_args(["--out", "x", "--fast-path", "--optimize", "grad_ckpt=true"])
+    with pytest.raises(ValueError, match="use --grad-ckpt"):
+        fsdp_train.validate(args, 2)
+    args = fsdp_train.validate(fsdp_train.build_parser().parse_args(
+        ["--out", "x", "--fast-path", "--optimize", "lora_addmm=unfused"]), 2)
+    assert args.optimize_knobs == {"lora_addmm": "unfused"}
+
+
+def test_the_shared_summary_fields_time_steps_after_the_warmup():
+    records = [{"step": s, "loss": 1.0, "step_ms": ms, "tokens": 100, "tokens_padded": 128}
+               for s, ms in enumerate([5000.0, 100.0, 200.0, 100.0])]
+    timed = runs.timed_records(records, 1)
+    assert [r["step"] for r in timed] == [1, 2, 3]
+    # fewer steps than the warm-up: the last step, or nothing
+    assert runs.timed_records(records, 9) == records[-1:] and runs.timed_records(records, 9, or_last=False) == []
+    # a resumed run's steps only (its records carry run_start)
+    resumed = [dict(r, run_start=0 if r["step"] < 2 else 2) for r in records]
+    assert [r["step"] for r in runs.timed_records(resumed, 1, start=2)] == [3]
+    assert runs.command_line("qlora_nb_utils.distributed.launch").split()[1:3] == ["-m", "qlora_nb_utils.distributed.launch"]
