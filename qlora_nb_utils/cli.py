@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from . import _paths
+from ._paths import check_out_dir, check_out_file
 
 #: models.ATTN_CHOICES, repeated so that `--help` imports no torch (tests/test_bench.py checks they agree)
 ATTN_CHOICES = ("sdpa", "eager", "flex_attention")
@@ -223,7 +223,7 @@ def _quantize(args: argparse.Namespace) -> int:
     from .models import check_model_source
     from .models.prequantized import save_nf4
 
-    _paths.check_out_dir(args.out, what="OUT", empty=not args.overwrite)  # before the model loads
+    check_out_dir(args.out, what="OUT", empty=not args.overwrite)  # before the model loads
     check_model_source(args.model)
     try:
         folder = save_nf4(args.model, args.out, dtype=args.dtype, device=args.device,
@@ -311,7 +311,7 @@ def _kind(path: str, results: dict) -> str:
 def _bench(args: argparse.Namespace) -> int:
     from .bench import main_job as bench
 
-    _paths.check_out_dir(args.out)  # before anything loads: the results of minutes of training must have a place
+    check_out_dir(args.out)  # before anything loads: the results of minutes of training must have a place
     results = bench.run_bench(
         progress=not args.no_progress, command=args.command_line,
         model=args.model, quant=args.quant, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -382,7 +382,7 @@ def _diagnose(args: argparse.Namespace) -> int:
     from .ops import attention
 
     if args.json_path:
-        _paths.check_out_file(args.json_path, what="--json")  # before the model loads
+        check_out_file(args.json_path, what="--json")  # before the model loads
     # --causal-attn: the model is loaded inside checks.diagnose, so the stock mask function is
     # swapped for the run (make_length_batcher pads on the right, as the causal mask needs)
     causal = attention.causal_masks_for(args.attn) if args.causal_attn else contextlib.nullcontext()

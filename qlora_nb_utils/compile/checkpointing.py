@@ -6,7 +6,7 @@ decides the first (reentrant checkpointing around a compiled layer compiles it t
 ``no_grad`` and under grad, and needs an input that requires grad); the recompute policy
 decides the second (the compiler may override plain checkpointing's ``PREFER_RECOMPUTE`` and
 keep more activations than eager, but must obey ``MUST_RECOMPUTE``, see
-:func:`must_recompute_context`). :func:`_configure_checkpointing` sets both the way
+:func:`must_recompute_context`). :func:`configure_checkpointing` sets both the way
 ``gradient_checkpointing_enable`` does, recording every change on a
 :class:`~qlora_nb_utils.reversible.PatchHandle` so that ``undo()`` puts the model back. The
 decoder layers it finds (:func:`decoder_layers`) are also what regional compilation compiles.
@@ -23,7 +23,7 @@ import torch
 from ..reversible import PatchHandle, set_attribute
 from .patches import input_require_grads
 
-__all__ = ["decoder_layers", "must_recompute_context"]
+__all__ = ["decoder_layers", "must_recompute_context", "configure_checkpointing", "has_traceable_hook"]
 
 
 # ----------------------------------------------------------------------------- model surgery
@@ -70,7 +70,7 @@ def _checkpoint_function(reentrant: bool, scope: str) -> Callable:
     return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
 
-def _configure_checkpointing(model: torch.nn.Module, grad_ckpt, scope: str = "whole") -> PatchHandle:
+def configure_checkpointing(model: torch.nn.Module, grad_ckpt, scope: str = "whole") -> PatchHandle:
     """Set gradient checkpointing reversibly, the way ``gradient_checkpointing_enable`` does."""
     handle = PatchHandle("gradient_checkpointing", {"grad_ckpt": grad_ckpt})
     if grad_ckpt is None:
@@ -96,7 +96,7 @@ def _configure_checkpointing(model: torch.nn.Module, grad_ckpt, scope: str = "wh
     for m in owners:
         set_attribute(handle, m, "_gradient_checkpointing_func", func)
         set_attribute(handle, m, "gradient_checkpointing", True)
-    if reentrant and not input_require_grads.find_hooks(model) and not _has_traceable_hook(model):
+    if reentrant and not input_require_grads.find_hooks(model) and not has_traceable_hook(model):
         # Eager reentrant checkpointing needs an input that requires grad (see the patch).
         hook = model.get_input_embeddings().register_forward_hook(
             input_require_grads.requires_grad_unless_compiling)
@@ -104,6 +104,7 @@ def _configure_checkpointing(model: torch.nn.Module, grad_ckpt, scope: str = "wh
     return handle
 
 
-def _has_traceable_hook(model: torch.nn.Module) -> bool:
+def has_traceable_hook(model: torch.nn.Module) -> bool:
+    """Whether ``model`` already has the input-grad hook that is skipped while Dynamo traces."""
     target = input_require_grads.requires_grad_unless_compiling
     return any(h is target for m in model.modules() for h in m._forward_hooks.values())

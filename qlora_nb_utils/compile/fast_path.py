@@ -95,17 +95,18 @@ from ..ops.doc_attention import with_document_mask
 from ..ops.model_attention import MODEL_ATTENTION, use_attention, with_block_masks
 from ..reversible import PatchHandle
 from . import choices as table
-from . import compile_cache as _artifacts
 from .choices import (
     LORA_NO_GROUP_WHY,
     LORA_OUT_OF_PLACE_WHY,
     LOSS_ROWS_WHEN_IGNORED_OVER,
     MAX_CUDAGRAPH_SHAPES,
     choose_cast,
+    show,
 )
-from .memory_estimate import _config_of, estimate_peak_gib
+from .compile_cache import CompileCache, cache_key, save_after_first_step
+from .memory_estimate import config_of, estimate_peak_gib
 from .model_patches import keep_bnb_training_layout, use_lora_addmm, use_nf4_dequant
-from .optimized import Optimized, _show
+from .optimized import Optimized
 from .options import MODES, OptimizeOptions
 from .plan import decide
 from .recipe import can_cache_functions, can_recompute_elementwise, prepare_fast
@@ -124,7 +125,7 @@ def _note_unfused_numerics(model: torch.nn.Module, dtype: torch.dtype, autocast:
         return
     other = {p.dtype for n, p in model.named_parameters() if "lora_" in n and p.dtype != dtype}
     if other:
-        reasons["nf4_lora_linear"] += (f"; set up, but not taken at run time: LoRA weights in {_show(min(other, key=str))} "
+        reasons["nf4_lora_linear"] += (f"; set up, but not taken at run time: LoRA weights in {show(min(other, key=str))} "
                                        f"without autocast (HF eager's numerics) take PEFT's own path")
 
 
@@ -150,11 +151,11 @@ def _compile_cache(model: torch.nn.Module, opts: OptimizeOptions, device: torch.
     if choice.value is False:
         choices["compile_cache"], reasons["compile_cache"] = choice
         return forward, []
-    cache = _artifacts.CompileCache(Path(choice.value) / _artifacts.cache_key(model, device, choices))
+    cache = CompileCache(Path(choice.value) / cache_key(model, device, choices))
     said = cache.load()
     choices["compile_cache"] = "loaded" if cache.loaded_bytes else "kept"
     reasons["compile_cache"] = f"{choice.why}: {said}"
-    forward, finish = _artifacts.save_after_first_step(forward, cache)
+    forward, finish = save_after_first_step(forward, cache)
     handle = PatchHandle("compile_cache", {"path": str(cache.path)})
     handle.add_undo(finish)
     return forward, [handle]
@@ -318,7 +319,7 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             handle.undo()
         raise
     _note_unfused_numerics(model, plan.dtype, plan.autocast, choices, reasons)
-    pad_id = int(getattr(_config_of(model), "pad_token_id", None) or 0)
+    pad_id = int(getattr(config_of(model), "pad_token_id", None) or 0)
     compiled = fast.forward
     if plan.packed:
         compiled = with_document_mask(compiled, choices["doc_attention"], required=False, stable_ids=plan.cuda_graphs)

@@ -60,7 +60,7 @@ import torch
 from .checkpointing import decoder_layers
 
 __all__ = ["Shape", "model_shape", "terms_of", "estimate_terms", "peak_from_terms", "estimate_peak_gib",
-           "longest_fitting", "OVERHEAD_GIB"]
+           "longest_fitting", "OVERHEAD_GIB", "config_of"]
 
 _GIB = 2**30
 #: The CUDA libraries' workspaces the caching allocator holds (cuBLAS, cuDNN), the step's small
@@ -96,7 +96,8 @@ class Shape:
     grad_bytes: int = 0
 
 
-def _config_of(model: torch.nn.Module) -> Any:
+def config_of(model: torch.nn.Module) -> Any:
+    """The config of the model under a PEFT wrapper (the shapes every estimate is counted from)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return getattr(inner, "config", None)
 
@@ -110,7 +111,7 @@ def _text_config(config: Any) -> Any:
 def model_shape(model: torch.nn.Module, cast_dtype: torch.dtype | None = None) -> Shape:
     """:class:`Shape` of ``model`` (the PEFT model, as handed to ``optimize()``); ``cast_dtype``: the
     dtype the recipe casts the non-LoRA float weights to (None: as they are)."""
-    config = _text_config(_config_of(model))
+    config = _text_config(config_of(model))
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
     heads = int(getattr(config, "num_attention_heads", 0) or 1)

@@ -15,7 +15,7 @@ import torch
 from ..ops.doc_attention import with_document_mask
 from ..ops.model_attention import with_block_masks
 from ..reversible import PatchHandle, set_attribute
-from .choices import show as _show
+from .choices import show
 from .hf_forward import trainer_forward
 from .recipe import FastPrepared
 from .step_inputs import prepare_batch
@@ -97,7 +97,7 @@ class Optimized:
     @property
     def description(self) -> str:
         """One line: every choice and its reason."""
-        parts = [f"{name}={_show(value)} ({self.reasons[name]})" for name, value in self.choices.items()
+        parts = [f"{name}={show(value)} ({self.reasons[name]})" for name, value in self.choices.items()
                  if name in self.reasons]
         return "optimize: " + "; ".join(parts)
 

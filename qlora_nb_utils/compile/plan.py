@@ -22,7 +22,7 @@ from . import choices as table
 from . import offload as host
 from .checkpointing import decoder_layers
 from .choices import choose_attention, choose_doc_kernel, choose_head, choose_loss_rows, choose_sdpa_kernel
-from .memory_estimate import _config_of, estimate_terms, longest_fitting, peak_from_terms
+from .memory_estimate import config_of, estimate_terms, longest_fitting, peak_from_terms
 from .model_patches import lora_addmm_expected
 from .offload import check_host_memory, host_bytes
 from .offload import plan as checkpoint_plan
@@ -348,7 +348,7 @@ def _state_estimate(p: Plan) -> None:
 
 def _layer_input_bytes(model: torch.nn.Module, rows: int, positions: int, dtype: torch.dtype) -> int:
     """One decoder layer's input, what offload keeps in host memory: rows x positions x hidden size."""
-    hidden = int(getattr(_config_of(model), "hidden_size", 0) or 0)
+    hidden = int(getattr(config_of(model), "hidden_size", 0) or 0)
     return rows * positions * hidden * (torch.finfo(dtype).bits // 8)
 
 

@@ -49,11 +49,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from ..reversible import PatchHandle, set_attribute
-from . import patches as _patches
-from .checkpointing import _configure_checkpointing, _has_traceable_hook, decoder_layers
+from .checkpointing import configure_checkpointing, decoder_layers, has_traceable_hook
 from .counting import CompileCounter
 from .optimizer import CompiledOptimizer, compiled_optimizer
-from .patches import input_require_grads
+from .patches import PATCHES, input_require_grads, use_cache_warning
 
 __all__ = [
     "SCOPES",
@@ -126,12 +125,12 @@ def _patch_names(patches) -> Sequence[str] | str:
     if patches is None:
         return ()
     if isinstance(patches, str) or not isinstance(patches, Iterable):
-        raise ValueError(f"patches must be 'auto', None or a list of names from {list(_patches.PATCHES)}, "
+        raise ValueError(f"patches must be 'auto', None or a list of names from {list(PATCHES)}, "
                          f"got {patches!r}")
     names = list(patches)
-    unknown = [n for n in names if n not in _patches.PATCHES]
+    unknown = [n for n in names if n not in PATCHES]
     if unknown:
-        raise ValueError(f"unknown patches {unknown}; valid: {list(_patches.PATCHES)}")
+        raise ValueError(f"unknown patches {unknown}; valid: {list(PATCHES)}")
     return names
 
 
@@ -164,12 +163,12 @@ def _apply_patches(model: torch.nn.Module, names) -> list[PatchHandle]:
         names = []
         if input_require_grads.find_hooks(model):
             names.append("input_require_grads")
-        if _patches.use_cache_warning.find_configs(model):
+        if use_cache_warning.find_configs(model):
             names.append("use_cache_warning")
     handles = []
     try:
         for name in names:
-            handles.append(_patches.PATCHES[name].apply(model))
+            handles.append(PATCHES[name].apply(model))
     except BaseException:
         for h in reversed(handles):
             h.undo()
@@ -190,7 +189,7 @@ def _compile_regional(model, backend_fn, fullgraph, dynamic) -> PatchHandle:
     # other layer's does (the previous layer's LoRA output), so the first layer would compile a
     # second graph on a requires_grad guard. The traceable hook makes them alike: one compilation.
     embeddings = next((m.get_input_embeddings() for m in model.modules() if hasattr(m, "get_input_embeddings")), None)
-    if embeddings is not None and not input_require_grads.find_hooks(model) and not _has_traceable_hook(model):
+    if embeddings is not None and not input_require_grads.find_hooks(model) and not has_traceable_hook(model):
         hook = embeddings.register_forward_hook(input_require_grads.requires_grad_unless_compiling)
         handle.add_undo(hook.remove)
     for layer in layers:  # what Module.compile() does, recorded for undo
@@ -277,7 +276,7 @@ class Prepared:
     @property
     def patches(self) -> list[str]:
         """Names of the upstream patches applied."""
-        return [h.name for h in self.handles if h.name in _patches.PATCHES]
+        return [h.name for h in self.handles if h.name in PATCHES]
 
     def compile_stats(self) -> dict[str, Any]:
         """The counter's numbers (model, and optimizer step when compiled)."""
@@ -359,7 +358,7 @@ def prepare_for_compile(
     try:
         if eager_numerics:
             handles.append(_emulate_precision_casts())
-        handles.append(_configure_checkpointing(model, grad_ckpt, scope))
+        handles.append(configure_checkpointing(model, grad_ckpt, scope))
         handles.extend(_apply_patches(model, names))
         counter = CompileCounter(backend=backend)
         backend_fn = counter.as_backend(mode=mode, dynamic=dynamic)

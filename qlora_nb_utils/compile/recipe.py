@@ -62,7 +62,7 @@ import torch
 from ..ops.attention import check_right_padded, use_causal_sdpa
 from ..ops.losses import ChunkedLossLM
 from ..reversible import PatchHandle, set_attribute
-from . import offload as _offload
+from . import offload as host_offload
 from .checkpointing import decoder_layers
 from .options import RecipeOptions
 from .prepare import Prepared, prepare_for_compile
@@ -296,7 +296,7 @@ def prepare_fast(model: torch.nn.Module, options: RecipeOptions | None = None, *
                         layers=len(layers), autocast=False, dtype=dtype, layer_flags=layer_flags)
     if opts.offload and n_ckpt:
         try:
-            fast.offload = _offload.apply(model)
+            fast.offload = host_offload.apply(model)
         except BaseException:
             fast.undo()
             raise

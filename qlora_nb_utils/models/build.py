@@ -126,12 +126,13 @@ def _build_tokenizer(folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
-def _tokenizer_dir(cache: Path) -> Path:
+def tokenizer_dir(cache: Path) -> Path:
+    """The tokenizer folder of the cache ``cache``, built once (what a model built here loads its tokenizer from)."""
     return _build_once(cache / _TOKENIZER_DIR, _build_tokenizer)
 
 
 def _copy_tokenizer(cache: Path, folder: Path) -> None:
-    for item in _tokenizer_dir(cache).iterdir():
+    for item in tokenizer_dir(cache).iterdir():
         if item.is_file() and item.name != _MARKER:
             shutil.copy2(item, folder / item.name)
 

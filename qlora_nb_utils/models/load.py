@@ -16,8 +16,16 @@ import torch
 from torch import nn
 
 from .. import env
-from .build import _tokenizer_dir, materialize
-from .registry import ATTN_CHOICES, HUB_ID, MODEL_NAMES, QUANT_CHOICES, _choice, _unknown_name_error, default_cache_dir
+from .build import materialize, tokenizer_dir
+from .registry import (
+    ATTN_CHOICES,
+    HUB_ID,
+    MODEL_NAMES,
+    QUANT_CHOICES,
+    check_choice,
+    default_cache_dir,
+    unknown_name_error,
+)
 
 #: What :func:`load_model` takes as ``attn_implementation``: ``"auto"`` or one of ``ATTN_CHOICES``.
 LOAD_ATTN_CHOICES = ("auto",) + ATTN_CHOICES
@@ -26,7 +34,7 @@ LOAD_ATTN_CHOICES = ("auto",) + ATTN_CHOICES
 def _source(name: Union[str, os.PathLike], cache_dir) -> str:
     """What to hand to ``from_pretrained`` for ``name``: a built folder, a path or a hub id."""
     if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
-        raise _unknown_name_error(name)
+        raise unknown_name_error(name)
     if name in MODEL_NAMES:
         return str(materialize(name, cache_dir))
     path = Path(name).expanduser()
@@ -34,7 +42,7 @@ def _source(name: Union[str, os.PathLike], cache_dir) -> str:
         return str(path)
     if isinstance(name, str) and HUB_ID.fullmatch(name):
         return name
-    raise _unknown_name_error(name)
+    raise unknown_name_error(name)
 
 
 def load_tokenizer(name: Union[str, os.PathLike], cache_dir: Union[str, Path, None] = None):
@@ -58,7 +66,7 @@ def load_tokenizer(name: Union[str, os.PathLike], cache_dir: Union[str, Path, No
 
     if name in MODEL_NAMES:
         cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        source = str(_tokenizer_dir(cache))
+        source = str(tokenizer_dir(cache))
     else:
         source = _source(name, cache_dir)
     tok = AutoTokenizer.from_pretrained(source)
@@ -199,8 +207,8 @@ def load_model(
             for a quantized checkpoint with ``quant="none"`` or in another format than NF4.
         RuntimeError: for ``quant="nf4"`` where bitsandbytes cannot run NF4 on the device.
     """
-    _choice("quant", quant, QUANT_CHOICES)
-    _choice("attn_implementation", attn_implementation, LOAD_ATTN_CHOICES)
+    check_choice("quant", quant, QUANT_CHOICES)
+    check_choice("attn_implementation", attn_implementation, LOAD_ATTN_CHOICES)
     targets = _parse_targets(lora_targets) if lora else None
     if lora:
         _check_lora_numbers(lora_r, lora_alpha, lora_dropout)

@@ -98,7 +98,8 @@ _CONFIGS["llama-3.1-8b-shape-4l"] = {**copy.deepcopy(_CONFIGS["llama-3.1-8b-shap
                                       "num_hidden_layers": 4}
 
 
-def _unknown_name_error(name: object) -> ValueError:
+def unknown_name_error(name: object) -> ValueError:
+    """The one error for a model name that is neither known, nor a folder, nor a hub id."""
     return ValueError(
         f"unknown model {name!r}: use one of {list(MODEL_NAMES)}, a local checkpoint folder, "
         "or a Hugging Face model id such as 'org/name'"
@@ -123,7 +124,7 @@ def check_model_source(name: object) -> str:
             file, or a folder without ``config.json`` or without tokenizer files.
     """
     if not isinstance(name, (str, os.PathLike)) or not str(name).strip():
-        raise _unknown_name_error(name)
+        raise unknown_name_error(name)
     if name in MODEL_NAMES:
         return str(name)
     path = Path(name).expanduser()
@@ -139,10 +140,11 @@ def check_model_source(name: object) -> str:
         raise ValueError(f"{path} is a file, not a model folder")
     if isinstance(name, str) and HUB_ID.fullmatch(name) and not name.startswith((".", "/")):
         return name
-    raise _unknown_name_error(name)
+    raise unknown_name_error(name)
 
 
-def _choice(what: str, value: str, choices: Sequence[str]) -> str:
+def check_choice(what: str, value: str, choices: Sequence[str]) -> str:
+    """``value`` when it is one of ``choices``, else a ValueError that names ``what`` and lists them."""
     if value not in choices:
         raise ValueError(f"{what} must be one of {list(choices)}; got {value!r}")
     return value

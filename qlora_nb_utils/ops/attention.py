@@ -85,7 +85,7 @@ from ..reversible import PatchHandle
 
 __all__ = ["CAUSAL_SDPA", "CAUSAL_SDPA_CUDNN", "SDPA_KERNELS", "cudnn_attention_works", "CUDNN_FIRST_CAPABILITIES",
            "CUDNN_MIN_POSITIONS", "CAUSAL_FLEX", "KERNELS", "register_causal", "register_causal_sdpa",
-           "use_causal_attention", "sliding_window", "longest_document", "model_configs", "cached_block_mask",
+           "use_causal_attention", "sliding_window", "longest_document", "model_configs", "cached_block_mask", "no_mask",
            "use_causal_sdpa", "use_causal_flex", "causal_masks_for", "check_right_padded", "causal_block_mask",
            "with_causal_block_mask"]
 
@@ -106,7 +106,7 @@ CAUSAL_FLEX = "qlora_causal_flex"
 KERNELS = {"sdpa": CAUSAL_SDPA, "flex_attention": CAUSAL_FLEX}
 
 
-def _no_mask(*args, **kwargs) -> None:
+def no_mask(*args, **kwargs) -> None:
     """The SDPA mask function: no mask at all (SDPA's ``is_causal`` does the causal part)."""
     return None
 
@@ -152,7 +152,7 @@ def _implementation(kernel: str, cudnn: bool = False):
     if cudnn and kernel != "sdpa":
         raise ValueError(f"cuDNN's kernel is an SDPA kernel; the model uses {kernel!r}")
     if kernel == "sdpa":
-        return (CAUSAL_SDPA_CUDNN, _causal_sdpa_cudnn, _no_mask) if cudnn else (CAUSAL_SDPA, _causal_sdpa, _no_mask)
+        return (CAUSAL_SDPA_CUDNN, _causal_sdpa_cudnn, no_mask) if cudnn else (CAUSAL_SDPA, _causal_sdpa, no_mask)
     if kernel == "flex_attention":
         from transformers.utils import is_torch_flex_attn_available
 

@@ -49,8 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .lm_head import LMHead, causal_lm_of, decoder_of, read_head
-from .lm_head import mapped as _mapped
+from .lm_head import LMHead, causal_lm_of, decoder_of, mapped, read_head
 
 __all__ = ["IGNORE_INDEX", "ROW_BUCKETS", "CHUNK_MIN_ROWS", "labelled_rows", "chunked_cross_entropy", "chunked_token_log_probs", "TokenStats", "causal_lm_targets",
            "ChunkedLossLM"]
@@ -159,7 +158,7 @@ def _ce_math(raw: torch.Tensor, t: torch.Tensor, denom: torch.Tensor, ignore_ind
              scale: float = 1.0, softcap: float | None = None):
     """One chunk's summed CE over the model's logits from ``raw`` (``h @ W^T + b``) and, with
     ``want_grad``, its gradient to ``raw`` over ``denom``, in ``raw``'s dtype (zero on ignored rows)."""
-    logits, dmap = _mapped(raw, scale, softcap)
+    logits, dmap = mapped(raw, scale, softcap)
     logp, valid, safe_t, picked = _chunk_scores(logits, t, ignore_index)
     total = torch.where(valid, -picked, torch.zeros_like(picked)).sum()
     if not want_grad:
@@ -310,7 +309,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 scale: float = 1.0, softcap: float | None = None):
         log_probs, entropies, tops, grads = [], [], [], []
         for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):
-            logits, dmap = _mapped(F.linear(h, weight, bias), scale, softcap)
+            logits, dmap = mapped(F.linear(h, weight, bias), scale, softcap)
             logp, valid, safe_t, picked = _chunk_scores(logits, t, ignore_index)
             probs = torch.exp(logp)
             zero = torch.zeros_like(picked)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .lm_head import mapped as _mapped
+from .lm_head import mapped
 
 __all__ = ["vocab_range", "vocab_parallel_cross_entropy"]
 
@@ -66,7 +66,7 @@ def _piece_stats(raw: torch.Tensor, y: torch.Tensor, start: int, scale: float, s
     """One piece's logits on this rank's vocabulary rows (``raw = h @ W_k^T``, through the head's map):
     the per-row maximum, the sum of ``exp(z - max)``, and the target's logit where this rank owns
     the target (0 elsewhere), all in float32."""
-    z, _ = _mapped(raw, scale, softcap)
+    z, _ = mapped(raw, scale, softcap)
     mx = z.amax(dim=1)
     se = torch.exp(z - mx[:, None]).sum(dim=1)
     mine = (y >= start) & (y < start + z.shape[1])
@@ -78,7 +78,7 @@ def _piece_grad(raw: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, row_scale
                 scale: float, softcap: float | None) -> torch.Tensor:
     """``d loss / d raw`` of one piece on this rank's vocabulary rows: ``(softmax - onehot) * row_scale``
     (0 on ignored rows), through the head's map, in ``raw``'s dtype."""
-    z, dmap = _mapped(raw, scale, softcap)
+    z, dmap = mapped(raw, scale, softcap)
     g = torch.exp(z - lse[:, None])
     mine = (y >= start) & (y < start + z.shape[1])
     g = g.scatter_add(1, (y - start).clamp(0, z.shape[1] - 1)[:, None], -mine.to(g.dtype)[:, None])

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import _paths
+from .._paths import check_out_dir
 from .run_folder import TrainedRun, read_run
 
 __all__ = ["BASES", "check_export", "export_run"]
@@ -55,7 +55,7 @@ def check_export(run_dir: str | Path, out: str | Path, *, base: str = "nf4") -> 
         raise ValueError(f"--out {out_path} is a file, not a folder: name a new folder to write into")
     if out_path.is_dir() and any(out_path.iterdir()):
         raise ValueError(f"--out {out_path} exists and is not empty: name a new or empty folder")
-    _paths.check_out_dir(str(out_path))
+    check_out_dir(str(out_path))
     if out_path.resolve() == run.folder.resolve() or run.folder.resolve() in out_path.resolve().parents:
         raise ValueError(f"--out {out_path} is inside the run folder {run.folder}: write the export elsewhere")
     if base == "original" and _saved_quantized(run.model):

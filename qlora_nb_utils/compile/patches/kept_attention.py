@@ -245,7 +245,7 @@ def apply(model: torch.nn.Module, offloader: Any = None) -> PatchHandle:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from ...ops.attention import _no_mask
+    from ...ops.attention import no_mask
     from ...ops.lm_head import causal_lm_of, decoder_of
     from ..checkpointing import decoder_layers
 
@@ -253,7 +253,7 @@ def apply(model: torch.nn.Module, offloader: Any = None) -> PatchHandle:
     if why is not None:
         raise ValueError(f"cannot keep attention outputs: {why}")
     AttentionInterface.register(IMPLEMENTATION, _kept_attention)
-    AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)
+    AttentionMaskInterface.register(IMPLEMENTATION, no_mask)
     store = KeptStore(offloader)
     layers = [m for m in decoder_layers(model) if m.gradient_checkpointing]
     handle = PatchHandle(NAME, {"layers": len(layers), "where": "host" if offloader is not None else "device"})
