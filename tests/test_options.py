@@ -65,6 +65,35 @@ def test_descriptions_read_as_recorded(cases):
         assert seen[name] == want, name
 
 
+def test_the_choices_table_reads_as_the_description(cases):
+    """``choices_table()`` holds the description's choices, values and reasons row by row, and its text
+    keeps every line within the width asked for, each reason whole once its wrapping is undone."""
+    from qlora_nb_utils.compile.optimized import format_choices
+
+    model, kwargs = cases
+    opt = optimize(model, **kwargs["memory"])
+    try:
+        rows = opt.choices_table()
+        assert "optimize: " + "; ".join(f"{c}={v} ({why})" for c, v, why in rows) == opt.description
+        assert [c for c, _, _ in rows] == [c for c in opt.choices if c in opt.reasons]
+        text = opt.choices_text(width=90)
+    finally:
+        opt.undo()
+    lines = text.splitlines()
+    assert lines[0].split() == ["choice", "value", "why"] and set(lines[1]) <= {"-", " "}
+    assert all(len(line) <= 90 for line in lines)
+    why_at = lines[0].index("why")
+    for name, value, why in rows:  # each row starts with its choice and value; its reason continues below
+        start = next(i for i, line in enumerate(lines) if line.split()[:1] == [name] and line[why_at:] in why)
+        parts = [lines[start][why_at:]]
+        for line in lines[start + 1:]:
+            if line[:why_at].strip():
+                break
+            parts.append(line[why_at:])
+        assert " ".join(parts) == why and lines[start][:why_at].split() == [name, *value.split()]
+    assert format_choices([], width=50).splitlines()[0].split() == ["choice", "value", "why"]
+
+
 def test_an_options_object_or_dict_reads_as_its_keywords(cases):
     """``optimize(model, options)`` with the object, or a dict, chooses as the same keywords do."""
     from qlora_nb_utils.compile.options import OptimizeOptions

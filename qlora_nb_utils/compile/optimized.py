@@ -20,7 +20,27 @@ from .hf_forward import trainer_forward
 from .recipe import FastPrepared
 from .step_inputs import prepare_batch
 
-__all__ = ["Optimized"]
+__all__ = ["Optimized", "format_choices"]
+
+
+def format_choices(rows: list[tuple[str, str, str]], width: int = 100) -> str:
+    """Rows ``(choice, value, why)`` as a plain-text table: a header, then each row with its reason
+    wrapped under the ``why`` column so that no line passes ``width`` (a column is never narrower
+    than 20 characters)."""
+    import textwrap
+
+    heads = ("choice", "value", "why")
+    name_w = max(len(heads[0]), *(len(r[0]) for r in rows)) if rows else len(heads[0])
+    value_w = max(len(heads[1]), *(len(r[1]) for r in rows)) if rows else len(heads[1])
+    value_w = min(value_w, 40)
+    why_w = max(20, width - name_w - value_w - 4)
+    lines = [f"{heads[0]:<{name_w}}  {heads[1]:<{value_w}}  {heads[2]}",
+             f"{'-' * name_w}  {'-' * value_w}  {'-' * min(why_w, 40)}"]
+    for name, value, why in rows:
+        wrapped = textwrap.wrap(why, why_w, break_on_hyphens=False) or [""]
+        lines.append(f"{name:<{name_w}}  {value:<{value_w}}  {wrapped[0]}")
+        lines += [f"{'':<{name_w}}  {'':<{value_w}}  {more}" for more in wrapped[1:]]
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass
@@ -100,6 +120,16 @@ class Optimized:
         parts = [f"{name}={show(value)} ({self.reasons[name]})" for name, value in self.choices.items()
                  if name in self.reasons]
         return "optimize: " + "; ".join(parts)
+
+    def choices_table(self) -> list[tuple[str, str, str]]:
+        """Every choice as a row ``(choice, value, why)``, in the description's order: the same
+        text as :attr:`description`, for a reader who scans a column instead of one long line."""
+        return [(name, show(value), self.reasons[name]) for name, value in self.choices.items() if name in self.reasons]
+
+    def choices_text(self, width: int = 100) -> str:
+        """:meth:`choices_table` as plain text: one row per choice, the reason wrapped under its
+        column to ``width`` characters (a terminal's, a log's)."""
+        return format_choices(self.choices_table(), width)
 
     def install(self, model: torch.nn.Module) -> None:
         """Make ``model(**batch)`` run the optimized step (how a ``Trainer``/``SFTTrainer`` trains with it).

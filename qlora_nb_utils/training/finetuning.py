@@ -288,7 +288,7 @@ class Run:
                             compile_cache=o["compile_cache"],
                             steps=o["steps"] - self.start_step)  # the steps this process runs: the compile's job
         self.phases["optimize_s"] = round(time.perf_counter() - clock, 3)
-        self.log(self.opt.description)
+        self.log("==> optimize() chose:\n" + self.opt.choices_text())
         self.autocast = self.opt.choices["dtype"] if self.opt.choices["autocast"] else None
         history = o.get("resume_history")
         self.sample = self._sample_texts()
