@@ -30,11 +30,13 @@ optimizer, scheduler, history, the RNG state of the last step boundary) is neede
 callback, the checkpoint, the interrupt path and the metrics alike; holding it in one place keeps
 each stage a short method and :func:`finetune` a short sequence of them.
 
-Order of a run: batches (tokenizer only) -> model -> ``optimize`` -> the "before" sample ->
-optional parity check (undone) -> fresh optimizer and scheduler, or the checkpoint's -> the
-held-out loss at step 0 (a fresh run) -> the loop, with :meth:`Run.on_step` evaluating,
-checkpointing and honouring a stop at each step boundary -> the "after" sample. Samples and
-evaluations run eagerly on the very weights and attention path the compiled step trains.
+Order of a run: batches (tokenizer only) -> model -> ``optimize`` -> optional parity check
+(undone) -> fresh optimizer and scheduler, or the checkpoint's -> the loop, with
+:meth:`Run.on_step` evaluating, checkpointing and honouring a stop at each step boundary -> the
+"before" sample and the held-out loss at step 0, on the adapter's starting weights put back for
+the while (they evaluate the model before any update, so they need not delay the first step)
+-> the "after" sample. Samples and evaluations run eagerly on the very weights and attention
+path the compiled step trains.
 """
 
 from __future__ import annotations
@@ -252,7 +254,7 @@ class Run:
         from .. import models
         from ..compile import optimize
         from .hf_trainer import count_graph_breaks
-        from .loop import load_trainable_state, warmup_schedule
+        from .loop import load_trainable_state, trainable_state, warmup_schedule
 
         o = self.opts
         self.device, self.dtype = env.resolve_device_dtype(o["device"], o["dtype"])
@@ -292,13 +294,8 @@ class Run:
         self.autocast = self.opt.choices["dtype"] if self.opt.choices["autocast"] else None
         history = o.get("resume_history")
         self.sample = self._sample_texts()
-        clock = time.perf_counter()
-        if history is None:
-            self.sample["before"] = self._complete()
-            self.log(f"==> before training, the held-out prompt continues as: {self.sample['before']!r}")
-        else:
-            self.sample["before"] = history.get("sample_before")
-        self.phases["before_sample_s"] = round(time.perf_counter() - clock, 3)
+        self.sample["before"] = None if history is None else history.get("sample_before")
+        self._initial = trainable_state(self.model) if history is None else None  # the adapter's start
         if o["check_parity"]:
             self.parity = self._parity(o["check_parity"])
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -307,9 +304,6 @@ class Run:
         if history is None:
             self.history = {"steps_done": 0, "sessions": 1, "rows": [], "eval_losses": [],
                             "sample_before": self.sample["before"]}
-            clock = time.perf_counter()
-            self._evaluate(0)
-            self.phases["eval0_s"] = round(time.perf_counter() - clock, 3)
         else:
             state, self.history = load_checkpoint(self.out)
             load_trainable_state(self.model, state["trainable"])
@@ -348,7 +342,41 @@ class Run:
         finally:
             self._ticker.stop()
         self.stop.immediate = True  # nothing left to save: a signal now stops at once
+        self._at_start_checks()
         self.sample["after"] = self._complete()
+
+    def _at_start_checks(self) -> None:
+        """The "before" sample and the held-out loss at step 0, on the adapter as it started.
+
+        Why after the loop: both are evaluations of the model before any update, and a user waits
+        for them before the first step when they run first; run here, on the adapter's starting
+        weights put back for the while (then the trained ones again), they give the same text and
+        loss without delaying the first step. The starting weights are the ones kept at the start,
+        or, in a resumed run that has lost them, LoRA's own start: every ``lora_B`` zero, which
+        makes each adapted layer its base layer whatever ``lora_A`` holds.
+        """
+        from .loop import load_trainable_state, trainable_state
+
+        need_sample = self.sample.get("before") is None
+        need_loss = not any(e["step"] == 0 for e in self.history["eval_losses"])
+        if not (need_sample or need_loss):
+            return
+        start = getattr(self, "_initial", None)
+        trained = trainable_state(self.model)
+        if start is None:
+            if not all("lora_A" in n or "lora_B" in n for n in trained):
+                return  # other trainable weights: their start is not known here
+            start = {n: torch.zeros_like(t) if "lora_B" in n else t for n, t in trained.items()}
+        load_trainable_state(self.model, start)
+        try:
+            if need_sample:
+                self.sample["before"] = self.history["sample_before"] = self._complete()
+                self.log(f"==> before training, the held-out prompt continued as: {self.sample['before']!r}")
+            if need_loss:
+                self._evaluate(0)
+                self.history["eval_losses"].sort(key=lambda e: e["step"])
+        finally:
+            load_trainable_state(self.model, trained)
 
     def on_step(self, step: int, row: dict) -> None:
         """At each step boundary: record, evaluate and checkpoint when due, then honour a stop."""
@@ -517,7 +545,7 @@ class Run:
             "options": {k: _show(o[k]) for k in DEFAULTS}, "meta": self.meta,
             "steps_done": self.steps_done, "resumed_from": self.start_step or None,
             "losses": [r["loss"] for r in rows], "eval_losses": self.history["eval_losses"],
-            "final_eval_loss": self.history["eval_losses"][-1]["loss"],
+            "final_eval_loss": self.history["eval_losses"][-1]["loss"] if self.history["eval_losses"] else None,
             "tokens_per_s": median_tokens_per_s(rows),
             **getattr(self, "first_step", {}), "peak_mem_gib": getattr(self, "peak_mem_gib", None),
             "packing": self.packed, "pad_fraction": self.pad_fraction,
