@@ -31,7 +31,7 @@ picks others): ours cold, ours warm, unsloth cold, hf-eager cold, ours-before co
 ours-before warm. A run that does not fit the time left is listed under ``skipped``.
 
     python3 lab/gpu/compile_time/cold_start.py run SHAPE OUT_JSON BUDGET_S [--device cpu --model tiny --steps 4]
-    python3 lab/gpu/compile_time/cold_start.py merge OUT_JSON IN_JSON...
+    python3 lab/gpu/compile_time/cold_start.py merge OUT_JSON IN_JSON... [--conditions TEXT]
     python3 lab/gpu/compile_time/cold_start.py child-ours SIDE_JSON -- QLORA_NB_TRAIN_ARGS...
     python3 lab/gpu/compile_time/cold_start.py child-hf --model M --batches F --steps N --out J
 """
@@ -392,15 +392,28 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
     return 0
 
 
-def merge(out_json: str, inputs: list[str]) -> int:
-    """One results file of several calls' (one shape each): their runs side by side."""
-    files = [json.loads(Path(p).read_text()) for p in inputs]
-    first = files[0]
+def merge(out_json: str, inputs: list[str], conditions: str | None = None) -> int:
+    """One results file of several calls' (one shape each, or files merged before): their runs side by
+    side. ``conditions`` says what else the machine ran during the calls of this merge (each of their
+    runs and calls carries it): a run beside others is not a quiet one."""
+    calls, runs, commands, dates = [], [], [], []
+    first = None
+    for path in inputs:
+        f = json.loads(Path(path).read_text())
+        first = first or f
+        dates.append(f["date"])
+        if "calls" in f:  # merged before: its calls and runs as they are
+            calls += f["calls"]
+            runs += f["runs"]
+            commands += f["command"] if isinstance(f["command"], list) else [f["command"]]
+            continue
+        extra = {"conditions": conditions} if conditions else {}
+        calls.append({"shape": f["shape"], "date": f["date"], "skipped": f["skipped"], "wall_s": f.get("wall_s"),
+                      "command": f["command"], **extra})
+        runs += [{**r, "call_date": f["date"], **extra} for r in f["runs"]]
+        commands.append(f["command"])
     merged = {k: first[k] for k in ("what", "device", "versions", "tool", "time_to_first_step_how", "wall_60_how")}
-    merged.update(date=max(f["date"] for f in files), command=[f["command"] for f in files],
-                  calls=[{"shape": f["shape"], "date": f["date"], "skipped": f["skipped"], "wall_s": f.get("wall_s")}
-                         for f in files],
-                  runs=[r for f in files for r in f["runs"]])
+    merged.update(date=max(dates), command=commands, calls=calls, runs=runs)
     _write(Path(out_json), merged)
     return 0
 
@@ -422,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("merge")
     m.add_argument("out_json")
     m.add_argument("inputs", nargs="+")
+    m.add_argument("--conditions", default=None, help="what else the machine ran during these calls")
     h = sub.add_parser("child-hf")
     h.add_argument("--model", required=True)
     h.add_argument("--batches", required=True)
@@ -432,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "run":
         return run(args.shape, args.out_json, args.budget_s, args.device, args.model, args.steps)
     if args.cmd == "merge":
-        return merge(args.out_json, args.inputs)
+        return merge(args.out_json, args.inputs, args.conditions)
     return child_hf(args)
 
 
