@@ -93,10 +93,11 @@ def nf4_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
 
 
-def _linear4bit_modules(model: nn.Module) -> list[nn.Module]:
-    from .packed_words import _is_bnb_linear4bit
+def linear4bit_modules(model: nn.Module) -> list[nn.Module]:
+    """The bitsandbytes ``Linear4bit`` modules of ``model``."""
+    from .packed_words import is_bnb_linear4bit
 
-    return [m for m in model.modules() if _is_bnb_linear4bit(m)]
+    return [m for m in model.modules() if is_bnb_linear4bit(m)]
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -124,7 +125,8 @@ class Sharded:
         return None if self.prepared is None else self.prepared.counter.to_dict()
 
 
-def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that FSDP2 made units."""
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -140,7 +142,7 @@ def packed_checksums(model: nn.Module, modules: Iterable[nn.Module] | None = Non
     sums = {}
     # words waiting in host memory (big_model's host build) are summed on the GPU, one weight at a time
     gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    for m in _linear4bit_modules(model) if modules is None else modules:
+    for m in linear4bit_modules(model) if modules is None else modules:
         w = m.weight.detach()
         w = getattr(w, "_local_tensor", w)
         if gpu is not None and w.device.type == "cpu":
@@ -155,7 +157,7 @@ def _linear4bit_by_unit(model: nn.Module) -> list[tuple[nn.Module, list[nn.Modul
     under no deeper unit), in module order."""
     from torch.distributed.fsdp import FSDPModule
 
-    from .packed_words import _is_bnb_linear4bit
+    from .packed_words import is_bnb_linear4bit
 
     owned: dict[int, tuple[nn.Module, list[nn.Module]]] = {}
 
@@ -163,7 +165,7 @@ def _linear4bit_by_unit(model: nn.Module) -> list[tuple[nn.Module, list[nn.Modul
         if isinstance(module, FSDPModule):
             unit = module
             owned.setdefault(id(module), (module, []))
-        if unit is not None and _is_bnb_linear4bit(module):
+        if unit is not None and is_bnb_linear4bit(module):
             owned[id(unit)][1].append(module)
         for child in module.children():
             walk(child, unit)
@@ -172,8 +174,8 @@ def _linear4bit_by_unit(model: nn.Module) -> list[tuple[nn.Module, list[nn.Modul
     return list(owned.values())
 
 
-def _attach_quant_states(model: nn.Module, expected_sums: dict[int, tuple[int, int]] | None = None,
-                         snapshot: dict | None = None) -> dict | None:
+def attach_quant_states(model: nn.Module, expected_sums: dict[int, tuple[int, int]] | None = None,
+                        snapshot: dict | None = None) -> dict | None:
     """Give FSDP2's persistent all-gathered 4-bit weights their quant state (module docstring);
     with ``expected_sums`` (checksums) or ``snapshot`` (every byte, :func:`packed_words.snapshot_packed`),
     also check that the all-gather gave back the packed bytes exactly. Returns the check's record.
@@ -326,7 +328,7 @@ def apply_fsdp2(model: nn.Module, *, mesh=None, mp_policy=None, nf4: str = "shar
             fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     if nf4 == "shard" and nf4_count:
-        bytes_check = _attach_quant_states(model, expected, snapshot)
+        bytes_check = attach_quant_states(model, expected, snapshot)
     prepared = None
     if compile_layers:
         prepared = prepare_for_compile(model, grad_ckpt=None, scope="regional", backend=backend,

@@ -119,7 +119,8 @@ def sharded_nf4_precision(compute_dtype: torch.dtype, quant_storage: str = "auto
 
 
 # ----------------------------------------------------------------------------- byte checks
-def _is_bnb_linear4bit(m: nn.Module) -> bool:
+def is_bnb_linear4bit(m: nn.Module) -> bool:
+    """True for a bitsandbytes ``Linear4bit`` (by name: bitsandbytes is not imported for the check)."""
     return type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")
 
 
@@ -131,7 +132,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def snapshot_packed(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{module name: packed bytes (uint8, on the CPU)}`` of every 4-bit weight, before sharding."""
     return {n: _local(m.weight).contiguous().view(torch.uint8).reshape(-1).cpu().clone()
-            for n, m in model.named_modules() if _is_bnb_linear4bit(m)}
+            for n, m in model.named_modules() if is_bnb_linear4bit(m)}
 
 
 def nan_words(t: torch.Tensor) -> int:

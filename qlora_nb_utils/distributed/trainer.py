@@ -167,12 +167,12 @@ class _RegionalCompileCallback(_regional_callback_base()):
         from torch.distributed.tensor import DTensor
 
         from ..compile import prepare_for_compile
-        from .fsdp import _attach_quant_states, _fsdp_modules, _linear4bit_modules
+        from .fsdp import attach_quant_states, fsdp_modules, linear4bit_modules
 
-        if model is not None and _fsdp_modules(model) and any(
-                isinstance(m.weight, DTensor) for m in _linear4bit_modules(model)):
+        if model is not None and fsdp_modules(model) and any(
+                isinstance(m.weight, DTensor) for m in linear4bit_modules(model)):
             # accelerate sharded the float32-stored 4-bit weights
-            self.bytes_check = _attach_quant_states(model, snapshot=self.snapshot)
+            self.bytes_check = attach_quant_states(model, snapshot=self.snapshot)
             self.snapshot = None
         if model is not None and self.compile_layers and self.prepared is None:
             self.prepared = prepare_for_compile(model, grad_ckpt=None, scope="regional",
