@@ -194,17 +194,26 @@ def test_the_loss_takes_longer_chunks_in_regional_scope_unless_memory_is_held(lo
 
 
 def test_the_fused_nf4_route_says_when_hf_numerics_keep_it_from_running():
+    from qlora_nb_utils.compile.choices import Choice
     from qlora_nb_utils.compile.fast_path import _note_unfused_numerics
+    from qlora_nb_utils.compile.options import OptimizeOptions
+    from qlora_nb_utils.compile.plan import Plan
+
+    def plan(autocast, fused):
+        p = Plan(options=OptimizeOptions(), device=torch.device("cpu"), dtype=torch.bfloat16, autocast=autocast)
+        p.record("nf4_lora_linear", Choice(fused, "set"))
+        return p
 
     model = torch.nn.Module()
     model.lora_A = torch.nn.Linear(4, 2)  # k-bit prep's fp32 LoRA weights
     for autocast, fused, noted in ((False, 4, True), (True, 4, False), (False, 0, False)):
-        choices, reasons = {"nf4_lora_linear": fused}, {"nf4_lora_linear": "set"}
-        _note_unfused_numerics(model, torch.bfloat16, autocast, choices, reasons)
-        assert ("not taken at run time: LoRA weights in float32" in reasons["nf4_lora_linear"]) is noted
-    reasons = {"nf4_lora_linear": "set"}
-    _note_unfused_numerics(model.to(torch.bfloat16), torch.bfloat16, False, {"nf4_lora_linear": 4}, reasons)
-    assert reasons["nf4_lora_linear"] == "set"  # LoRA weights in the compute dtype: the route runs
+        p = plan(autocast, fused)
+        _note_unfused_numerics(model, p)
+        assert ("not taken at run time: LoRA weights in float32" in p.reasons["nf4_lora_linear"]) is noted
+        assert p.choices["nf4_lora_linear"] == fused
+    p = plan(False, 4)
+    _note_unfused_numerics(model.to(torch.bfloat16), p)
+    assert p.reasons["nf4_lora_linear"] == "set"  # LoRA weights in the compute dtype: the route runs
 
 
 def test_the_step_moves_a_batch_to_the_models_device_before_the_graph_sees_it():

@@ -368,19 +368,22 @@ def test_optimize_refuses_when_asked_and_skips_when_auto_on_unsupported_versions
     with pytest.raises(RuntimeError, match="nf4_dequant"):
         optimize(model, backend="eager", nf4_dequant=True, cast=False)
     assert (bnb.matmul_4bit, bnbF.dequantize_4bit) == originals and model_patches._NF4_SHARED["users"] == 0
+    from qlora_nb_utils.compile.choices import choose_nf4_dequant
+    from qlora_nb_utils.compile.options import OptimizeOptions
+    from qlora_nb_utils.compile.plan import Plan
+
     cuda = torch.device("cuda")  # "auto" decides from the device only: no CUDA tensor is made
-    choices, reasons = {}, {}
-    monkeypatch.setattr(nf4_triton, "HAS_TRITON", True)
-    assert model_patches.use_nf4_dequant(model, "auto", cuda, choices, reasons) == []
-    assert choices["nf4_dequant"] is False and reasons["nf4_dequant"].startswith("patch refused")
+    plan = Plan(options=OptimizeOptions(), device=cuda)
+    assert plan.record("nf4_dequant", choose_nf4_dequant("auto", "cuda", model_patches.nf4_layers(model), True))
+    assert model_patches.use_nf4_dequant(model, plan) == []  # applying it is refused: said, not raised
+    assert plan.choices["nf4_dequant"] is False and plan.reasons["nf4_dequant"].startswith("patch refused")
     with pytest.raises(ValueError, match="nf4_dequant must be one of"):
         optimize(model, backend="eager", nf4_dequant="yes")
 
 
 def test_optimize_says_when_there_is_no_nf4_layer():
-    from qlora_nb_utils.compile.model_patches import nf4_layers, use_nf4_dequant
+    from qlora_nb_utils.compile.choices import choose_nf4_dequant
+    from qlora_nb_utils.compile.model_patches import nf4_layers
 
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    choices, reasons = {}, {}
-    assert nf4_layers(plain) == 0 and use_nf4_dequant(plain, True, torch.device("cpu"), choices, reasons) == []
-    assert choices["nf4_dequant"] is False and reasons["nf4_dequant"] == "no NF4 layer"
+    assert nf4_layers(plain) == 0 and choose_nf4_dequant(True, "cpu", nf4_layers(plain), True) == (False, "no NF4 layer")

@@ -65,6 +65,28 @@ def test_descriptions_read_as_recorded(cases):
         assert seen[name] == want, name
 
 
+def test_the_plan_decides_every_choice_before_the_model_changes(cases):
+    """``plan.decide`` names every choice the description lists, in its order, before the model
+    changes; applying only fills in what it counts, and a choice the plan did not decide is refused."""
+    from qlora_nb_utils.compile.options import OptimizeOptions
+    from qlora_nb_utils.compile.plan import decide
+    from qlora_nb_utils.compile.recipe import can_cache_functions, can_recompute_elementwise
+
+    model, kwargs = cases
+    for name in ("default", "packed", "own_loss", "memory"):
+        kw = dict(kwargs[name])
+        batches = kw.pop("batches", None)
+        plan = decide(model, OptimizeOptions(**kw), batches, recompute_available=can_recompute_elementwise(),
+                      cache_available=can_cache_functions())
+        opt = optimize(model, batches=batches, **kw)
+        try:
+            assert list(plan.choices) == list(opt.choices) and list(plan.reasons) == list(opt.reasons), name
+        finally:
+            opt.undo()
+    with pytest.raises(KeyError, match="'turbo' was not decided by the plan"):
+        plan.applied("turbo", 1)
+
+
 def test_the_choices_table_reads_as_the_description(cases):
     """``choices_table()`` holds the description's choices, values and reasons row by row, and its text
     keeps every line within the width asked for, each reason whole once its wrapping is undone."""

@@ -44,7 +44,7 @@ __all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "re
            "choose_eager_numerics", "choose_cast", "choose_keep_attention", "KEEP_HOST_SHARE",
            "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show", "choose_sdpa_kernel", "choose_attention",
            "choose_head", "choose_loss_rows", "LOSS_ROWS_WHEN_IGNORED_OVER", "choose_compile_cache",
-           "choose_doc_kernel"]
+           "choose_doc_kernel", "choose_bnb_cpu_layout", "choose_nf4_dequant", "choose_lora_addmm"]
 
 #: At most this many distinct batch shapes get CUDA graphs (one graph each) under ``mode="auto"``.
 MAX_CUDAGRAPH_SHAPES = 4
@@ -248,8 +248,46 @@ def choose_eager_numerics(asked: bool | str, dtype: torch.dtype, backend: Any) -
 
 
 def choose_cast(cast: int) -> Choice:
-    """How many non-LoRA weights the recipe cast (kbit prep's fp32 upcast undone)."""
+    """How many non-LoRA weights the recipe cast (kbit prep's fp32 upcast undone; planned 0, filled in)."""
     return Choice(cast, "non-LoRA weights cast to the compute dtype")
+
+
+def choose_bnb_cpu_layout(device_type: str, layers: int) -> Choice | None:
+    """On a CPU, bitsandbytes' ``layers`` 4-bit layers kept in their training layout (an eval pass would
+    repack them for inference and lose the LoRA gradients); None: nothing to say (no CPU or none)."""
+    if device_type != "cpu" or not layers:
+        return None
+    return Choice("training", "an eval pass cannot repack NF4 for CPU inference (lost LoRA gradients)")
+
+
+def choose_nf4_dequant(asked: bool | str, device_type: str, layers: int, has_triton: bool) -> Choice:
+    """The ``layers`` NF4 weights dequantized in one Triton kernel (``"auto"``: on CUDA with Triton,
+    where it pays; elsewhere the op's torch body, the same values, only when asked for)."""
+    if asked is False or not layers:
+        return Choice(False, "asked for" if asked is False else "no NF4 layer")
+    if asked == "auto" and (device_type != "cuda" or not has_triton):
+        return Choice(False, f"measured on CUDA only; off on {device_type}" if device_type != "cuda"
+                      else "no Triton here: bitsandbytes' own dequantize")
+    return Choice(True, f"{layers} NF4 layers: dequantize in one Triton kernel, not bitsandbytes' two "
+                        "(process-wide patch, shared)" if device_type == "cuda" and has_triton
+                  else f"{layers} NF4 layers: dequantize through the op's torch body (asked for)")
+
+
+def choose_lora_addmm(asked: bool | str, layers: int, nf4: bool, in_place: bool) -> dict[str, Choice]:
+    """``lora_addmm`` over the model's ``layers`` PEFT LoRA linears and the choices that follow it
+    (``nf4_lora_linear``, ``lora_groups``, ``lora_wide``; their counts filled in when applied, by
+    :func:`.model_patches.use_lora_addmm`); ``nf4``: the NF4 dequantize planned; ``in_place`` False
+    when every saving is taken and the target is still not met."""
+    fused_why = ("asked for (lora_addmm='unfused')" if asked == "unfused" else
+                 "needs lora_addmm and the nf4_dequant patch" if not nf4 or asked is False else
+                 "no LoRA layer over an NF4 weight")
+    rows = {"lora_addmm": Choice(False, "asked for" if asked is False else "no PEFT LoRA linear layer"),
+            "nf4_lora_linear": Choice(0, fused_why), "lora_groups": Choice(0, "needs the fused NF4 LoRA linear"),
+            "lora_wide": Choice(False, "needs groups of LoRA layers")}
+    if asked is not False and layers:
+        rows["lora_addmm"] = Choice(True, f"{layers} LoRA layers: update added into the base output in place"
+                                    if in_place else f"{layers} LoRA layers: out-of-place addmm ({LORA_OUT_OF_PLACE_WHY})")
+    return rows
 
 
 #: The most of the host memory available that ``keep_attention="auto"`` lets the offloaded inputs and the

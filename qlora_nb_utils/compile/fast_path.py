@@ -94,13 +94,9 @@ import torch
 from ..ops.doc_attention import with_document_mask
 from ..ops.model_attention import MODEL_ATTENTION, use_attention, with_block_masks
 from ..reversible import PatchHandle
-from . import choices as table
 from .choices import (
-    LORA_NO_GROUP_WHY,
-    LORA_OUT_OF_PLACE_WHY,
     LOSS_ROWS_WHEN_IGNORED_OVER,
     MAX_CUDAGRAPH_SHAPES,
-    choose_cast,
     show,
 )
 from .compile_cache import CompileCache, cache_key, save_after_first_step
@@ -116,20 +112,20 @@ __all__ = ["Optimized", "OptimizeOptions", "optimize", "estimate_peak_gib", "pad
            "MODES", "LOSS_ROWS_WHEN_IGNORED_OVER"]
 
 
-def _note_unfused_numerics(model: torch.nn.Module, dtype: torch.dtype, autocast: bool, choices: dict[str, Any],
-                           reasons: dict[str, str]) -> None:
+def _note_unfused_numerics(model: torch.nn.Module, plan: Any) -> None:
     """Say so when the fused NF4 LoRA route was set up but will not run: without autocast, LoRA
     weights in another dtype than the compute dtype (k-bit prep's fp32 ones, with ``autocast=False``:
     HF eager's numerics) make every call take PEFT's own path, which casts (``lora_addmm``'s docstring)."""
-    if autocast or not choices.get("nf4_lora_linear"):
+    if plan.autocast or not plan.choices.get("nf4_lora_linear"):
         return
-    other = {p.dtype for n, p in model.named_parameters() if "lora_" in n and p.dtype != dtype}
+    other = {p.dtype for n, p in model.named_parameters() if "lora_" in n and p.dtype != plan.dtype}
     if other:
-        reasons["nf4_lora_linear"] += (f"; set up, but not taken at run time: LoRA weights in {show(min(other, key=str))} "
-                                       f"without autocast (HF eager's numerics) take PEFT's own path")
+        plan.applied("nf4_lora_linear", plan.choices["nf4_lora_linear"], plan.reasons["nf4_lora_linear"] + (
+            f"; set up, but not taken at run time: LoRA weights in {show(min(other, key=str))} "
+            f"without autocast (HF eager's numerics) take PEFT's own path"))
 
 
-def _keep_attention(model: torch.nn.Module, plan: Any, reasons: dict) -> Any:
+def _keep_attention(model: torch.nn.Module, plan: Any) -> Any:
     """:mod:`.patches.kept_attention` on the planned model, its outputs where the plan keeps them
     (``"host"``: page-locked memory, like offloaded layer inputs); the layer count added to the reason."""
     from .offload import EXACT_HOST_BUFFERS, CpuOffloader
@@ -138,23 +134,22 @@ def _keep_attention(model: torch.nn.Module, plan: Any, reasons: dict) -> Any:
     host = plan.keep_attention == "host"
     offloader = CpuOffloader(exact_host_buffers=EXACT_HOST_BUFFERS) if host else None
     handle = kept_attention.apply(model, offloader=offloader)
-    reasons["keep_attention"] = (f"{handle.details['layers']} checkpointed layers keep their attention output in "
-                                 f"{'host' if host else 'device'} memory: {reasons['keep_attention']}")
+    plan.applied("keep_attention", plan.keep_attention, f"{handle.details['layers']} checkpointed layers keep their "
+                 f"attention output in {'host' if host else 'device'} memory: {plan.reasons['keep_attention']}")
     return handle
 
 
-def _compile_cache(model: torch.nn.Module, opts: OptimizeOptions, device: torch.device, choices: dict,
-                   reasons: dict, forward: Any) -> tuple[Any, list[PatchHandle]]:
-    """The run's cache artifacts (:mod:`.compile_cache`): loaded now, before anything compiles, and saved
-    after the first step (by the ``forward`` returned) or at ``undo()`` (by the handle returned)."""
-    choice = table.choose_compile_cache(opts.compile_cache, opts.backend, device.type)
-    if choice.value is False:
-        choices["compile_cache"], reasons["compile_cache"] = choice
+def _compile_cache(model: torch.nn.Module, plan: Any, forward: Any) -> tuple[Any, list[PatchHandle]]:
+    """The run's cache artifacts (:mod:`.compile_cache`) where the plan keeps them: loaded now, before
+    anything compiles, and saved after the first step (by the ``forward`` returned) or at ``undo()``
+    (by the handle returned). The file is keyed by every other choice."""
+    folder = plan.choices["compile_cache"]
+    if folder is False:
         return forward, []
-    cache = CompileCache(Path(choice.value) / cache_key(model, device, choices))
+    others = {k: v for k, v in plan.choices.items() if k != "compile_cache"}
+    cache = CompileCache(Path(folder) / cache_key(model, plan.device, others))
     said = cache.load()
-    choices["compile_cache"] = "loaded" if cache.loaded_bytes else "kept"
-    reasons["compile_cache"] = f"{choice.why}: {said}"
+    plan.applied("compile_cache", "loaded" if cache.loaded_bytes else "kept", f"{plan.reasons['compile_cache']}: {said}")
     forward, finish = save_after_first_step(forward, cache)
     handle = PatchHandle("compile_cache", {"path": str(cache.path)})
     handle.add_undo(finish)
@@ -298,27 +293,25 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
         if doc_handle is not None:
             doc_handle.undo()
         raise
-    plan.record("cast", choose_cast(fast.cast))
-    extra = keep_bnb_training_layout(model, device, choices, reasons)
+    plan.applied("cast", fast.cast)
+    extra = keep_bnb_training_layout(model, plan)
     if doc_handle is not None:
         extra.insert(0, doc_handle)  # configs only: undone in any order
     try:
-        nf4 = use_nf4_dequant(model, opts.nf4_dequant, device, choices, reasons)
+        nf4 = use_nf4_dequant(model, plan)
         extra += nf4
-        # every saving taken and still over the target: the LoRA update out of place (one tensor fewer)
-        extra += use_lora_addmm(model, opts.lora_addmm, choices, reasons, not plan.over_target, LORA_OUT_OF_PLACE_WHY,
-                                nf4, group=plan.lora_groups, no_group_why=LORA_NO_GROUP_WHY)
+        extra += use_lora_addmm(model, plan, nf4)  # out of place where the plan is over its target
         if plan.tile_rows:  # after the LoRA patches: the tiles run the MLP's grouped projections apart
             from .patches import tiled_mlp
 
             extra.append(tiled_mlp.apply(model, plan.tile_rows))
         if plan.keep_attention:  # after checkpointing and offload: it wraps their checkpoint functions
-            extra.append(_keep_attention(model, plan, reasons))
+            extra.append(_keep_attention(model, plan))
     except BaseException:  # refused when asked for: leave the model as it was given, but for the cast
         for handle in [*extra, fast]:
             handle.undo()
         raise
-    _note_unfused_numerics(model, plan.dtype, plan.autocast, choices, reasons)
+    _note_unfused_numerics(model, plan)
     pad_id = int(getattr(config_of(model), "pad_token_id", None) or 0)
     compiled = fast.forward
     if plan.packed:
@@ -331,7 +324,7 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
                            min_loss_rows=plan.min_rows,
                            dynamic_rows=not plan.cuda_graphs,  # a dynamic count overshot a held run's target
                            cache_functions=plan.cache_functions, fine_rows=plan.fine_rows, device=device)
-    forward, cache_handles = _compile_cache(model, opts, device, choices, reasons, forward)
+    forward, cache_handles = _compile_cache(model, plan, forward)
     extra += cache_handles
     return Optimized(forward=forward, module=fast.prepared.model, counter=fast.counter, choices=choices,
                      reasons=reasons, fast=fast, options=opts, _pad_id=pad_id, _extra=extra,

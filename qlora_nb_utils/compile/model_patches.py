@@ -5,8 +5,10 @@ that are not part of the recipe's compile (:mod:`.recipe`): bitsandbytes' CPU la
 training, PEFT's LoRA forward replaced by a one-``addmm`` forward, and bitsandbytes' NF4
 dequantize done in one kernel (process-wide, so shared by every ``optimize()`` of the process and
 undone when the last of them is; see :func:`use_nf4_dequant`). Each is a reversible
-patch of :mod:`.patches`; here they are decided, applied and described the way ``optimize()``
-describes every choice, and the handles are returned for its ``undo()``.
+patch of :mod:`.patches`, decided with every other choice before the model changes
+(:func:`~qlora_nb_utils.compile.plan.decide`, :mod:`.choices`); here they are applied, what
+applying found (how many layers fused, a patch refused on versions) filled in the plan
+(:meth:`~qlora_nb_utils.compile.plan.Plan.applied`), and the handles returned for ``undo()``.
 """
 
 from __future__ import annotations
@@ -20,36 +22,29 @@ from ..reversible import PatchHandle
 __all__ = ["keep_bnb_training_layout", "use_lora_addmm", "lora_addmm_expected", "use_nf4_dequant", "nf4_layers"]
 
 
-def _apply_or_refuse(name: str, apply: Callable[[], PatchHandle], asked: bool | str, choices: dict[str, Any],
-                     reasons: dict[str, str], refused: Any = False) -> PatchHandle | None:
+def _apply_or_refuse(name: str, apply: Callable[[], PatchHandle], asked: bool | str, plan: Any,
+                     refused: Any = False) -> PatchHandle | None:
     """``apply()``; a version or target refusal (``RuntimeError``) is raised when the patch was asked
-    for (``asked is True``), else stated as the choice ``refused`` and its reason (None returned)."""
+    for (``asked is True``), else stated in the plan as the choice ``refused`` and its reason (None returned)."""
     try:
         return apply()
     except RuntimeError as err:  # versions or targets outside what the patch was verified on
         if asked is True:
             raise
-        choices[name], reasons[name] = refused, f"patch refused: {err}"
+        plan.applied(name, refused, f"patch refused: {err}")
         return None
 
 
-def keep_bnb_training_layout(model: torch.nn.Module, device: torch.device, choices: dict[str, Any],
-                              reasons: dict[str, str]) -> list[PatchHandle]:
-    """On a CPU, keep NF4 weights out of bitsandbytes' inference repack (an eval pass would break
-    the LoRA gradients: :mod:`~qlora_nb_utils.compile.patches.bnb_cpu_packing`)."""
-    if device.type != "cpu":
+def keep_bnb_training_layout(model: torch.nn.Module, plan: Any) -> list[PatchHandle]:
+    """On a CPU, keep NF4 weights out of bitsandbytes' inference repack where the plan says so (an eval
+    pass would break the LoRA gradients: :mod:`~qlora_nb_utils.compile.patches.bnb_cpu_packing`)."""
+    if plan.choices.get("bnb_cpu_layout") != "training":
         return []
     from .patches import bnb_cpu_packing
 
-    if not bnb_cpu_packing.find_layers(model):
-        return []
-    handle = _apply_or_refuse("bnb_cpu_layout", lambda: bnb_cpu_packing.apply(model), "auto", choices, reasons,
+    handle = _apply_or_refuse("bnb_cpu_layout", lambda: bnb_cpu_packing.apply(model), "auto", plan,
                               refused="untouched")
-    if handle is None:
-        return []
-    choices["bnb_cpu_layout"] = "training"
-    reasons["bnb_cpu_layout"] = "an eval pass cannot repack NF4 for CPU inference (lost LoRA gradients)"
-    return [handle]
+    return [] if handle is None else [handle]
 
 
 def lora_addmm_expected(model: torch.nn.Module, asked: bool | str) -> bool:
@@ -60,59 +55,47 @@ def lora_addmm_expected(model: torch.nn.Module, asked: bool | str) -> bool:
     return asked is not False and bool(patch.find_layers(model))
 
 
-def use_lora_addmm(model: torch.nn.Module, asked: bool | str, choices: dict[str, Any],
-                    reasons: dict[str, str], in_place: bool = True, why: str = "",
-                    nf4: list[PatchHandle] | None = None, group: bool = True,
-                    no_group_why: str = "") -> list[PatchHandle]:
-    """``optimize(lora_addmm=...)``: the patch's handle (a list: empty when not applied);
-    ``in_place=False`` (with ``why``) for the out-of-place update. ``nf4``: the handles
-    :func:`use_nf4_dequant` returned; when it was applied, the layers over NF4 weights run as one
-    LoRA linear whose base matmul adds into the update
-    (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`; in place or not is then moot: no
-    base output is written apart), unless ``asked == "unfused"``: the choice ``nf4_lora_linear``
-    says how many do. Those that read one input (a layer's q, k, v; gate, up) run as one group
-    (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linears`) unless ``asked == "ungrouped"`` or
-    ``group`` is False (with ``no_group_why``): the choice ``lora_groups`` says how many groups.
-    A group's outputs are each one GEMM over ``[x | s x A^T]`` (``wide``, the choice ``lora_wide``)
-    unless ``asked == "narrow"``."""
+def use_lora_addmm(model: torch.nn.Module, plan: Any, nf4: list[PatchHandle] | None = None) -> list[PatchHandle]:
+    """The plan's ``lora_addmm`` (:func:`~qlora_nb_utils.compile.choices.choose_lora_addmm`) applied: the
+    patch's handle (a list: empty when not applied), the out-of-place update where the plan is over its
+    target. ``nf4``: the handles :func:`use_nf4_dequant` returned; when it was applied, the layers over
+    NF4 weights run as one LoRA linear whose base matmul adds into the update
+    (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linear`; in place or not is then moot: no base
+    output is written apart), unless ``lora_addmm="unfused"``: the choice ``nf4_lora_linear`` gets
+    how many do. Those that read one input (a layer's q, k, v; gate, up) run as one group
+    (:func:`~qlora_nb_utils.ops.lora_update.nf4_lora_linears`) unless ``"ungrouped"`` or the plan
+    forms none (:attr:`~qlora_nb_utils.compile.plan.Plan.lora_groups`): the choice ``lora_groups``
+    gets how many groups. A group's outputs are each one GEMM over ``[x | s x A^T]`` (the choice
+    ``lora_wide``) unless ``"narrow"``."""
+    from .choices import LORA_NO_GROUP_WHY
     from .patches import lora_addmm as patch
 
-    choices["lora_addmm"], choices["nf4_lora_linear"], choices["lora_groups"] = False, 0, 0
-    choices["lora_wide"] = False
-    reasons["lora_groups"] = "needs the fused NF4 LoRA linear"
-    reasons["lora_wide"] = "needs groups of LoRA layers"
-    reasons["nf4_lora_linear"] = ("asked for (lora_addmm='unfused')" if asked == "unfused" else
-                                  "needs lora_addmm and the nf4_dequant patch" if not nf4 or asked is False else
-                                  "no LoRA layer over an NF4 weight")
-    if asked is False or not patch.find_layers(model):
-        reasons["lora_addmm"] = "asked for" if asked is False else "no PEFT LoRA linear layer"
+    asked = plan.options.lora_addmm
+    if not plan.choices["lora_addmm"]:
         return []
+    if not nf4 and asked != "unfused":  # the nf4_dequant patch planned but refused when applied
+        plan.applied("nf4_lora_linear", 0, "needs lora_addmm and the nf4_dequant patch")
     rows = nf4[0].details.get("forward_min_rows") if nf4 and asked != "unfused" else None
-    grouped = group and asked != "ungrouped"
+    grouped = plan.lora_groups and asked != "ungrouped"
     wide = grouped and asked != "narrow"
-    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, in_place, rows, grouped, wide),
-                              True if asked in ("unfused", "ungrouped", "narrow") else asked, choices, reasons)
+    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, not plan.over_target, rows, grouped, wide),
+                              True if asked in ("unfused", "ungrouped", "narrow") else asked, plan)
     if handle is None:
         return []
-    choices["lora_addmm"] = True
-    n, fused = handle.details["layers"], handle.details["nf4_layers"]
-    reasons["lora_addmm"] = (f"{n} LoRA layers: update added into the base output in place" if in_place
-                             else f"{n} LoRA layers: out-of-place addmm ({why})")
+    fused = handle.details["nf4_layers"]
     if fused:
-        choices["nf4_lora_linear"] = fused
-        reasons["nf4_lora_linear"] = (f"{fused} LoRA layers over NF4 weights: the base matmul adds into the update, "
-                                      "forward and backward (one input gradient)")
+        plan.applied("nf4_lora_linear", fused, f"{fused} LoRA layers over NF4 weights: the base matmul adds into "
+                                               "the update, forward and backward (one input gradient)")
         n_groups = handle.details["groups"]
-        choices["lora_groups"] = n_groups
-        reasons["lora_groups"] = (
+        plan.applied("lora_groups", n_groups, (
             f"{n_groups} groups of LoRA layers reading one input (q, k, v; gate, up): x read once, one input gradient"
             if n_groups else "asked for (lora_addmm='ungrouped')" if asked == "ungrouped"
-            else no_group_why if not group else "no sibling LoRA layers reading one input")
-        choices["lora_wide"] = bool(handle.details.get("wide"))
-        reasons["lora_wide"] = (
+            else LORA_NO_GROUP_WHY if not plan.lora_groups else "no sibling LoRA layers reading one input"))
+        wide = bool(handle.details.get("wide"))
+        plan.applied("lora_wide", wide, (
             "each group member one GEMM over [x | s x A^T] and [W | B]: no update tensor written and read back"
-            if choices["lora_wide"] else "asked for (lora_addmm='narrow')" if asked == "narrow" and n_groups
-            else "needs groups of LoRA layers")
+            if wide else "asked for (lora_addmm='narrow')" if asked == "narrow" and n_groups
+            else "needs groups of LoRA layers"))
     return [handle]
 
 
@@ -148,33 +131,15 @@ def _acquire_nf4() -> PatchHandle:
     return user
 
 
-def use_nf4_dequant(model: torch.nn.Module, asked: bool | str, device: torch.device, choices: dict[str, Any],
-                    reasons: dict[str, str]) -> list[PatchHandle]:
-    """``optimize(nf4_dequant=...)``: route the NF4 layers' dequantize through one Triton kernel.
-
-    ``"auto"``: on CUDA with Triton, where it was measured to pay (one kernel where bitsandbytes
-    launches two, per weight and step); elsewhere off (on a CPU the op is its pure-torch body: the
-    same values, no speed measured). True applies it on any
-    device and raises where it is refused. The patch replaces two bitsandbytes module attributes
-    for the whole process (:mod:`~qlora_nb_utils.compile.patches.nf4_dequant`); every
-    ``optimize()`` that takes it shares one application, undone with the last of them.
+def use_nf4_dequant(model: torch.nn.Module, plan: Any) -> list[PatchHandle]:
+    """The plan's ``nf4_dequant`` (:func:`~qlora_nb_utils.compile.choices.choose_nf4_dequant`) applied:
+    the NF4 layers' dequantize routed through one Triton kernel (on a CPU, when asked for, the op's
+    torch body). The patch replaces two bitsandbytes module attributes for the whole process
+    (:mod:`~qlora_nb_utils.compile.patches.nf4_dequant`); every ``optimize()`` that takes it shares
+    one application, undone with the last of them. Refused on versions: raised when asked for
+    (``nf4_dequant=True``), else stated in the plan.
     """
-    from ..ops import nf4_triton
-
-    choices["nf4_dequant"] = False
-    layers = nf4_layers(model) if asked is not False else 0
-    if asked is False or not layers:
-        reasons["nf4_dequant"] = "asked for" if asked is False else "no NF4 layer"
+    if not plan.choices["nf4_dequant"]:
         return []
-    if asked == "auto" and (device.type != "cuda" or not nf4_triton.HAS_TRITON):
-        reasons["nf4_dequant"] = (f"measured on CUDA only; off on {device.type}" if device.type != "cuda"
-                                  else "no Triton here: bitsandbytes' own dequantize")
-        return []
-    handle = _apply_or_refuse("nf4_dequant", _acquire_nf4, asked, choices, reasons)
-    if handle is None:
-        return []
-    choices["nf4_dequant"] = True
-    reasons["nf4_dequant"] = (f"{layers} NF4 layers: dequantize in one Triton kernel, not bitsandbytes' two "
-                              "(process-wide patch, shared)" if device.type == "cuda" and nf4_triton.HAS_TRITON
-                              else f"{layers} NF4 layers: dequantize through the op's torch body (asked for)")
-    return [handle]
+    handle = _apply_or_refuse("nf4_dequant", _acquire_nf4, plan.options.nf4_dequant, plan)
+    return [] if handle is None else [handle]

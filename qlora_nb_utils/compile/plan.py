@@ -23,7 +23,7 @@ from . import offload as host
 from .checkpointing import decoder_layers
 from .choices import choose_attention, choose_doc_kernel, choose_head, choose_loss_rows, choose_sdpa_kernel
 from .memory_estimate import config_of, estimate_terms, longest_fitting, peak_from_terms
-from .model_patches import lora_addmm_expected
+from .model_patches import lora_addmm_expected, nf4_layers
 from .offload import check_host_memory, host_bytes
 from .offload import plan as checkpoint_plan
 from .options import OptimizeOptions, RecipeOptions
@@ -56,8 +56,8 @@ def compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
 class Plan:
     """Every choice of one ``optimize()`` with its reason, and the values the step is built from.
 
-    ``choices`` and ``reasons`` are in the order the description lists them; the patches applied
-    after the recipe (:mod:`.model_patches`) add theirs.
+    ``choices`` and ``reasons`` are in the order the description lists them, every one decided
+    before the model changes; applying a choice only fills in what it found (:meth:`applied`).
     """
 
     options: OptimizeOptions
@@ -89,6 +89,19 @@ class Plan:
     chunk_rows: int = 0
     head_rows: int | None = None
     loss_rows_choice: tuple[str, str] = ("all", "")  # choices.choose_loss_rows' (choice, reason)
+
+    def applied(self, name: str, value: Any, why: str | None = None) -> None:
+        """What applying a decided choice found (a count, or a patch refused on versions), kept in the
+        place the plan gave it.
+
+        Raises:
+            KeyError: ``name`` was not decided by :func:`decide` (every choice is).
+        """
+        if name not in self.choices:
+            raise KeyError(f"{name!r} was not decided by the plan")
+        self.choices[name] = value
+        if why is not None:
+            self.reasons[name] = why
 
     def record(self, name: str, choice: table.Choice | None) -> Any:
         """Enter ``choice`` under ``name`` (None: nothing to say) and return its value."""
@@ -211,7 +224,27 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
                                                                               opts.backend))
     if opts.memory_budget is not None:
         p.record("memory_budget", table.Choice(opts.memory_budget, "asked for"))
+    _model_patches(p, model)
+    p.record("compile_cache", table.choose_compile_cache(opts.compile_cache, opts.backend, device.type))
     return p
+
+
+def _model_patches(p: Plan, model: torch.nn.Module) -> None:
+    """What is changed on the model after the recipe (:mod:`.model_patches`), decided from what the
+    model holds: the cast's count and the fused layers' and groups' counts are filled in when applied
+    (:meth:`Plan.applied`)."""
+    from ..ops.nf4_triton import HAS_TRITON
+    from .patches import bnb_cpu_packing
+    from .patches import lora_addmm as lora_patch
+
+    opts, device_type = p.options, p.device.type
+    p.record("cast", table.choose_cast(0))
+    p.record("bnb_cpu_layout", table.choose_bnb_cpu_layout(device_type, len(bnb_cpu_packing.find_layers(model))))
+    layers = nf4_layers(model) if opts.nf4_dequant is not False else 0
+    nf4 = p.record("nf4_dequant", table.choose_nf4_dequant(opts.nf4_dequant, device_type, layers, HAS_TRITON))
+    lora = len(lora_patch.find_layers(model)) if opts.lora_addmm is not False else 0
+    for name, choice in table.choose_lora_addmm(opts.lora_addmm, lora, nf4, not p.over_target).items():
+        p.record(name, choice)
 
 
 #: Under a memory target, the most rows one piece of the chunked loss holds: a piece's logits
