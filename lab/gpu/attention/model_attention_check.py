@@ -2,7 +2,8 @@
 own eager forward, through flex attention with the cap in its score modification.
 
 Wrote: lab/results/attention/model_attention_<gpu>.json
-Rerun: python lab/gpu/attention/model_attention_check.py --out $OUT/model_attention.json   (one GPU, repository root;
+Rerun: python lab/gpu/attention/model_attention_check.py --out $OUT/model_attention.json [--flex] [--window N]
+  [--kinds padded,packed] [--scopes whole,regional]   (one GPU, repository root;
   --device cpu is the dry run: there optimize() takes the eager attention, flex attention has no CPU backward)
 
 Why: on a CPU the tests can only run the flex path forward (``tests/test_model_attention.py``); the
@@ -29,14 +30,14 @@ import torch
 CAP, WINDOW, SCALE = 5.0, 64, 6.0
 
 
-def _model(device: torch.device):
+def _model(device: torch.device, window: int = WINDOW):
     from peft import LoraConfig, get_peft_model
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
     config = Gemma2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
-                          attn_logit_softcapping=CAP, sliding_window=WINDOW, max_position_embeddings=1024,
+                          attn_logit_softcapping=CAP, sliding_window=window, max_position_embeddings=1024,
                           pad_token_id=0, use_cache=False)
     model = Gemma2ForCausalLM(config).to(device)
     model.set_attn_implementation("sdpa")  # transformers' default: the attention optimize() must not keep
@@ -99,13 +100,13 @@ def _rel(got, ref) -> float:
     return max(float((got[1][n] - g).abs().max() / g.abs().max().clamp(min=1e-30)) for n, g in ref[1].items())
 
 
-def _case(kind: str, scope: str, device: torch.device, backend: str) -> dict:
+def _case(kind: str, scope: str, device: torch.device, backend: str, window: int = WINDOW) -> dict:
     from qlora_nb_utils import optimize
     from qlora_nb_utils.training.hf_trainer import count_graph_breaks
 
     make = _padded if kind == "padded" else _packed
     batches = [make(256, 2), make(384 if kind == "padded" else 256, 3), make(256, 4)]
-    model = _model(device)
+    model = _model(device, window)
     own = [_own(model, b, device) for b in batches]
     uncapped = _own(model, batches[0], device, capped=False)
     torch._dynamo.reset()
@@ -136,22 +137,31 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--scopes", default="whole,regional")
+    p.add_argument("--kinds", default="padded,packed")
+    p.add_argument("--window", type=int, default=WINDOW,
+                   help="the sliding window of every other layer (longer than the rows: a window that never bites)")
+    p.add_argument("--flex", action="store_true",
+                   help="let optimize() train the capped scores with flex attention (off in the package until checked)")
     args = p.parse_args(argv)
     from qlora_nb_utils import env
+    from qlora_nb_utils.models import attention_scores
+
+    attention_scores.FLEX_TRAINS_SCORES = args.flex
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device(args.device)
     cases = []
-    for kind in ("padded", "packed"):
+    for kind in args.kinds.split(","):
         for scope in args.scopes.split(","):
             try:
-                rec = _case(kind, scope, device, args.backend)
+                rec = _case(kind, scope, device, args.backend, args.window)
             except Exception as exc:  # record and go on: one case's failure is a finding, not the end of the call
                 rec = {"kind": kind, "scope": scope, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
             print({k: v for k, v in rec.items() if k != "description"}, flush=True)
             cases.append(rec)
-    out = {"kind": "model_attention", "what": __doc__.split("\n")[0], "cap": CAP, "window": WINDOW,
+    out = {"kind": "model_attention", "what": __doc__.split("\n")[0], "cap": CAP, "window": args.window,
+           "flex_trains_scores": args.flex,
            "qk_scale": SCALE, "dtype": "float32 (TF32 off)", "backend": args.backend, "cases": cases,
            "all_ok": all(c["ok"] for c in cases), "device": env.device_info(device), "versions": env.versions(),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
