@@ -217,7 +217,7 @@ def test_the_fused_nf4_route_says_when_hf_numerics_keep_it_from_running():
 
 
 def test_the_step_moves_a_batch_to_the_models_device_before_the_graph_sees_it():
-    from qlora_nb_utils.compile.step_inputs import step_forward
+    from qlora_nb_utils.compile.step_inputs import StepInputs, step_forward
 
     seen = {}
 
@@ -227,8 +227,7 @@ def test_the_step_moves_a_batch_to_the_models_device_before_the_graph_sees_it():
 
     batch = {"input_ids": torch.ones(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long),
              "document_ids": torch.zeros(2, 8, dtype=torch.long), "num_items": 3}
-    out = step_forward(recipe, multiple=1, pad_id=0, mark_dynamic=False, loss_rows=0, memory_budget=None,
-                       device=torch.device("meta"))(**batch)
+    out = step_forward(recipe, StepInputs(device=torch.device("meta")))(**batch)
     assert seen == {"input_ids": torch.device("meta"), "labels": torch.device("meta"),
                     "document_ids": torch.device("meta")}
     assert out["num_items"] == 3 and batch["input_ids"].device.type == "cpu"  # the caller's batch is left as it was
@@ -238,11 +237,26 @@ def test_optimize_records_the_models_device_for_its_step(loaded):
     model, tok = loaded
     opt = optimize(model, batches=_batches(tok), backend="eager")
     try:
-        assert opt._device == next(model.parameters()).device
+        assert opt.inputs.device == next(model.parameters()).device
         prepared = opt.prepare(**_batches(tok)[0])
-        assert all(v.device == opt._device for v in prepared.values() if torch.is_tensor(v))
+        assert all(v.device == opt.inputs.device for v in prepared.values() if torch.is_tensor(v))
+        # one object: what the recipe applied travels in it, and the choices it prepares by are the plan's
+        assert opt.inputs.recipe.scope == opt.choices["scope"] and opt.inputs.pad_multiple == opt.choices["pad_multiple"]
+        assert opt.inputs.recipe.grad_ckpt == (opt.fast.ckpt_layers > 0)
     finally:
         opt.undo()
+
+
+def test_step_inputs_take_the_recipes_device_and_drop_compiled_only_marks_for_the_reference():
+    from qlora_nb_utils.compile import RecipeOptions, StepInputs
+
+    inputs = StepInputs(pad_multiple=8, mark_dynamic=True, cuda_graphs=True,
+                        recipe=RecipeOptions(dtype=torch.float32, device=torch.device("meta")))
+    assert inputs.device == torch.device("meta")  # not named twice
+    assert not inputs.dynamic_rows  # under CUDA graphs the labelled-row count is static
+    ref = inputs.uncompiled()
+    assert (ref.mark_dynamic, ref.cuda_graphs, ref.pad_multiple, ref.recipe) == (False, False, 8, inputs.recipe)
+    assert StepInputs(device="cpu", recipe=inputs.recipe).device == "cpu"  # an explicit device wins
 
 
 @pytest.mark.gpu

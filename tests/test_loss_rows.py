@@ -175,20 +175,19 @@ def test_the_memory_estimate_counts_only_the_head_rows(tiny):
 
 @pytest.mark.parametrize("dynamic_rows", [True, False])
 def test_the_row_count_is_dynamic_without_cuda_graphs_and_static_under_them(dynamic_rows):
-    from qlora_nb_utils.compile.step_inputs import prepare_batch
+    from qlora_nb_utils.compile.step_inputs import StepInputs, prepare_batch
 
+    inputs = StepInputs(pad_multiple=8, row_chunks=4, min_rows=64, cuda_graphs=not dynamic_rows)
     labels = torch.full((2, 40), -100)
     labels[:, 20:] = 7
-    out = prepare_batch({"input_ids": torch.ones(2, 40, dtype=torch.long), "labels": labels}, multiple=8, pad_id=0,
-                        loss_rows=4, min_loss_rows=64, dynamic_rows=dynamic_rows)
+    out = prepare_batch({"input_ids": torch.ones(2, 40, dtype=torch.long), "labels": labels}, inputs)
     rows = out["loss_rows"]
     assert rows.numel() == 64  # padded up to the count asked for: one length
     assert (0 in getattr(rows, "_dynamo_weak_dynamic_indices", set())) is dynamic_rows
     assert (0 in getattr(rows, "_dynamo_static_indices", set())) is not dynamic_rows
     labels = torch.full((4, 1024), -100)
     labels[:, 1:600] = 7  # more labelled rows than the 64 any shown batch needed
-    more = prepare_batch({"input_ids": torch.ones(4, 1024, dtype=torch.long), "labels": labels}, multiple=8, pad_id=0,
-                         loss_rows=4, min_loss_rows=64, dynamic_rows=dynamic_rows)["loss_rows"]
+    more = prepare_batch({"input_ids": torch.ones(4, 1024, dtype=torch.long), "labels": labels}, inputs)["loss_rows"]
     every = labelled_rows(labels, multiple=4, at_least=4 * 1023).numel()
     assert (more.numel() == every) is not dynamic_rows  # static: every row's length (two lengths at most)
 
@@ -199,9 +198,9 @@ def test_optimize_keeps_the_row_count_static_under_cuda_graphs_only(tiny, monkey
     seen = {}
     real = fast_path.step_forward
 
-    def spy(*args, **kw):
-        seen.setdefault("dynamic_rows", []).append(kw["dynamic_rows"])
-        return real(*args, **kw)
+    def spy(compiled, inputs):
+        seen.setdefault("dynamic_rows", []).append(inputs.dynamic_rows)
+        return real(compiled, inputs)
 
     monkeypatch.setattr(fast_path, "step_forward", spy)
     model, _ = tiny

@@ -100,11 +100,11 @@ def test_flex_on_cuda_is_chosen_and_its_config_switch_undoes(tiny):
 
 
 def test_optimize_gives_the_flex_mask_one_ids_buffer_under_cuda_graphs_only(tiny, monkeypatch):
-    from qlora_nb_utils.compile import fast_path
+    from qlora_nb_utils.compile import step_inputs
 
     seen = []
-    real = fast_path.with_document_mask
-    monkeypatch.setattr(fast_path, "with_document_mask", lambda *a, **kw: seen.append(kw.get("stable_ids")) or real(*a, **kw))
+    real = step_inputs.with_document_mask
+    monkeypatch.setattr(step_inputs, "with_document_mask", lambda *a, **kw: seen.append(kw.get("stable_ids")) or real(*a, **kw))
     model, _ = tiny
     (packed,), _ = packing.pack_examples(_docs(5, [20, 30]), 64, rows_per_batch=1, pad_id=0)
     for mode in ("default", "reduce-overhead"):  # only the step's wrapper is built: nothing runs on a CPU

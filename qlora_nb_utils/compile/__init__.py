@@ -30,10 +30,13 @@ Entry points (imported lazily, on first use; importing the subpackage imports no
   (CUDA graphs, dynamic lengths, the attention path, how many layers to checkpoint for a
   memory target), and says what it chose; the names above are its building blocks.
   :mod:`.memory_estimate` (``estimate_peak_gib``) is the peak it plans by: an upper bound counted from the config.
-* :class:`OptimizeOptions` (``optimize()``'s knobs, validated, from keywords or a dict) and
-  :class:`RecipeOptions` (what ``prepare_fast`` applies), in :mod:`.options`; each choice that
-  turns ``"auto"`` into a decision is a small function of :mod:`.choices`, run in order by
-  :func:`.plan.decide`.
+* :class:`OptimizeOptions` (``optimize()``'s knobs, validated, from keywords or a dict; what the
+  CLI, the trainers and the benchmarks build and check) and :class:`RecipeOptions` (what
+  ``prepare_fast`` applies), in :mod:`.options`; each choice that turns ``"auto"`` into a
+  decision is a small function of :mod:`.choices`, run in order by :func:`.plan.decide`.
+* :class:`StepInputs`, in :mod:`.step_inputs`: everything the step needs besides the batch
+  (padding, labelled rows, masks, the compile's settings, the ``RecipeOptions`` inside), one
+  object for the compiled step and for ``Optimized.inputs``.
 * :class:`CpuOffloader`, in :mod:`.offload`: checkpointed layers' saved inputs kept in pinned
   CPU memory, copied on a side stream (``optimize(offload=...)``; ``offload.apply(model)``).
 """
@@ -55,7 +58,7 @@ _EXPORTS = {
     ), "recipe"),
     **dict.fromkeys(("optimize", "Optimized"), "fast_path"),
     **dict.fromkeys(("OptimizeOptions", "RecipeOptions"), "options"),
-    **dict.fromkeys(("pad_batch",), "step_inputs"),
+    **dict.fromkeys(("pad_batch", "StepInputs"), "step_inputs"),
     **dict.fromkeys(("estimate_peak_gib", "estimate_terms"), "memory_estimate"),
     **dict.fromkeys(("CpuOffloader", "OffloadStats"), "offload"),
 }

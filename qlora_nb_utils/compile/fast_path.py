@@ -91,8 +91,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..ops.doc_attention import with_document_mask
-from ..ops.model_attention import MODEL_ATTENTION, use_attention, with_block_masks
+from ..ops.model_attention import MODEL_ATTENTION, use_attention
 from ..reversible import PatchHandle
 from .choices import (
     LOSS_ROWS_WHEN_IGNORED_OVER,
@@ -100,7 +99,7 @@ from .choices import (
     show,
 )
 from .compile_cache import CompileCache, cache_key, save_after_first_step
-from .memory_estimate import config_of, estimate_peak_gib
+from .memory_estimate import estimate_peak_gib
 from .model_patches import keep_bnb_training_layout, use_lora_addmm, use_nf4_dequant
 from .optimized import Optimized
 from .options import MODES, OptimizeOptions
@@ -278,7 +277,8 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
     # every choice made before the model changes (a refusal leaves it as it was given)
     plan = decide(model, opts, batches, recompute_available=can_recompute_elementwise(),
                   cache_available=can_cache_functions())
-    choices, reasons, device = plan.choices, plan.reasons, plan.device
+    choices, reasons = plan.choices, plan.reasons
+    inputs = plan.step_inputs()
     model.train()
     doc_handle = None
     if plan.packed:
@@ -288,7 +288,7 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
     elif plan.attention in MODEL_ATTENTION:  # the model's score changes kept: flex attention or its eager one
         doc_handle = use_attention(model, MODEL_ATTENTION[plan.attention])
     try:
-        fast = prepare_fast(model, plan.recipe_options(), batches=batches)
+        fast = prepare_fast(model, inputs.recipe, batches=batches)
     except BaseException:  # leave the model as it was given, but for the cast
         if doc_handle is not None:
             doc_handle.undo()
@@ -312,21 +312,7 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             handle.undo()
         raise
     _note_unfused_numerics(model, plan)
-    pad_id = int(getattr(config_of(model), "pad_token_id", None) or 0)
-    compiled = fast.forward
-    if plan.packed:
-        compiled = with_document_mask(compiled, choices["doc_attention"], required=False, stable_ids=plan.cuda_graphs)
-    elif plan.attention == "flex":
-        compiled = with_block_masks(compiled, plan.windows)
-    forward = step_forward(compiled, multiple=opts.pad_multiple, pad_id=pad_id,
-                           mark_dynamic=plan.dynamic and plan.scope == "whole", loss_rows=plan.row_chunks,
-                           memory_budget=opts.memory_budget, recompute_elementwise=plan.recompute,
-                           min_loss_rows=plan.min_rows,
-                           dynamic_rows=not plan.cuda_graphs,  # a dynamic count overshot a held run's target
-                           cache_functions=plan.cache_functions, fine_rows=plan.fine_rows, device=device)
-    forward, cache_handles = _compile_cache(model, plan, forward)
+    forward, cache_handles = _compile_cache(model, plan, step_forward(fast.forward, inputs))
     extra += cache_handles
     return Optimized(forward=forward, module=fast.prepared.model, counter=fast.counter, choices=choices,
-                     reasons=reasons, fast=fast, options=opts, _pad_id=pad_id, _extra=extra,
-                     _row_chunks=plan.row_chunks, _min_rows=plan.min_rows, _fine_rows=plan.fine_rows,
-                     _device=device, _block_windows=plan.windows if plan.attention == "flex" else None)
+                     reasons=reasons, fast=fast, options=opts, inputs=inputs, _extra=extra)

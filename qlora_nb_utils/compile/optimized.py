@@ -12,13 +12,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..ops.doc_attention import with_document_mask
-from ..ops.model_attention import with_block_masks
 from ..reversible import PatchHandle, set_attribute
 from .choices import show
 from .hf_forward import trainer_forward
 from .recipe import FastPrepared
-from .step_inputs import prepare_batch
+from .step_inputs import StepInputs, prepare_batch, with_masks
 
 __all__ = ["Optimized", "format_choices"]
 
@@ -57,6 +55,9 @@ class Optimized:
         reasons: Why, one short phrase per choice.
         fast: The :class:`~qlora_nb_utils.compile.recipe.FastPrepared` underneath.
         options: The :class:`~qlora_nb_utils.compile.options.OptimizeOptions` it was made with.
+        inputs: The :class:`~qlora_nb_utils.compile.step_inputs.StepInputs` the step was built
+            from (padding, labelled rows, masks, the model's device, the recipe's options): the
+            same object :meth:`prepare` and :meth:`eager` prepare a batch by.
     """
 
     forward: Callable[..., Any]
@@ -66,12 +67,7 @@ class Optimized:
     reasons: dict[str, str]
     fast: FastPrepared
     options: Any = None
-    _pad_id: int = 0
-    _row_chunks: int = 0  # labelled rows for the loss, in lengths divisible by this (0: every row)
-    _min_rows: int = 0  # ... padded to at least this many (the most a batch shown needed): one length
-    _fine_rows: bool = False  # ... or each batch its own count, in multiples of 64 (a loss outside the graph)
-    _device: Any = None  # the model's: batch tensors elsewhere are moved there before the step
-    _block_windows: tuple[int, ...] | None = None  # flex attention's causal masks, by sliding window (None: not flex)
+    inputs: StepInputs = dataclasses.field(default_factory=StepInputs)
     _extra: list[PatchHandle] = dataclasses.field(default_factory=list)
 
     def __call__(self, **batch: Any) -> Any:
@@ -95,20 +91,15 @@ class Optimized:
         """``batch`` as the recipe takes it: on the model's device, padded, with its labelled rows
         (read from the labels' values).
 
-        What :meth:`forward` and :meth:`eager` do before the recipe, outside any graph. A tool that
-        traces the recipe (graph-break counts) traces :meth:`eager_prepared` on this.
+        What :meth:`forward` and :meth:`eager` do before the recipe, outside any graph, by
+        :attr:`inputs` (:meth:`~.step_inputs.StepInputs.uncompiled`: no mark only a compiled graph
+        reads). A tool that traces the recipe (graph-break counts) traces :meth:`eager_prepared` on this.
         """
-        return prepare_batch(batch, multiple=self.choices["pad_multiple"], pad_id=self._pad_id,
-                             loss_rows=self._row_chunks, min_loss_rows=self._min_rows, fine_rows=self._fine_rows,
-                             device=self._device)
+        return prepare_batch(batch, self.inputs.uncompiled())
 
     def eager_prepared(self, **batch: Any) -> Any:
         """The recipe uncompiled on a batch from :meth:`prepare` (traceable: no data-dependent step)."""
-        module = self.module
-        if self.choices.get("packing"):
-            module = with_document_mask(module, self.choices["doc_attention"], required=False)
-        elif self._block_windows is not None:
-            module = with_block_masks(module, self._block_windows)
+        module = with_masks(self.module, self.inputs.uncompiled())
         if self.choices["autocast"]:
             with torch.autocast(self.choices["device"], dtype=self.choices["dtype"]):
                 return module(**batch)

@@ -8,9 +8,11 @@ one default and one check, each layer takes one validated object:
   Built from keyword arguments or from a plain dict (a config file, the CLI:
   :meth:`OptimizeOptions.from_dict`, which names unknown keys); every bad value is reported in
   one ``ValueError``, before anything touches the model.
-* :class:`RecipeOptions`: what ``optimize()`` decided, handed to
+* :class:`RecipeOptions`: what ``optimize()`` decided to apply to the model, handed to
   :func:`~qlora_nb_utils.compile.recipe.prepare_fast`; nothing in it is ``"auto"``. It hands
-  ``prepare_for_compile`` its share (:meth:`RecipeOptions.compile_options`).
+  ``prepare_for_compile`` its share (:meth:`RecipeOptions.compile_options`), and it travels
+  inside the step's one inputs object
+  (:class:`~qlora_nb_utils.compile.step_inputs.StepInputs`, its ``recipe``).
 
 The choices themselves (what ``"auto"`` becomes, and why) are in :mod:`.choices`.
 """

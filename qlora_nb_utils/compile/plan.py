@@ -4,8 +4,9 @@ Why this module exists: ``optimize()`` decides first and changes the model after
 option or a refused choice leaves the model as it was given. :func:`decide` runs the decision
 table (:mod:`.choices`) in the order the
 description lists them, gathering the facts each needs once (the model's compute dtype, the
-batch shapes, the memory estimate), and hands back every choice with its reason and the values
-the recipe is built from (:meth:`Plan.recipe_options`).
+batch shapes, the memory estimate), and hands back every choice with its reason and what the step
+is built from (:meth:`Plan.step_inputs`: one :class:`~.step_inputs.StepInputs`, the recipe's
+options inside it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .options import OptimizeOptions, RecipeOptions
 from .packed import packed_batches
 from .patches.kept_attention import attention_unsupported, output_bytes
 from .patches.tiled_mlp import find_mlps
-from .step_inputs import batch_shapes
+from .step_inputs import StepInputs, batch_shapes
 
 __all__ = ["Plan", "decide", "compute_dtype"]
 
@@ -89,6 +90,7 @@ class Plan:
     chunk_rows: int = 0
     head_rows: int | None = None
     loss_rows_choice: tuple[str, str] = ("all", "")  # choices.choose_loss_rows' (choice, reason)
+    pad_id: int = 0  # the token padding puts in input_ids: the model's pad_token_id
 
     def applied(self, name: str, value: Any, why: str | None = None) -> None:
         """What applying a decided choice found (a count, or a patch refused on versions), kept in the
@@ -153,6 +155,20 @@ class Plan:
             # regional: the layers' inputs cannot be marked dynamic from outside
             dynamic=True if self.scope == "regional" and self.dynamic else None)
 
+    def step_inputs(self) -> StepInputs:
+        """What the step is built from, one object for the compiled step and ``Optimized``: how each
+        batch is prepared, the compile's settings, and :meth:`recipe_options` inside it."""
+        opts = self.options
+        return StepInputs(
+            pad_multiple=opts.pad_multiple, pad_id=self.pad_id, device=self.device,
+            mark_dynamic=self.dynamic and self.scope == "whole",  # regional: compiled dynamic instead (recipe_options)
+            row_chunks=self.row_chunks, min_rows=self.min_rows, fine_rows=self.fine_rows,
+            cuda_graphs=self.cuda_graphs,
+            doc_attention=self.choices["doc_attention"] if self.packed else None,
+            block_windows=self.windows if self.attention == "flex" else None,
+            memory_budget=opts.memory_budget, recompute_elementwise=self.recompute,
+            cache_functions=self.cache_functions, recipe=self.recipe_options())
+
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -180,7 +196,7 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
             batches, ``loss_rows=True`` for a head the chunked loss does not reproduce).
     """
     device = next(model.parameters()).device
-    p = Plan(options=opts, device=device)
+    p = Plan(options=opts, device=device, pad_id=int(getattr(config_of(model), "pad_token_id", None) or 0))
     p.record("device", table.Choice(device.type, "where the model is"))
     p.dtype = p.record("dtype", table.choose_dtype(opts.dtype, compute_dtype(model, device)))
     shapes = batch_shapes(batches, opts.pad_multiple)
