@@ -240,11 +240,11 @@ def use_ring_attention(model: torch.nn.Module, group, *, load_balance: bool = Tr
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from ..ops.attention import CAUSAL_SDPA, CAUSAL_SDPA_CUDNN, _configs
+    from ..ops.attention import CAUSAL_SDPA, CAUSAL_SDPA_CUDNN, model_configs
 
     AttentionInterface.register(RING_SDPA, _ring_sdpa)
     AttentionMaskInterface.register(RING_SDPA, _no_mask)
-    configs = _configs(model)
+    configs = model_configs(model)
     current = {cfg._attn_implementation for cfg in configs}
     if not configs or not current <= {CAUSAL_SDPA, CAUSAL_SDPA_CUDNN, RING_SDPA}:
         raise ValueError(f"ring attention replaces causal-only SDPA; the model uses {sorted(current)} "

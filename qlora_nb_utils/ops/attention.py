@@ -196,9 +196,6 @@ def model_configs(model: torch.nn.Module) -> list:
     return out
 
 
-_configs = model_configs  # the older private name, still imported by distributed.ring_attention
-
-
 def use_causal_attention(model: torch.nn.Module, kernel: str, cudnn: bool = False) -> PatchHandle:
     """Switch ``model`` (a transformers causal LM, PEFT-wrapped or not) to causal-only ``kernel``.
 
