@@ -11,8 +11,9 @@ import torch
 from qlora_nb_utils import optimize
 from qlora_nb_utils.compile import choices
 from qlora_nb_utils.compile import compile_cache as cc
-from qlora_nb_utils.compile.choices import choose_scope, regional_pays_until
+from qlora_nb_utils.compile.choices import choose_scope
 from qlora_nb_utils.compile.options import OptimizeOptions
+from qlora_nb_utils.compile.prepare import regional_pays_until
 
 
 def test_auto_scope_weighs_the_job():

@@ -274,7 +274,9 @@ def test_the_numerics_rules():
     assert c.choose_eager_numerics("auto", torch.bfloat16, "inductor").value is True
     assert c.choose_dtype(None, torch.float32) == (torch.float32, "the model's compute dtype")
     assert c.choose_dtype(torch.bfloat16, torch.float32) == (torch.bfloat16, "asked for")
-    assert c.chunk_rows(4, "regional", "auto") == 512 and c.chunk_rows(4, "whole", "auto") == 0
+    from qlora_nb_utils.compile.plan import chunk_rows
+
+    assert chunk_rows(4, "regional", "auto") == 512 and chunk_rows(4, "whole", "auto") == 0
     assert c.choose_loss(0, True, 0).why == "the chunked loss would not compute this model's loss (see head)"
     assert c.choose_recompute("auto", False) == ("torch's default", "this torch's partitioner has no such setting")
     with pytest.raises(ValueError, match="recompute=True"):

@@ -32,15 +32,15 @@ from ..ops.attention import (
 )
 from ..ops.doc_attention import varlen_available
 from ..ops.lm_head import LMHead, read_head
-from ..ops.losses import CHUNK_MIN_ROWS, labelled_rows
+from ..ops.losses import labelled_rows
 from .compile_cache import default_folder
 from .packed import DOC_ATTENTION
+from .prepare import regional_pays_until
 from .step_inputs import pad_batch
 
-__all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "regional_pays_until",
-           "WHOLE_COMPILE_S_PER_LAYER", "REGIONAL_STEP_S_PER_LAYER", "choose_recompute",
+__all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "choose_recompute",
            "choose_warm_cache", "choose_head_choice", "choose_packing", "choose_mode", "choose_dynamic",
-           "choose_pad_multiple", "choose_autocast", "chunk_rows", "choose_loss", "choose_loss_rows_scope",
+           "choose_pad_multiple", "choose_autocast", "choose_loss", "choose_loss_rows_scope",
            "choose_eager_numerics", "choose_cast", "choose_keep_attention", "KEEP_HOST_SHARE",
            "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show", "choose_sdpa_kernel", "choose_attention",
            "choose_head", "choose_loss_rows", "LOSS_ROWS_WHEN_IGNORED_OVER", "choose_compile_cache",
@@ -73,23 +73,6 @@ def choose_dtype(asked: torch.dtype | None, model_dtype: torch.dtype) -> Choice:
     return Choice(dtype, "the model's compute dtype" if dtype == model_dtype else "asked for")
 
 
-#: A whole-model graph's cold compile, per decoder layer, in seconds on a GPU: Dynamo traces, and
-#: Inductor compiles, every layer of the unrolled stack again, so its compile grows with the depth,
-#: where a regional compile traces one layer that every layer then reuses.
-WHOLE_COMPILE_S_PER_LAYER = 5.0
-#: What each decoder layer adds to a regional step on a GPU, in seconds, against a whole graph under
-#: CUDA graphs: the layer's kernels are launched one by one instead of replayed as one graph.
-REGIONAL_STEP_S_PER_LAYER = 1.5e-3
-
-
-def regional_pays_until(layers: int) -> int:
-    """The steps up to which a regional compile finishes a GPU job first: the whole graph's longer
-    compile (:data:`WHOLE_COMPILE_S_PER_LAYER` for each layer beyond the one compiled regionally) over
-    its faster step (:data:`REGIONAL_STEP_S_PER_LAYER` for every layer). Both grow with the depth, so
-    this hardly depends on the model's size."""
-    return int(WHOLE_COMPILE_S_PER_LAYER * (layers - 1) / (REGIONAL_STEP_S_PER_LAYER * layers))
-
-
 def choose_scope(scope: str, *, steps: int | None = None, device_type: str = "cpu", layers: int = 0,
                  cuda_graphs: bool = False) -> Choice:
     """What is compiled: the whole model as one graph, or one decoder layer's graph that every layer
@@ -99,7 +82,7 @@ def choose_scope(scope: str, *, steps: int | None = None, device_type: str = "cp
     time, and its step is as fast wherever the whole graph would not take CUDA graphs (a CPU, batch
     shapes too many for them): regional there. On a GPU with CUDA graphs the whole graph's step is
     faster (one replay instead of each layer's launches), which repays its longer compile only over a
-    long job (:func:`regional_pays_until`): regional for ``steps`` below that, whole above it. Without
+    long job (:func:`~.prepare.regional_pays_until`): regional for ``steps`` below that, whole above it. Without
     ``steps`` the job is not known: whole, as ``optimize()`` always compiled. ``cuda_graphs``: whether
     the whole graph would take CUDA graphs (:func:`choose_mode` in whole scope).
     """
@@ -206,18 +189,9 @@ def choose_autocast(asked: bool | str, dtype: torch.dtype) -> Choice:
                   "LoRA matmuls in the compute dtype" if low else f"{show(dtype)}: nothing to autocast")
 
 
-def chunk_rows(ce_chunks: int, scope: str, asked: int | str) -> int:
-    """The chunked loss's fewest rows a chunk: a loss computed outside the graph (regional scope)
-    takes fewer, longer chunks when few rows are labelled (``ops.losses.CHUNK_MIN_ROWS`` says why);
-    0 inside the graph."""
-    if not ce_chunks or scope != "regional":
-        return 0
-    return CHUNK_MIN_ROWS if asked == "auto" else asked
-
-
 def choose_loss(ce_chunks: int, head_asked: bool, rows: int) -> Choice:
     """The chunked loss (no full fp32 logits) or the model's own; ``head_asked``: the chunked loss was
-    asked for (its head read); ``rows``: :func:`chunk_rows`."""
+    asked for (its head read); ``rows``: :func:`.plan.chunk_rows`."""
     if ce_chunks:
         return Choice(f"chunked CE x{ce_chunks}", "no full fp32 logits" + (
             f"; fewer chunks while one would hold under {rows} rows" if rows else ""))

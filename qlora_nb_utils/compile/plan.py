@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..ops.attention import cudnn_attention_works
+from ..ops.losses import CHUNK_MIN_ROWS
 from ..ops.model_attention import read_attention
 from . import choices as table
 from . import offload as host
@@ -33,7 +34,7 @@ from .patches.kept_attention import attention_unsupported, output_bytes
 from .patches.tiled_mlp import find_mlps
 from .step_inputs import StepInputs, batch_shapes
 
-__all__ = ["Plan", "decide", "compute_dtype"]
+__all__ = ["Plan", "decide", "compute_dtype", "chunk_rows", "target_chunks"]
 
 
 def compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
@@ -231,7 +232,7 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
     p.dynamic = p.record("dynamic", table.choose_dynamic(opts.dynamic, shapes))
     p.record("pad_multiple", table.choose_pad_multiple(opts.pad_multiple))
     p.autocast = p.record("autocast", table.choose_autocast(opts.autocast, p.dtype))
-    p.chunk_rows = table.chunk_rows(p.ce_chunks, p.scope, opts.ce_min_rows)
+    p.chunk_rows = chunk_rows(p.ce_chunks, p.scope, opts.ce_min_rows)
     p.record("loss", table.choose_loss(p.ce_chunks, p.head is not None, p.chunk_rows))
     if p.ce_chunks > opts.ce_chunks:
         p.reasons["loss"] += f"; pieces of at most {TARGET_CHUNK_ROWS} rows under the memory target"
@@ -299,6 +300,15 @@ def target_chunks(ce_chunks: int, rows: int) -> int:
     if not ce_chunks:
         return 0
     return max(ce_chunks, -(-rows // TARGET_CHUNK_ROWS))
+
+
+def chunk_rows(ce_chunks: int, scope: str, asked: int | str) -> int:
+    """The chunked loss's fewest rows a chunk: a loss computed outside the graph (regional scope)
+    takes fewer, longer chunks when few rows are labelled (``ops.losses.CHUNK_MIN_ROWS`` says why);
+    0 inside the graph."""
+    if not ce_chunks or scope != "regional":
+        return 0
+    return CHUNK_MIN_ROWS if asked == "auto" else asked
 
 
 def _checkpointing(p: Plan, model: torch.nn.Module, batches: list[dict] | None, shapes: Any) -> None:

@@ -18,7 +18,9 @@ saving, when a few decisions are made together, each easy to get subtly wrong on
   ``"regional"`` compiles each decoder layer with ``Module.compile`` instead: the layers share
   one code object, so one layer's compile serves them all (compile time ~ one layer instead
   of the whole stack), and the checkpointing around each layer stays eager, so the backward
-  recomputes exactly one layer at a time, as in eager.
+  recomputes exactly one layer at a time, as in eager. What the shorter compile is worth against
+  the whole graph's faster step over a job is :func:`regional_pays_until` (``optimize()``'s scope
+  choice weighs it).
 * **What the compiled backward keeps.** Plain checkpointing tags its region
   ``PREFER_RECOMPUTE``, which the compiler may override. In exploratory GPU runs (torch 2.11,
   1B-shape NF4 QLoRA) it did: the whole-model graph kept several MLP- and attention-width
@@ -61,12 +63,31 @@ __all__ = [
     "prepare_for_compile",
     "valid_modes",
     "valid_backends",
+    "regional_pays_until",
+    "WHOLE_COMPILE_S_PER_LAYER",
+    "REGIONAL_STEP_S_PER_LAYER",
 ]
 
 SCOPES = ("whole", "regional")
 #: None keeps the model's setting; True means "non_reentrant".
 GRAD_CKPT_CHOICES = (None, False, True, "non_reentrant", "reentrant")
 _FALLBACK_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+
+#: A whole-model graph's cold compile, per decoder layer, in seconds on a GPU: Dynamo traces, and
+#: Inductor compiles, every layer of the unrolled stack again, so its compile grows with the depth,
+#: where a regional compile traces one layer that every layer then reuses.
+WHOLE_COMPILE_S_PER_LAYER = 5.0
+#: What each decoder layer adds to a regional step on a GPU, in seconds, against a whole graph under
+#: CUDA graphs: the layer's kernels are launched one by one instead of replayed as one graph.
+REGIONAL_STEP_S_PER_LAYER = 1.5e-3
+
+
+def regional_pays_until(layers: int) -> int:
+    """The steps up to which a regional compile finishes a GPU job first: the whole graph's longer
+    compile (:data:`WHOLE_COMPILE_S_PER_LAYER` for each layer beyond the one compiled regionally) over
+    its faster step (:data:`REGIONAL_STEP_S_PER_LAYER` for every layer). Both grow with the depth, so
+    this hardly depends on the model's size."""
+    return int(WHOLE_COMPILE_S_PER_LAYER * (layers - 1) / (REGIONAL_STEP_S_PER_LAYER * layers))
 
 
 # ----------------------------------------------------------------------------- validation
