@@ -69,6 +69,21 @@ def test_cli_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
     assert message in capsys.readouterr().err
 
 
+def test_the_jobs_optimize_options_are_one_checked_object_not_recorded_twice():
+    from qlora_nb_utils.bench.main_job import validate_options
+    from qlora_nb_utils.bench.record import results_header
+    from qlora_nb_utils.compile import OptimizeOptions
+
+    opts = validate_options({"model": "tiny", "device": "cpu", "scope": "regional", "max_memory_gib": 2})
+    assert opts["optimize_options"] == OptimizeOptions(scope="regional", max_memory_gib=2)
+    assert "optimize_options" not in results_header(opts, "cpu", torch.float32, "x", {})["options"]
+    for bad, message in (({"grad_ckpt": "sometimes"}, "grad_ckpt must be one of"),
+                         ({"doc_attention": "dense"}, "doc_attention must be one of"),
+                         ({"max_memory_gib": True}, "max_memory_gib must be None or a number > 0")):
+        with pytest.raises(ValueError, match=message):
+            validate_options({"model": "tiny", "device": "cpu", **bad})
+
+
 def test_cli_rejects_bad_argument_values(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["bench", "--steps", "0"])

@@ -284,6 +284,10 @@ def _bad_cases(tmp: Path, data_file: Path, finished_out: Path) -> list[tuple[lis
         (base + ["--mode", "warp-speed"], "mode must be one of"),
         (base + ["--backend", "no-such-backend"], "backend must be one of"),
         (base + ["--backend", "cudagraphs"], "backend must be one of"),  # registered in torch, not a train backend
+        # optimize()'s options, checked by the one OptimizeOptions the run trains with
+        (base + ["--max-memory-gib", "-1"], "max_memory_gib must be None or a number > 0"),
+        (base + ["--compile-cache", "on", "--backend", "eager"], "leaves no compiled artifacts"),
+        (base + ["--mode", "reduce-overhead", "--backend", "eager"], "is an Inductor option"),
         (base + ["--data", str(broken)], f"{broken}:2"),
         (base + ["--data", str(tmp / "missing.jsonl")], "not found"),
         (TRAIN + ["--data", str(data_file), "--out", str(empty_out), "--resume"], "no checkpoint"),

@@ -18,7 +18,9 @@ and timed apart. Everything lands in one JSON-ready dict with the device, librar
 command and date, so that a figure quoted anywhere can be traced to the run that produced it.
 
 Every option is checked before anything loads (:func:`validate_options`): a bad mode, backend,
-model folder or data file fails in a second, not after the eager run.
+model folder or data file fails in a second, not after the eager run. The options that are
+``optimize()``'s (:data:`OPTIMIZE_KEYS`) are checked by building the one
+:class:`~qlora_nb_utils.compile.OptimizeOptions` the fast runs are made with.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "AUTO_MODEL",
     "run_bench",
     "validate_options",
+    "OPTIMIZE_KEYS",
     "warm_shapes",
     "side_by_side",
     "write_results",
@@ -91,19 +94,25 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+#: The options of the job that are ``optimize()``'s, by the same names: :func:`validate_options`
+#: builds them into one :class:`~qlora_nb_utils.compile.OptimizeOptions`, whose checks are the only ones.
+OPTIMIZE_KEYS = ("mode", "backend", "scope", "grad_ckpt", "max_memory_gib", "doc_attention")
+
+
 def validate_options(options: dict[str, Any]) -> dict[str, Any]:
     """Fill in :data:`DEFAULTS` and check every option without loading a model or the data.
 
     Returns:
-        The full options.
+        The full options, and under ``optimize_options`` the checked
+        :class:`~qlora_nb_utils.compile.OptimizeOptions` of :data:`OPTIMIZE_KEYS` (the fast runs'; a
+        run adds what it knows, like its steps).
 
     Raises:
         ValueError: an unknown option or a bad value (the message lists the valid ones), a
             model name/folder that is not a model, a data file that is not valid.
         FileNotFoundError: the data file does not exist.
     """
-    from ..compile import valid_backends
-    from ..compile.fast_path import MODES
+    from ..compile import OptimizeOptions, valid_backends
 
     unknown = set(options) - set(DEFAULTS)
     if unknown:
@@ -116,26 +125,14 @@ def validate_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{key} must be >= 1, got {opts[key]}")
     if not 0 <= int(opts["warmup"]) < int(opts["steps"]):
         raise ValueError(f"warmup ({opts['warmup']}) must be >= 0 and smaller than steps ({opts['steps']})")
-    if opts["mode"] not in MODES:
-        raise ValueError(f"mode must be one of {list(MODES)}, got {opts['mode']!r}")
+    optimize_options = OptimizeOptions.from_dict({k: opts[k] for k in OPTIMIZE_KEYS})
     if opts["backend"] not in valid_backends():
         raise ValueError(f"backend must be one of {valid_backends()}, got {opts['backend']!r}")
-    if opts["grad_ckpt"] not in ("auto", True, False):
-        raise ValueError(f"grad_ckpt must be 'auto', True or False, got {opts['grad_ckpt']!r}")
-    if opts["scope"] not in ("auto", "whole", "regional"):
-        raise ValueError(f"scope must be 'auto', 'whole' or 'regional', got {opts['scope']!r}")
     if opts["packing"] not in (True, False):
         raise ValueError(f"packing must be True or False, got {opts['packing']!r}")
-    from ..compile.packed import DOC_ATTENTION
-
-    if opts["doc_attention"] not in DOC_ATTENTION:
-        raise ValueError(f"doc_attention must be one of {list(DOC_ATTENTION)}, got {opts['doc_attention']!r}")
     limit = opts["limit"]
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be None or an integer >= 1, got {limit!r}")
-    mem = opts["max_memory_gib"]
-    if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0):
-        raise ValueError(f"max_memory_gib must be None or a number > 0, got {mem!r}")
     if opts["quant"] not in models.QUANT_CHOICES:
         raise ValueError(f"quant must be one of {list(models.QUANT_CHOICES)}, got {opts['quant']!r}")
     device, _ = resolve_device_dtype(opts["device"], opts["dtype"])
@@ -144,6 +141,7 @@ def validate_options(options: dict[str, Any]) -> dict[str, Any]:
     models.check_model_source(opts["model"])
     if opts["data"] is not None:
         qdata.validate_source(opts["data"])
+    opts["optimize_options"] = optimize_options
     return opts
 
 
@@ -166,7 +164,7 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
         progress: show progress bars.
         log: where one-line status messages go (`print` by default).
         command: the command line to record in the results (defaults to `sys.argv`).
-        **options: any of `DEFAULTS`; `mode`, `grad_ckpt` and `max_memory_gib` go to `optimize()`;
+        **options: any of `DEFAULTS`; those of :data:`OPTIMIZE_KEYS` go to `optimize()`;
             `packing=True` runs :func:`~qlora_nb_utils.bench.packing_job.run_packing_bench` instead
             (packed against padded on the same examples; `limit` picks them).
 
@@ -222,8 +220,7 @@ def run_bench(progress: bool = True, log=print, command: str | None = None, **op
     torch.compiler.reset()
 
     load_trainable_state(model, start)
-    opt = optimize(model, batches=batches, mode=opts["mode"], backend=opts["backend"], scope=opts["scope"],
-                   grad_ckpt=opts["grad_ckpt"], max_memory_gib=opts["max_memory_gib"], steps=opts["steps"])
+    opt = optimize(model, opts["optimize_options"], batches=batches, steps=opts["steps"])
     log(f"==> {opt.description}")
     try:
         run("fast-eager", forward=opt.eager)

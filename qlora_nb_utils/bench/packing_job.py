@@ -90,8 +90,7 @@ def run_packing_bench(opts: dict[str, Any], progress: bool = True, log=print, co
         hist[name] = train(model, batches, cfg, forward=forward, label=name)
 
     run("hf-eager", with_document_mask(model, "sdpa"), packed)
-    opt = optimize(model, batches=padded, mode=opts["mode"], backend=opts["backend"], grad_ckpt=opts["grad_ckpt"],
-                   max_memory_gib=opts["max_memory_gib"], scope=opts["scope"])
+    opt = optimize(model, opts["optimize_options"], batches=padded)  # doc_attention: packed batches only
     try:
         run("fast-padded", opt.forward, padded)
         padded_stats = opt.counter.to_dict()
@@ -99,8 +98,7 @@ def run_packing_bench(opts: dict[str, Any], progress: bool = True, log=print, co
         opt.undo()
     _reset()
     load_trainable_state(model, start)
-    opt = optimize(model, batches=packed, mode=opts["mode"], backend=opts["backend"], grad_ckpt=opts["grad_ckpt"],
-                   max_memory_gib=opts["max_memory_gib"], doc_attention=opts["doc_attention"], scope=opts["scope"])
+    opt = optimize(model, opts["optimize_options"], batches=packed)
     log(f"==> {opt.description}")
     try:
         run("fast-eager", opt.eager, packed)

@@ -31,7 +31,8 @@ def results_header(opts: dict[str, Any], device, dtype, command: str | None, opt
         "command": command,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "model": opts["model"],
-        "options": {**opts, "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
+        "options": {**{k: v for k, v in opts.items() if k != "optimize_options"},  # the same options, as given
+                    "dtype": str(dtype).replace("torch.", ""), "device": str(device)},
         "optimize": optimize,
     }
 

@@ -512,14 +512,11 @@ def choose_compile_cache(asked: Any, backend: Any, device_type: str) -> Choice:
     ``"auto"``: the package's cache folder on CUDA with Inductor (its artifacts hold the generated
     kernels, which a new machine or runtime would otherwise compile again); not on a CPU, where the
     same machine's Inductor cache serves a warm start already. True: that folder anywhere; a path:
-    that folder; False: none.
+    that folder; False: none. (Asking for it with another backend is refused by the options.)
     """
     if asked is False:
         return Choice(False, "asked for")
     if backend != "inductor":
-        if asked != "auto":
-            raise ValueError(f"compile_cache: backend {backend!r} leaves no compiled artifacts to keep; "
-                             "use compile_cache='auto' or False")
         return Choice(False, f"backend {backend!r}: nothing compiled to keep")
     if asked == "auto" and device_type != "cuda":
         return Choice(False, f"{device_type}: this machine's Inductor cache serves a warm start")

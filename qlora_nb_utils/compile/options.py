@@ -115,6 +115,9 @@ class OptimizeOptions:
         if not (self.compile_cache in _AUTO or (isinstance(self.compile_cache, (str, os.PathLike))
                                                   and str(self.compile_cache).strip())):
             out.append(f"compile_cache must be 'auto', True, False or a folder, got {self.compile_cache!r}")
+        elif self.compile_cache not in ("auto", False) and self.backend != "inductor":
+            out.append(f"compile_cache: backend {self.backend!r} leaves no compiled artifacts to keep; "
+                       "use compile_cache='auto' or False")
         if not (_is_int(self.ce_chunks) and self.ce_chunks >= 0):
             out.append(f"ce_chunks must be an integer >= 0, got {self.ce_chunks!r}")
         elif self.loss_rows is True and not self.ce_chunks:

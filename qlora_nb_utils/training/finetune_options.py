@@ -6,7 +6,9 @@ match the checkpoint fails in seconds, not after minutes of loading), and an out
 holding a run is never overwritten unless asked. The checks need the option table
 (:data:`DEFAULTS`, the CLI's defaults too) and the identity of a run (:func:`run_meta`, what a
 resumed run must share with its checkpoint), and nothing of the run itself: the run
-(:mod:`.finetuning`) uses them, they never use it.
+(:mod:`.finetuning`) uses them, they never use it. The options that are ``optimize()``'s
+(:data:`OPTIMIZE_KEYS`) are checked by building the one
+:class:`~qlora_nb_utils.compile.OptimizeOptions` the run then trains with, not by hand here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from .checkpoint import CHECKPOINT, check_resume, data_fingerprint, model_fingerprint
 
-__all__ = ["DEFAULTS", "OUTPUTS", "PACKING_CHOICES", "BACKENDS", "check_options", "run_meta"]
+__all__ = ["DEFAULTS", "OUTPUTS", "PACKING_CHOICES", "BACKENDS", "OPTIMIZE_KEYS", "check_options", "run_meta"]
 
 #: The options of :func:`~.finetuning.finetune` and their defaults (the CLI's defaults too).
 DEFAULTS: dict[str, Any] = {
@@ -30,6 +32,9 @@ DEFAULTS: dict[str, Any] = {
 #: traced). Torch registers more names (test-only ones, others that need packages this project does
 #: not install); a run refuses them before any model loads rather than failing at the first step.
 BACKENDS = ("inductor", "aot_eager", "eager")
+#: The options of a run that are ``optimize()``'s, by the same names: :func:`check_options` builds
+#: them into one :class:`~qlora_nb_utils.compile.OptimizeOptions`, whose checks are the only ones.
+OPTIMIZE_KEYS = ("mode", "backend", "max_memory_gib", "grad_ckpt", "scope", "compile_cache")
 #: What ``packing`` accepts.
 PACKING_CHOICES = ("auto", True, False)
 #: What a run writes into its output folder (``--overwrite`` removes exactly these).
@@ -59,31 +64,25 @@ def _check_numbers(opts: dict[str, Any]) -> None:
     for key in ("lr", "lora_alpha"):
         if not opts[key] > 0:
             raise ValueError(f"{key} must be > 0, got {opts[key]!r}")
-    if opts["max_memory_gib"] is not None and not opts["max_memory_gib"] > 0:
-        raise ValueError(f"max_memory_gib must be > 0, got {opts['max_memory_gib']!r}")
-    if opts["grad_ckpt"] not in ("auto", True, False):
-        raise ValueError(f"grad_ckpt must be 'auto', True or False, got {opts['grad_ckpt']!r}")
     if opts["packing"] not in PACKING_CHOICES:
         raise ValueError(f"packing must be 'auto', True or False, got {opts['packing']!r}")
-    if opts["scope"] not in ("auto", "whole", "regional"):
-        raise ValueError(f"scope must be 'auto', 'whole' or 'regional', got {opts['scope']!r}")
-    if opts["compile_cache"] not in ("auto", True, False):
-        raise ValueError(f"compile_cache must be 'auto', True or False, got {opts['compile_cache']!r}")
 
 
 def check_options(*, out: str | Path, resume: bool = False, overwrite: bool = False,
                   **options: Any) -> dict[str, Any]:
     """Check every option of :func:`~.finetuning.finetune` without loading a model; return them completed.
 
-    Checked: the numbers, the model (:func:`qlora_nb_utils.models.check_model_source`), ``mode``
-    (``compile.fast_path.MODES``), ``backend`` (:data:`BACKENDS`), device and dtype
-    names, the data (``data.validate_source``, line by line), the output folder (a folder
+    Checked: the numbers, the model (:func:`qlora_nb_utils.models.check_model_source`), the
+    options that are ``optimize()``'s (:data:`OPTIMIZE_KEYS`, by building them into one
+    :class:`~qlora_nb_utils.compile.OptimizeOptions`), ``backend`` (:data:`BACKENDS`, the ones a
+    run trains with), device and dtype names, the data (``data.validate_source``, line by line), the output folder (a folder
     holding a run is refused without ``resume`` or ``overwrite``) and, with ``resume``, the
     checkpoint (it must exist, be of this run, per ``meta.json``, and have steps left).
 
     Returns:
-        The options (defaults filled in) plus ``out``, ``resume``, ``overwrite``, ``meta`` and,
-        with ``resume``, ``resume_history``.
+        The options (defaults filled in) plus ``out``, ``resume``, ``overwrite``, ``meta``,
+        ``optimize_options`` (the checked :class:`~qlora_nb_utils.compile.OptimizeOptions`; the run
+        adds the steps it has left) and, with ``resume``, ``resume_history``.
 
     Raises:
         ValueError: a bad option, model, mode, backend, data (``DataFormatError``), a folder that
@@ -96,17 +95,14 @@ def check_options(*, out: str | Path, resume: bool = False, overwrite: bool = Fa
     opts = {**DEFAULTS, **options}
     _check_numbers(opts)
     from .. import env
-    from ..compile.fast_path import MODES
+    from ..compile import OptimizeOptions
     from ..data import validate_source
     from ..models import check_model_source
 
     check_model_source(opts["model"])
-    if opts["mode"] not in MODES:
-        raise ValueError(f"mode must be one of {list(MODES)}, got {opts['mode']!r}")
+    optimize_options = OptimizeOptions.from_dict({k: opts[k] for k in OPTIMIZE_KEYS})
     if opts["backend"] not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {opts['backend']!r}")
-    if opts["compile_cache"] is True and opts["backend"] != "inductor":
-        raise ValueError(f"compile_cache keeps Inductor's compiled graphs; backend {opts['backend']!r} leaves none")
     env.resolve_device_dtype(opts["device"], opts["dtype"])
     n = validate_source(opts["data"])
     if n <= opts["batch_size"]:
@@ -121,7 +117,7 @@ def check_options(*, out: str | Path, resume: bool = False, overwrite: bool = Fa
     if held and not (resume or overwrite):
         raise ValueError(f"{out} already holds a run ({', '.join(held)}); pass --resume to continue it "
                          "or --overwrite to start anew, or choose another --out")
-    opts.update(out=out, resume=resume, overwrite=overwrite, meta=run_meta(opts))
+    opts.update(out=out, resume=resume, overwrite=overwrite, meta=run_meta(opts), optimize_options=optimize_options)
     if resume:
         history = check_resume(out, opts["meta"])
         if history["steps_done"] >= opts["steps"]:

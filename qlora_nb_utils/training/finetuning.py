@@ -285,9 +285,7 @@ class Run:
         clock = time.perf_counter()
         self._breaks_cm = count_graph_breaks()
         self.breaks = self._breaks_cm.__enter__()
-        self.opt = optimize(self.model, batches=self.train_batches, max_memory_gib=o["max_memory_gib"],
-                            mode=o["mode"], backend=o["backend"], grad_ckpt=o["grad_ckpt"], scope=o["scope"],
-                            compile_cache=o["compile_cache"],
+        self.opt = optimize(self.model, o["optimize_options"], batches=self.train_batches,
                             steps=o["steps"] - self.start_step)  # the steps this process runs: the compile's job
         self.phases["optimize_s"] = round(time.perf_counter() - clock, 3)
         self.log("==> optimize() chose:\n" + self.opt.choices_text())

@@ -126,11 +126,12 @@ def optimized_trainer(trainer: Any, *, sample_batches: int = 64, **options: Any)
         sample_batches: how many of the trainer's batches ``optimize()`` sees to choose from.
             When the epoch has more and they show more than one shape, CUDA graphs are not
             chosen (a later batch could add a graph per new shape).
-        **options: passed to :func:`~qlora_nb_utils.compile.fast_path.optimize` (``grad_ckpt``,
-            ``max_memory_gib``, ``mode``, ``backend``, ...). Without ``grad_ckpt``, the trainer's
-            ``gradient_checkpointing=True`` becomes ``grad_ckpt=True``; without ``steps``, the
-            trainer's ``max_steps`` (times its gradient accumulation) is the job the compile
-            scope is weighed against.
+        **options: :func:`~qlora_nb_utils.compile.fast_path.optimize`'s (``grad_ckpt``,
+            ``max_memory_gib``, ``mode``, ``backend``, ...), built into one
+            :class:`~qlora_nb_utils.compile.OptimizeOptions` (and so checked) before a batch is
+            drawn. Without ``grad_ckpt``, the trainer's ``gradient_checkpointing=True`` becomes
+            ``grad_ckpt=True``; without ``steps``, the trainer's ``max_steps`` (times its gradient
+            accumulation) is the job the compile scope is weighed against.
 
     Yields:
         The :class:`~qlora_nb_utils.compile.fast_path.Optimized` handle.
@@ -138,7 +139,9 @@ def optimized_trainer(trainer: Any, *, sample_batches: int = 64, **options: Any)
     Raises:
         ValueError: ``torch_compile=True`` (the model would be compiled twice), more than one
             device or process, DeepSpeed/FSDP, a bad ``sample_batches`` or a bad option.
+        TypeError: an option ``optimize()`` does not have.
     """
+    from ..compile import OptimizeOptions
     from ..compile.fast_path import optimize
 
     args = trainer.args
@@ -153,17 +156,16 @@ def optimized_trainer(trainer: Any, *, sample_batches: int = 64, **options: Any)
     if not isinstance(sample_batches, int) or isinstance(sample_batches, bool) or sample_batches < 1:
         raise ValueError(f"sample_batches must be an integer >= 1, got {sample_batches!r}")
     model = trainer.model
-    batches, whole = _sample_batches(trainer, sample_batches)
     took_ckpt = bool(getattr(args, "gradient_checkpointing", False))
     if took_ckpt:
         options.setdefault("grad_ckpt", True)
     if getattr(args, "max_steps", -1) > 0:  # the job's length, for the compile scope: one compiled step a micro-batch
         options.setdefault("steps", args.max_steps * max(1, getattr(args, "gradient_accumulation_steps", 1)))
+    checked = OptimizeOptions.from_dict(options)  # before the data loader runs
+    batches, whole = _sample_batches(trainer, sample_batches)
     shapes = {tuple(b["input_ids"].shape) for b in batches}
-    guard_graphs = options.get("mode", "auto") == "auto" and not whole and len(shapes) > 1
-    if guard_graphs:
-        options["mode"] = "default"
-    opt = optimize(model, batches=batches, **options)
+    guard_graphs = checked.mode == "auto" and not whole and len(shapes) > 1
+    opt = optimize(model, checked, batches=batches, **({"mode": "default"} if guard_graphs else {}))
     if guard_graphs:
         opt.reasons["mode"] = (f"{len(shapes)} shapes in the first {len(batches)} batches and more to come: "
                                "no CUDA graphs")
