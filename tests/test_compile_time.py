@@ -38,7 +38,8 @@ def test_load_case_gives_the_batches_the_process_trains(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [({"scope": "layers"}, "scope must be"), ({"steps": 1}, "steps must be"),
-                                             ({"warm_cache": "yes"}, "warm_cache must be")])
+                                             ({"warm_cache": "yes"}, "warm_cache must be"),
+                                             ({"scope": "auto"}, "a measurement names what it compiles")])
 def test_measure_refuses_bad_options_before_starting_a_process(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         compile_time.measure(cache_dir=tmp_path, **kwargs)

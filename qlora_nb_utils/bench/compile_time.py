@@ -81,12 +81,13 @@ def measure(*, model: str = "tiny", scope: str = "whole", cache_dir: str | Path,
         ValueError: a bad ``scope``, ``warm_cache`` or ``steps`` < 2.
         RuntimeError: the process failed (its output's tail is in the message).
     """
-    if scope not in ("whole", "regional"):
-        raise ValueError(f"scope must be one of ['whole', 'regional'], got {scope!r}")
+    from ..compile.options import OptimizeOptions
+
+    OptimizeOptions(scope=scope, warm_cache=warm_cache)  # optimize()'s own checks, before a process starts
+    if scope == "auto":
+        raise ValueError("scope must be 'whole' or 'regional' here: a measurement names what it compiles")
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (one compiling step, then steady ones), got {steps}")
-    if warm_cache not in WARM_CACHE:
-        raise ValueError(f"warm_cache must be one of {list(WARM_CACHE)}, got {warm_cache!r}")
     out = Path(cache_dir) / "result.json"
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     profiler = ["-m", "cProfile", "-o", str(profile_to)] if profile_to else []
