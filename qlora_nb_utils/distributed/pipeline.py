@@ -110,7 +110,8 @@ def weight_pass_settings(schedule: str):
     when the backward graph is made (which saved tensors are donated) and at every backward call
     (the refusal), so it must be off both while the layers compile and while they run; hence
     around every step (the first step compiles), restored at the end of each. Only the zero-bubble
-    schedules pay for it: the other schedules keep the memory the donation saves.
+    schedules pay for it: the other schedules keep the memory the donation saves. The weight pass
+    also needs each stage's graph alive after the input pass (:func:`stage_graphs_kept`).
     """
     config = torch._functorch.config
     if not weight_pass(schedule):
@@ -119,12 +120,13 @@ def weight_pass_settings(schedule: str):
     with contextlib.ExitStack() as stack:
         if hasattr(config, "donated_buffer"):  # a torch without donation: nothing to do
             stack.enter_context(config.patch(donated_buffer=False))
-        stack.enter_context(edge_grads_for_function_nodes())
+        stack.enter_context(stage_graphs_kept())
         yield
 
 
-def _function_nodes_hide_metadata() -> bool:
-    """Whether this torch's backward nodes of Python autograd Functions refuse ``_input_metadata``."""
+def function_nodes_held_weakly() -> bool:
+    """Whether this torch frees a Python autograd Function's backward node once its output is detached,
+    though the node's Python object is still referenced (the object holds the node weakly)."""
     class _Probe(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -134,49 +136,53 @@ def _function_nodes_hide_metadata() -> bool:
         def backward(ctx, g):
             return g * 2
 
-    return _hides_metadata(_Probe.apply(torch.zeros(1, requires_grad=True)).grad_fn)
-
-
-def _hides_metadata(node) -> bool:
+    out = _Probe.apply(torch.zeros(1, requires_grad=True))
+    node = out.grad_fn
+    out.detach_()
     try:
-        node._input_metadata  # noqa: B018 (the access is the probe)
+        node._input_metadata  # noqa: B018 (the access is the probe: refused on a freed node)
     except RuntimeError:
         return True
     return False
 
 
 @contextlib.contextmanager
-def edge_grads_for_function_nodes():
-    """Let ``torch.autograd.grad`` take gradient edges of autograd Function nodes, where this torch
-    cannot; restored on exit. Nothing changes on a torch that can.
+def stage_graphs_kept():
+    """Keep each stage's autograd graph from the zero-bubble input pass to its weight pass, where this
+    torch would free it in between; restored on exit. Nothing changes on a torch that keeps it.
 
-    Why: the zero-bubble weight pass asks autograd for the weight gradients from gradient edges
-    inside each stage (``torch.distributed.pipelining``'s ``stage_backward_weight``), and before
-    it runs, ``torch.autograd.grad`` reads each edge's shape and dtype from its node's
-    ``_input_metadata`` to check the given gradient. The nodes there are compiled graphs and the
-    package's autograd Functions, and some torch releases refuse that attribute on such nodes, so
-    the weight pass fails before it starts. Where an edge's gradient is given, the check needs
-    nothing but a tensor of that gradient's own shape and dtype, so the gradient stands in for
-    the edge in the check; the engine still runs from the edge.
+    Why: the input pass (``torch.distributed.pipelining``'s ``stage_backward_input``) computes the
+    input gradients with ``retain_graph=True``, records the nodes where the weight gradients branch
+    off, then detaches the stage outputs in place; from then on only those nodes' Python objects
+    reference the graph. Each compiled decoder layer is one autograd Function node (as are the
+    package's own Functions), and some torch releases hold a Function node's Python object by a weak
+    reference: the graph is freed at the detach, and the weight pass later meets dead nodes (autograd
+    refuses their metadata, or finds an edge with no ``grad_fn``). A view of each stage output, taken
+    before the input pass and kept with the stage's parameter groups until the weight pass has used
+    them, holds the graph as releases that hold Function nodes strongly do: the same memory, for the
+    same time.
     """
-    import torch.autograd as autograd
+    import torch.distributed.pipelining.stage as stage_module
 
-    original = getattr(autograd, "_make_grads", None)
-    if original is None or not _function_nodes_hide_metadata():
+    original = getattr(stage_module, "stage_backward_input", None)
+    if original is None or not function_nodes_held_weakly():
         yield
         return
-    from torch.autograd.graph import GradientEdge
 
-    def make_grads(outputs, grads, is_grads_batched):
-        checked = [g.detach() if isinstance(o, GradientEdge) and isinstance(g, torch.Tensor) and _hides_metadata(o.node) else o
-                   for o, g in zip(outputs, grads)]
-        return original(checked, grads, is_grads_batched)
+    def stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights):
+        with torch.enable_grad():  # a view's node (a C++ one) holds the output's node strongly
+            kept = [t.view_as(t).grad_fn for t in stage_outputs_or_loss
+                    if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        dinputs, param_groups = original(stage_outputs_or_loss, output_grads, input_values, weights)
+        for group in param_groups or []:  # dropped with the groups, after the weight pass
+            group["kept_graph"] = kept
+        return dinputs, param_groups
 
-    autograd._make_grads = make_grads
+    stage_module.stage_backward_input = stage_backward_input
     try:
         yield
     finally:
-        autograd._make_grads = original
+        stage_module.stage_backward_input = original
 
 
 def zero_bubble_backend_error(schedule: str, backend: Any) -> str | None:
