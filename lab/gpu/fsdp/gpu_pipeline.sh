@@ -54,6 +54,12 @@ PP=(--pack --global-batch-size "$GB" --micro-batch-size 1 --lr 2e-4 --seed 0 --n
 RUNS="$OUT/runs"
 ONLY=${ONLY:-}
 
+failure() {  # failure LOG: its first traceback (60 lines, caret lines dropped) and its last 20 lines, each cut at 300
+  # characters: small enough to come back when the logs' tarball does not
+  local lines; lines=$(grep -v -E '^(\[rank[0-9]+\]: *)?[ ~^]*$' "$1")
+  echo "--- first traceback"; grep -m1 -A60 'Traceback' <<< "$lines" | head -61 | cut -c1-300
+  echo "--- last lines"; tail -20 <<< "$lines" | cut -c1-300
+}
 trun() {  # trun NAME LIMIT_S GPUS NPROC ARGS...: one torchrun of the launcher, its log in $RUNS/NAME.log, exit in NAME.status
   local name=$1 limit=$2 gpus=$3 nproc=$4
   shift 4
@@ -69,7 +75,7 @@ trun() {  # trun NAME LIMIT_S GPUS NPROC ARGS...: one torchrun of the launcher, 
   local rc=$?
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "exit $rc: stopped at the ${limit}s limit" > "$RUNS/$name.status"
   else echo "exit $rc" > "$RUNS/$name.status"; fi
-  [ $rc -ne 0 ] && { echo "[pipeline] $name FAILED (exit $rc)" | tee -a "$OUT/errors.txt"; tail -25 "$RUNS/$name.log" >> "$OUT/errors.txt"; }
+  [ $rc -ne 0 ] && { echo "[pipeline] $name FAILED (exit $rc)" | tee -a "$OUT/errors.txt"; failure "$RUNS/$name.log" >> "$OUT/errors.txt"; }
   grep -h "^\[pipeline\]\|^\[fsdp_train\]" "$RUNS/$name.log" | tail -1
   return $rc
 }
@@ -112,5 +118,8 @@ KEEP_ARGS=()
 [ -n "${KEEP:-}" ] && KEEP_ARGS=(--keep "$KEEP")
 $PY lab/gpu/fsdp/pipeline_results.py "$RUNS" "$OUT" --cap "$CAP" "${KEEP_ARGS[@]}" \
   --command "OUT=\$OUT PHASE=$PHASE BUDGET=$BUDGET ONLY='$ONLY' KEEP=${KEEP:-} DRY=${DRY:-0} bash lab/gpu/fsdp/gpu_pipeline.sh"
-tar czf "$OUT/pipeline_logs.tgz" -C "$OUT" runs 2>/dev/null
+# each log's last 3000 lines only (a whole log of compile warnings made the tarball too big to come back)
+mkdir -p "$OUT/logs_tail"
+for f in "$RUNS"/*.log; do [ -f "$f" ] && tail -3000 "$f" | cut -c1-2000 > "$OUT/logs_tail/$(basename "$f")"; done
+tar czf "$OUT/pipeline_logs.tgz" -C "$OUT" logs_tail 2>/dev/null && rm -rf "$OUT/logs_tail"
 echo "[pipeline] finished in $(( $(date +%s) - T0 )) s"
