@@ -98,7 +98,10 @@ def try_run(args) -> dict:
     rec["load_s"] = time.perf_counter() - t0
     row = make_row(args.seq_len, min(models.model_config(args.model).vocab_size, 49152))
     breaks0 = _breaks()
+    from qlora_nb_utils.distributed.fast import optimize_options
+
     knobs = {"max_memory_gib": args.cap_gib} if args.cap_gib else {}
+    knobs.update(optimize_options(args.optimize))  # e.g. the same plan on 1 and 2 GPUs
     if args.plain:
         from qlora_nb_utils.distributed.fast import optimize_sharded
 
@@ -112,7 +115,9 @@ def try_run(args) -> dict:
                                        verify=True, **knobs)
         fast = cp.fast
     rec["choices"] = {k: str(v) for k, v in fast.opt.choices.items()}
-    params = [p for p in fast.root.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in fast.root.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    grad_norms, kind_norms = [], []
     adam = torch.optim.AdamW(params, lr=2e-4, weight_decay=0.0)
     steps_s, losses = [], []
     if info.device.type == "cuda":
@@ -127,10 +132,12 @@ def try_run(args) -> dict:
             value = float(loss.detach())
         else:
             value = train_step(cp, row, 1, info.device)["loss"]
+        if len(kind_norms) < 2:  # the first two steps' gradients by kind, before the clip
+            kind_norms.append(_kind_norms(named, info.world_size))
         if cp is None:
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
         else:  # over every rank's shards
-            _clip(params)
+            grad_norms.append(_clip(params))
         adam.step()
         adam.zero_grad(set_to_none=True)
         if info.device.type == "cuda":
@@ -144,7 +151,8 @@ def try_run(args) -> dict:
         raise FloatingPointError(f"loss not finite: {losses}")
     steady = steps_s[1:] or steps_s
     rec.update(ok=True, losses=losses, steps_s=steps_s, first_step_s=steps_s[0], step_s=statistics.median(steady),
-               tokens_per_s=args.seq_len / statistics.median(steady), compile=fast.compile_stats(),
+               tokens_per_s=args.seq_len / statistics.median(steady), grad_norms=grad_norms,
+               grad_norms_by_kind=kind_norms, optimize=args.optimize, compile=fast.compile_stats(),
                bytes_check=fast.bytes_check)
     after = _breaks()
     rec["graph_breaks"] = None if after is None or breaks0 is None else after - breaks0
@@ -157,10 +165,36 @@ def try_run(args) -> dict:
     return rec
 
 
-def _clip(params) -> None:
+def _clip(params) -> float:
     from qlora_nb_utils.distributed.fsdp import clip_grad_norm
 
-    clip_grad_norm(params, 1.0)
+    return clip_grad_norm(params, 1.0)
+
+
+def _kind_norms(named, world: int) -> dict:
+    """The whole gradient's norm by kind (``lora_A``, ``lora_B``) and for the first and last decoder layer
+    (a scale error shows in all, a layer-local one in some): every rank's shards, summed over the ranks."""
+    import re
+
+    import torch
+    import torch.distributed as dist
+
+    keys = ("lora_A", "lora_B", "first_layer", "last_layer")
+    layer = [int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", n)) else -1 for n, _ in named]
+    top = max(layer)
+    sums = torch.zeros(len(keys), dtype=torch.float64)
+    for (name, p), li in zip(named, layer):
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        sq = float(g.detach().float().pow(2).sum())
+        for i, hit in enumerate(("lora_A" in name, "lora_B" in name, li == 0, li == top)):
+            sums[i] += sq if hit else 0.0
+    if world > 1:
+        dev = next(p for _, p in named).device
+        sums = sums.to(dev)
+        dist.all_reduce(sums)
+    return dict(zip(keys, sums.cpu().sqrt().tolist()))
 
 
 def attention_check(args) -> dict:
@@ -278,6 +312,10 @@ def merge(args) -> dict:
     ok = lambda r: r is not None and r.get("ok")  # noqa: E731
     diff = (max(abs(a - b) for a, b in zip(cp2["losses"], one["losses"])) if ok(cp2) and ok(one) else None)
     floor = (max(abs(a - b) for a, b in zip(plain["losses"], one["losses"])) if ok(plain) and ok(one) else None)
+    grads = ({"cp2": cp2.get("grad_norms_by_kind"), "one": one.get("grad_norms_by_kind"),
+              "plain": plain.get("grad_norms_by_kind") if ok(plain) else None,
+              "cp2_total": cp2.get("grad_norms"), "one_total": one.get("grad_norms")}
+             if ok(cp2) and ok(one) else None)
     first = next((r for r in tries.values() if r.get("device")), {})
     out = {
         "kind": "context_parallel", "world_size": 2, "cap_gib": args.cap_gib, "model": args.model,
@@ -293,6 +331,7 @@ def merge(args) -> dict:
         "short_seq_len": short,
         "loss_check": {"seq_len": short, "max_abs_loss_diff": diff, "floor_max": floor,
                        "within_floor": None if diff is None or floor is None else diff <= floor,
+                       "grad_norms": grads,
                        "what": "2-GPU context parallel against the same code on one GPU, every step; floor: the "
                                "one-GPU fast path as a user gets it (labels, its SDPA kernel) against that same code"},
         "peak_mem_gib_per_gpu": {str(r["seq_len"]): r.get("peak_mem_gib") for r in trained},
@@ -319,6 +358,8 @@ def main(argv=None) -> int:
     t.add_argument("--lora-r", type=int, default=32)
     t.add_argument("--plain", action="store_true", help="the one-GPU fast path (labels, SDPA), one process")
     t.add_argument("--sdpa-kernel", default="auto", choices=("auto", "cudnn", "default"))
+    t.add_argument("--optimize", action="append", default=[], metavar="KEY=VALUE",
+                   help="an optimize() option (repeatable), e.g. ckpt_layers=32 tile_mlp=4096: one plan on 1 and 2 GPUs")
     t.add_argument("--out", required=True)
     a = sub.add_parser("attention", help="the ring against SDPA over the whole row (under torchrun)")
     a.add_argument("--seq-len", type=int, default=16384)

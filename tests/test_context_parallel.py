@@ -14,6 +14,7 @@ GPU run uses; only the kernel under the ring (CUDA flash there) differs.
   context``), the tiny model through ``optimize()`` (Inductor, ``fullgraph``; every layer checkpointed
   and recomputed with the ring, its input offloaded, the MLP in pieces), FSDP2 and the ring, 2 steps: its losses against one process on the same batches (fp32), 0 graph breaks, one compilation,
   and the adapter it writes loads into a plain ``PeftModel`` with the run's eval loss. ~1 min.
+* the LoRA gradients themselves of 2 processes against 1 (and the clip over the ranks), ~20 s.
   (The same layout as two "nodes" over a c10d rendezvous: ``tests/test_launch_nodes.py``.)
 """
 
@@ -153,6 +154,29 @@ def test_ring_attention_is_sdpa_over_the_whole_row(tmp_path, world):
     assert set(diffs) == {"balanced", "contiguous", "head_groups"}
     for kind, worst in diffs.items():
         assert max(worst.values()) <= RING_TOL, (kind, worst)
+
+
+def test_two_processes_give_the_lora_gradients_of_one_and_clip_them_alike(tmp_path):
+    """The gradients themselves, not only the losses (AdamW hides a scale error wherever gradients are
+    far above its eps; LoRA A's first gradients are not): every LoRA gradient of 2 processes (FSDP2
+    averaging, the loss scaled by the world size, the ring's backward, a checkpointed and offloaded
+    layer beside a plain one) against one process, then the clip over every rank's shards."""
+    worker = str(ROOT / "tests" / "context_parallel_grads.py")
+    knobs = ["grad_ckpt=true", "ckpt_layers=1", "offload=true"]
+    procs = {n: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                                  worker, str(tmp_path / f"{n}.pt"), *knobs], cwd=ROOT, env=ENV,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (1, 2)}
+    for p in procs.values():
+        text = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, text[-6000:]
+    one, two = (torch.load(tmp_path / f"{n}.pt") for n in (1, 2))
+    assert (one["world"], two["world"]) == (1, 2) and set(one["grads"]) == set(two["grads"])
+    assert any("lora_A" in k and one["grads"][k].abs().max() > 0 for k in one["grads"])  # B is not zero here
+    for k, g in one["grads"].items():  # fp32: summation order only
+        torch.testing.assert_close(two["grads"][k], g, rtol=1e-4, atol=1e-4 * float(g.abs().max()), msg=k)
+    assert abs(two["norm"] - one["norm"]) <= 1e-5 * one["norm"]
+    for k, g in one["clipped"].items():  # clipped far below the norm: the scale every rank applies
+        torch.testing.assert_close(two["clipped"][k], g, rtol=1e-4, atol=1e-4 * float(g.abs().max()), msg=k)
 
 
 def _torchrun(extra: list[str], out: Path, nproc: int):

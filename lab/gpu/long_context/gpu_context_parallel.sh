@@ -14,11 +14,13 @@
 #   then merge.
 # env: OUT (required), DEADLINE_S (540), CAP (22.0 GiB), SHORT (65536), ABOVE (286720),
 #   LONG ("278528 262144 229376 196608": the first that trains is the edge found),
-#   STEPS_SHORT (3), STEPS_LONG (2), MODEL (llama-3.1-8b-shape), DRY (1: CPU, tiny, gloo), D0/D1 (the two GPUs: 0, 1).
+#   STEPS_SHORT (3), STEPS_LONG (2), MODEL (llama-3.1-8b-shape), DRY (1: CPU, tiny, gloo), D0/D1 (the two GPUs: 0, 1),
+#   CP_OPT (optimize() options for the three SHORT tries: one plan on 1 and 2 GPUs; LONG="" ABOVE="": no long tries).
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 DEADLINE_S=${DEADLINE_S:-540}
-CAP=${CAP:-22.0}; SHORT=${SHORT:-65536}; LONG=${LONG:-278528 262144 229376 196608}; ABOVE=${ABOVE:-286720}
+CAP=${CAP:-22.0}; SHORT=${SHORT:-65536}; LONG=${LONG-278528 262144 229376 196608}; ABOVE=${ABOVE-286720}
+read -r -a CP_OPT <<< "${CP_OPT:-}"  # optimize() options for the SHORT tries, e.g. "--optimize ckpt_layers=32 --optimize tile_mlp=4096"
 D0=${D0:-0}; D1=${D1:-1}; STEPS_SHORT=${STEPS_SHORT:-3}; STEPS_LONG=${STEPS_LONG:-2}; MODEL=${MODEL:-llama-3.1-8b-shape}
 if [ "${DRY:-0}" = 1 ]; then  # the same steps on the CPU: tiny model, short rows, no cap
   CAP=""; SHORT=${DRY_SHORT:-256}; LONG=${DRY_LONG:-1024}; ABOVE=""; MODEL=tiny; STEPS_SHORT=2; STEPS_LONG=2
@@ -44,11 +46,11 @@ run() {  # NAME NPROC DEVICES NEED_S ARGS...: one torchrun job if NEED_S seconds
 }
 run attention 2 $D0,$D1 30 attention --seq-len "$([ "${DRY:-0}" = 1 ] && echo 64 || echo 32768)" \
   $([ "${DRY:-0}" = 1 ] && echo "--heads 4 --kv-heads 2 --head-dim 16")
-run "cp2_$SHORT" 2 $D0,$D1 90 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}"
+run "cp2_$SHORT" 2 $D0,$D1 90 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}" "${CP_OPT[@]}"
 # the floor run on GPU 1 beside the one-GPU baseline on GPU 0: each alone on its GPU, sharing only the host
-run "plain_$SHORT" 1 $D1 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" --plain "${cap_args[@]}" &
+run "plain_$SHORT" 1 $D1 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" --plain "${cap_args[@]}" "${CP_OPT[@]}" &
 floor_pid=$!
-run "one_$SHORT" 1 $D0 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}"
+run "one_$SHORT" 1 $D0 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}" "${CP_OPT[@]}"
 wait "$floor_pid"
 trained=""
 for L in $LONG; do
