@@ -141,6 +141,19 @@ def test_validate_says_what_to_change():
     got = cp.validate(argparse.Namespace(out="x", batch_size=2, warmup_steps=3, seq_len=256), 2)
     assert (got.global_batch_size, got.warmup, got.micro_batch_size, got.load_balance) == (2, 3, 2, True)
 
+def test_a_row_split_over_ranks_checkpoints_every_layer():
+    """Several ranks: every decoder layer checkpointed; leaving layers unchecked is refused before any
+    model loads, one rank takes any plan."""
+    assert cp.every_layer_checkpointed({}) == {"grad_ckpt": True}
+    assert cp.every_layer_checkpointed({"grad_ckpt": True, "offload": True}) == {"grad_ckpt": True}
+    for knobs in ({"grad_ckpt": False}, {"ckpt_layers": 1}):
+        with pytest.raises(ValueError, match="checkpoints every decoder layer"):
+            cp.every_layer_checkpointed(knobs)
+    args = ["--model", "tiny", "--out", "x", "--seq-len", "256", "--optimize", "ckpt_layers=1"]
+    with pytest.raises(ValueError, match="checkpoints every decoder layer"):
+        cp.validate(cp.build_parser().parse_args(args), 2)
+    assert cp.validate(cp.build_parser().parse_args(args), 1).optimize_knobs["ckpt_layers"] == 1
+
 
 # ----------------------------------------------------------------------------- over gloo
 @pytest.mark.parametrize("world", [2])
@@ -159,10 +172,10 @@ def test_ring_attention_is_sdpa_over_the_whole_row(tmp_path, world):
 def test_two_processes_give_the_lora_gradients_of_one_and_clip_them_alike(tmp_path):
     """The gradients themselves, not only the losses (AdamW hides a scale error wherever gradients are
     far above its eps; LoRA A's first gradients are not): every LoRA gradient of 2 processes (FSDP2
-    averaging, the loss scaled by the world size, the ring's backward, a checkpointed and offloaded
-    layer beside a plain one) against one process, then the clip over every rank's shards."""
+    averaging, the loss scaled by the world size, the ring's backward, every layer checkpointed with
+    its input offloaded) against one process, then the clip over every rank's shards."""
     worker = str(ROOT / "tests" / "context_parallel_grads.py")
-    knobs = ["grad_ckpt=true", "ckpt_layers=1", "offload=true"]
+    knobs = ["grad_ckpt=true", "offload=true"]
     procs = {n: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                                   worker, str(tmp_path / f"{n}.pt"), *knobs], cwd=ROOT, env=ENV,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (1, 2)}

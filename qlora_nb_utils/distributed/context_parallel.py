@@ -193,8 +193,14 @@ def optimize_context_parallel(model: torch.nn.Module, *, batches: Sequence[dict]
         **kwargs: :func:`.fast.optimize_sharded`'s options and ``optimize()``'s (not ``scope``, ``cast``,
             ``vocab_head``; ``keep_attention`` and ``sdpa_kernel`` are the ring's).
 
+    Every decoder layer is checkpointed when the row is split over more than one rank: a plan
+    that leaves some layers unchecked (what ``optimize()`` picks when a memory target is met
+    without them) has not been shown to give one GPU's gradients on a GPU, while the plan that
+    checkpoints every layer has; so ``grad_ckpt`` is True and ``ckpt_layers`` all of them there.
+
     Raises:
-        ValueError: an option the ring replaces; a model whose attention the ring cannot replace.
+        ValueError: an option the ring replaces (``grad_ckpt=False`` or ``ckpt_layers`` on more than
+            one rank among them); a model whose attention the ring cannot replace.
     """
     import torch.distributed as dist
 
@@ -206,6 +212,8 @@ def optimize_context_parallel(model: torch.nn.Module, *, batches: Sequence[dict]
             raise ValueError(f"optimize_context_parallel sets {key!r} itself")
     group = group if group is not None else dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world > 1:
+        kwargs = {**kwargs, **every_layer_checkpointed(kwargs)}
     pad_multiple = int(kwargs.get("pad_multiple", 8))
     cfg = getattr(model, "config", None)
     pad_id = int(getattr(cfg, "pad_token_id", None) or 0)
@@ -222,6 +230,16 @@ def optimize_context_parallel(model: torch.nn.Module, *, batches: Sequence[dict]
             raise
     return ContextParallel(fast=fast, group=group, rank=rank, world_size=world, load_balance=load_balance,
                            pad_multiple=pad_multiple, pad_id=pad_id, ring=ring)
+
+
+def every_layer_checkpointed(options: dict) -> dict:
+    """The checkpointing options of a row split over several ranks (:func:`optimize_context_parallel`):
+    every decoder layer; ``grad_ckpt=False`` or a ``ckpt_layers`` asked for is refused."""
+    if options.get("grad_ckpt") is False or options.get("ckpt_layers") is not None:
+        raise ValueError("context parallelism over several ranks checkpoints every decoder layer: drop "
+                         "grad_ckpt=false and ckpt_layers (a plan with layers left unchecked is not yet shown "
+                         "to give one GPU's gradients)")
+    return {"grad_ckpt": True}
 
 
 # ----------------------------------------------------------------------------- the command
@@ -280,6 +298,8 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                  fixed={"scope": "regional", "cast": False, "backend": args.backend, "keep_attention": False,
                         "sdpa_kernel": "default", "max_memory_gib": args.max_memory_gib},
                  flags={"backend": "--backend", "max_memory_gib": "--max-memory-gib"})
+    if world_size > 1:
+        every_layer_checkpointed(args.optimize_knobs)
     micro = args.micro_batch_size or args.global_batch_size
     if args.global_batch_size % micro:
         raise ValueError(f"--micro-batch-size {micro} must divide --global-batch-size {args.global_batch_size}")

@@ -20,7 +20,7 @@ set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 DEADLINE_S=${DEADLINE_S:-540}
 CAP=${CAP:-22.0}; SHORT=${SHORT:-65536}; LONG=${LONG-278528 262144 229376 196608}; ABOVE=${ABOVE-286720}
-read -r -a CP_OPT <<< "${CP_OPT:-}"  # optimize() options for the SHORT tries, e.g. "--optimize ckpt_layers=32 --optimize tile_mlp=4096"
+read -r -a CP_OPT <<< "${CP_OPT:-}"  # optimize() options for the SHORT tries, e.g. "--optimize tile_mlp=4096 --optimize ce_chunks=64" (every layer is checkpointed on 2 GPUs)
 D0=${D0:-0}; D1=${D1:-1}; STEPS_SHORT=${STEPS_SHORT:-3}; STEPS_LONG=${STEPS_LONG:-2}; MODEL=${MODEL:-llama-3.1-8b-shape}
 if [ "${DRY:-0}" = 1 ]; then  # the same steps on the CPU: tiny model, short rows, no cap
   CAP=""; SHORT=${DRY_SHORT:-256}; LONG=${DRY_LONG:-1024}; ABOVE=""; MODEL=tiny; STEPS_SHORT=2; STEPS_LONG=2
