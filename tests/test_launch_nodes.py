@@ -43,11 +43,19 @@ def two_nodes(layout: str, out: Path, argv: list[str], timeout: int = 240) -> li
     ``argv``: the layout's command line (``--out`` included)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
-    endpoint = f"127.0.0.1:{_free_port()}"
+    from torch.distributed import TCPStore
+
+    port = _free_port()
+    # The rendezvous store lives in this process, as on a cluster where it outlives every node: with
+    # both nodes on one machine, either could host it, and the one that exits first would take it
+    # away from the other's closing of the rendezvous (a failed exit after a finished job).
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841 (kept alive)
+    endpoint = f"127.0.0.1:{port}"
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+               "--rdzv-conf", "is_host=false",
                "--rdzv-id", f"rehearsal-{layout}", "-m", "qlora_nb_utils.distributed.launch", "--layout", layout,
                *argv]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
