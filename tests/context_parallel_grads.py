@@ -7,6 +7,7 @@ row, one ``train_step``; rank 0 writes ``{name: full gradient}`` and the clipped
 ``KEY=VALUE`` and ``dtype=bfloat16`` for the model's compute dtype.
 """
 
+import os
 import sys
 
 import torch
@@ -47,4 +48,10 @@ clipped = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.
            for name, p in zip(names, params)}
 if rank == 0:
     torch.save({"loss": loss, "grads": grads, "norm": norm, "clipped": clipped, "world": world}, sys.argv[1])
+dist.barrier()  # every rank's ring sends and receives done before any rank tears gloo down
 dist.destroy_process_group()
+# gloo's threads can abort the interpreter's own exit ("terminate called without an active exception")
+# after a finished run: leave without the C++ destructors, everything written and flushed above
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
