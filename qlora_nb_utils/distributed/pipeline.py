@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -124,6 +125,7 @@ def weight_pass_settings(schedule: str):
         yield
 
 
+@functools.cache
 def function_nodes_held_weakly() -> bool:
     """Whether this torch frees a Python autograd Function's backward node once its output is detached,
     though the node's Python object is still referenced (the object holds the node weakly)."""
