@@ -293,7 +293,8 @@ class Run:
         history = o.get("resume_history")
         self.sample = self._sample_texts()
         self.sample["before"] = None if history is None else history.get("sample_before")
-        self._initial = trainable_state(self.model) if history is None else None  # the adapter's start
+        # the adapter's start, in host memory: the device keeps nothing extra through the loop
+        self._initial = ({n: t.cpu() for n, t in trainable_state(self.model).items()} if history is None else None)
         if o["check_parity"]:
             self.parity = self._parity(o["check_parity"])
         params = [p for p in self.model.parameters() if p.requires_grad]
