@@ -11,7 +11,8 @@ import time
 from word_data import write_words
 
 from qlora_nb_utils import cli
-from qlora_nb_utils.training.finetuning import Run, _Ticker, median_tokens_per_s
+from qlora_nb_utils.training.finetuning import Run
+from qlora_nb_utils.training.first_step import Ticker, median_tokens_per_s
 
 
 def _rows(rates, session=0):
@@ -57,7 +58,7 @@ def test_the_summary_states_the_compile_apart_from_the_speed(tmp_path):
 
 def test_the_ticker_says_how_long_until_stopped():
     said = _Said()
-    ticker = _Ticker(said, "compiling: {:.2f} s", every=0.02)
+    ticker = Ticker(said, "compiling: {:.2f} s", every=0.02)
     time.sleep(0.15)
     ticker.stop()
     time.sleep(0.05)
@@ -85,3 +86,7 @@ def test_a_short_run_says_it_compiles_and_reports_its_rate_without_that_step(tmp
     assert m["tokens_per_s"] == second["tokens_per_s"] != first["tokens_per_s"]
     assert m["time_to_first_step_s"] is None or m["time_to_first_step_s"] >= m["first_step_s"]
     assert "(median, the compiling first step left out)" in text
+    phases, parts = m["start_phases_s"], m["start_overlap_s"]
+    assert set(phases) == {"data_and_load_s", "optimize_s"} and set(parts) == {"data_s", "load_s"}
+    assert phases["data_and_load_s"] + 0.01 >= max(parts.values())  # side by side: the wall covers each
+    assert "its batches built meanwhile" in before and "training batches of 2" in before

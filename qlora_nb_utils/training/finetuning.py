@@ -30,7 +30,9 @@ optimizer, scheduler, history, the RNG state of the last step boundary) is neede
 callback, the checkpoint, the interrupt path and the metrics alike; holding it in one place keeps
 each stage a short method and :func:`finetune` a short sequence of them.
 
-Order of a run: batches (tokenizer only) -> model -> ``optimize`` -> optional parity check
+Order of a run: Inductor's compile workers started (:mod:`~qlora_nb_utils.compile.workers`) ->
+the batches (tokenizer only, in a thread) beside the model load, neither waiting for the other ->
+``optimize`` -> optional parity check
 (undone) -> fresh optimizer and scheduler, or the checkpoint's -> the loop, with
 :meth:`Run.on_step` evaluating, checkpointing and honouring a stop at each step boundary -> the
 "before" sample and the held-out loss at step 0, on the adapter's starting weights put back for
@@ -46,15 +48,16 @@ import datetime as _dt
 import json
 import shlex
 import shutil
-import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .. import env
+from ..compile.workers import start_compile_workers
 from ..data.packing import real_tokens
 from .checkpoint import (
     CHECKPOINT,
@@ -69,6 +72,7 @@ from .checkpoint import (
 from .evaluation import complete, evaluate
 from .finetune_batches import PACK_WHEN_PADDING_OVER, build_finetune_batches
 from .finetune_options import DEFAULTS, OUTPUTS, check_options, run_meta
+from .first_step import Ticker, median_tokens_per_s, since_launch
 
 # DEFAULTS, OUTPUTS, PACK_WHEN_PADDING_OVER, check_options, build_finetune_batches and run_meta are
 # defined in .finetune_options and .finetune_batches, and imported from here too (the CLI, the tests)
@@ -186,53 +190,6 @@ def _show(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str, type(None))) else str(value).replace("torch.", "")
 
 
-def median_tokens_per_s(rows: list[dict], skip: int = 3) -> float | None:
-    """Median real tokens/s over the steps after the first ``skip`` of each session, or, in a session
-    that short, after its first; None when only first steps ran.
-
-    A session's first step compiles (each process compiles anew, a resumed one too), and a rate
-    with the compile in it says nothing of the training's speed: it never counts. The next few
-    steps still settle (allocator, caches), so they count only where there is nothing else.
-    """
-    by_session: dict[Any, list[float]] = {}
-    for row in rows:
-        by_session.setdefault(row["session"], []).append(row["tokens_per_s"])
-    steady = [v for values in by_session.values() for v in values[skip:]]
-    values = steady or [v for values in by_session.values() for v in values[1:]]
-    return float(statistics.median(values)) if values else None
-
-
-def _since_launch() -> float | None:
-    """Seconds since this process started (None where the start cannot be read)."""
-    try:
-        import psutil
-
-        return round(time.time() - psutil.Process().create_time(), 3)
-    except Exception:  # psutil missing, or no such process information here
-        return None
-
-
-class _Ticker:
-    """Say every ``every`` seconds, until stopped, how long the first step has run: a compile can
-    take minutes, and a bar that does not move looks like a hang."""
-
-    def __init__(self, say: Callable[[str], None], message: str, every: float = 15.0) -> None:
-        import threading
-
-        self._done = threading.Event()
-        self._t0 = time.perf_counter()
-
-        def tick() -> None:
-            while not self._done.wait(every):
-                say(message.format(time.perf_counter() - self._t0))
-
-        self._thread = threading.Thread(target=tick, name="qlora-nb-first-step", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._done.set()
-
-
 class Run:
     """One fine-tune's state and stages (see the module docstring); built by ``finetune``."""
 
@@ -249,6 +206,20 @@ class Run:
         self._bnb_layout = None
 
     # ------------------------------------------------------------------ stages
+    def _build_batches(self, tok: Any) -> float:
+        """The run's training and held-out batches (in a thread beside the model load); its seconds."""
+        clock = time.perf_counter()
+        o = self.opts
+        self.train_batches, self.eval_batches, self.example = build_finetune_batches(
+            tok, data=o["data"], batch_size=o["batch_size"], seq_len=o["seq_len"], seed=o["seed"],
+            eval_size=o["eval_size"], log=self.log, packing=o["packing"])
+        self.packed = "document_ids" in self.train_batches[0]
+        slots = sum(b["input_ids"].numel() for b in self.train_batches)
+        self.pad_fraction = 1 - sum(real_tokens(b) for b in self.train_batches) / slots
+        self.log(f"==> {len(self.train_batches)} training batches of {o['batch_size']} (one epoch, <= {o['seq_len']} "
+                 f"tokens), {len(self.eval_batches)} held-out batches")
+        return round(time.perf_counter() - clock, 3)
+
     def prepare(self) -> None:
         """Batches, model, ``optimize``, the "before" sample, parity, optimizer/scheduler, start state."""
         from .. import models
@@ -258,22 +229,22 @@ class Run:
 
         o = self.opts
         self.device, self.dtype = env.resolve_device_dtype(o["device"], o["dtype"])
+        start_compile_workers(self.device, o["backend"])  # they come up while the data and model load
         clock = time.perf_counter()
         tok = models.load_tokenizer(o["model"])
-        self.train_batches, self.eval_batches, self.example = build_finetune_batches(
-            tok, data=o["data"], batch_size=o["batch_size"], seq_len=o["seq_len"], seed=o["seed"],
-            eval_size=o["eval_size"], log=self.log, packing=o["packing"])
-        self.packed = "document_ids" in self.train_batches[0]
-        slots = sum(b["input_ids"].numel() for b in self.train_batches)
-        self.pad_fraction = 1 - sum(real_tokens(b) for b in self.train_batches) / slots
-        self.log(f"==> {len(self.train_batches)} training batches of {o['batch_size']} (one epoch, <= {o['seq_len']} "
-                 f"tokens), {len(self.eval_batches)} held-out batches")
-        self.log(f"==> loading {o['model']} (NF4 + LoRA r={o['lora_r']}, {_show(self.dtype)}) on {self.device}")
-        self.phases = {"data_s": round(time.perf_counter() - clock, 3)}  # where the start goes (metrics)
-        clock = time.perf_counter()
-        self.model, self.tok = models.load_model(
-            o["model"], quant="nf4", lora=True, lora_r=o["lora_r"], lora_alpha=o["lora_alpha"], dtype=self.dtype,
-            device=self.device, prepare_kbit=True, seed=o["seed"])
+        self.log(f"==> loading {o['model']} (NF4 + LoRA r={o['lora_r']}, {_show(self.dtype)}) on {self.device}, "
+                 "its batches built meanwhile")
+        with ThreadPoolExecutor(1, thread_name_prefix="qlora-nb-batches") as pool:
+            batches = pool.submit(self._build_batches, tok)  # tokenizers and packing, beside the load
+            try:
+                self.model, self.tok = models.load_model(
+                    o["model"], quant="nf4", lora=True, lora_r=o["lora_r"], lora_alpha=o["lora_alpha"],
+                    dtype=self.dtype, device=self.device, prepare_kbit=True, seed=o["seed"])
+            except BaseException:
+                batches.cancel()
+                raise
+            load_s = round(time.perf_counter() - clock, 3)
+            data_s = batches.result()  # a data error surfaces here, as it would have before the load
         self.meta = run_meta(o)  # after the load: a named model's config.json exists now
         self.loaded_from = self.model.get_base_model().name_or_path  # what PEFT writes as the base
         self.loaded_attention = self.model.get_base_model().config._attn_implementation
@@ -281,7 +252,9 @@ class Run:
             from ..compile.patches import bnb_cpu_packing
 
             self._bnb_layout = bnb_cpu_packing.apply(self.model)
-        self.phases["load_s"] = round(time.perf_counter() - clock, 3)
+        # where the start goes (metrics): data and load side by side, so their wall time is one phase
+        self.phases = {"data_and_load_s": round(time.perf_counter() - clock, 3)}
+        self.start_overlap_s = {"data_s": data_s, "load_s": load_s}
         clock = time.perf_counter()
         self._breaks_cm = count_graph_breaks()
         self.breaks = self._breaks_cm.__enter__()
@@ -334,7 +307,7 @@ class Run:
             torch.manual_seed(o["seed"])  # train() seeds too: the RNG of boundary 0 is this one
         self.boundary_rng = rng_state(self.device)
         self._say(self._compiling_note())
-        self._ticker = _Ticker(self._say, "    still on the first step (compiling): {:.0f} s")
+        self._ticker = Ticker(self._say, "    still on the first step (compiling): {:.0f} s")
         try:
             train(self.model, self.train_batches, cfg, forward=self.opt.forward, label="train",
                   optimizer=self.optimizer, scheduler=self.scheduler, start_step=self.start_step, on_step=self.on_step)
@@ -383,7 +356,8 @@ class Run:
         if step == self.start_step:  # this process's first step: the one that compiled
             self._ticker.stop()
             self.first_step = {"first_step_s": round(row["step_ms"] / 1e3, 3), "first_step_end_unix": time.time(),
-                               "time_to_first_step_s": _since_launch(), "start_phases_s": self.phases}
+                               "time_to_first_step_s": since_launch(), "start_phases_s": self.phases,
+                               "start_overlap_s": self.start_overlap_s}
             c = self.opt.counter
             self._say(f"==> first step: {row['step_ms'] / 1e3:.1f} s, of which compiling {c.compile_s:.1f} s "
                       f"({c.compilations} compilation(s)); the steps after it reuse what was compiled")

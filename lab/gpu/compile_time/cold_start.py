@@ -63,6 +63,9 @@ ORDER = [("ours", "cold"), ("ours", "warm"), ("unsloth", "cold"), ("hf-eager", "
          ("unsloth", "warm"), ("ours-before", "warm")]
 #: What ours-before forces through optimize()'s options: the whole model, no artifacts.
 BEFORE = ["--scope", "whole", "--compile-cache", "off"]
+#: Our runs, by library name: the options each adds to ``qlora-nb train``'s. ``ours-cudagraphs`` (a trial,
+#: only when COLD_START_RUNS names it): the regional scope with CUDA graphs asked for.
+OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"]}
 #: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
@@ -214,7 +217,7 @@ def _run_ours(lib: str, shape: dict, work: Path, dirs: Path, device: str, steps:
     argv = ["--model", shape["model"], "--steps", str(steps), "--batch-size", str(shape["batch_size"]),
             "--seq-len", str(shape["seq_len"]), "--packing", shape["packing"], "--device", device,
             "--eval-every", "0", "--save-every", "0", "--eval-size", "8", "--no-progress", "--out", str(out),
-            "--overwrite", *(BEFORE if lib == "ours-before" else [])]
+            "--overwrite", *OURS[lib]]
     cmd = [sys.executable, str(Path(__file__).resolve()), "child-ours", str(side), "--", *argv]
     launched, wall, code = _spawn(cmd, _env(dirs), out.with_suffix(".log"), timeout_s)
     rec = {"command": "qlora-nb train " + " ".join(argv), "exit": code, "process_s": round(wall, 2)}
@@ -230,7 +233,7 @@ def _run_ours(lib: str, shape: dict, work: Path, dirs: Path, device: str, steps:
                optimize={"description": m["optimize"]["description"], "scope": m["optimize"]["choices"]["scope"],
                          "mode": m["optimize"]["choices"].get("mode"),
                          "compile_cache": m["optimize"]["choices"].get("compile_cache")},
-               start_phases_s=m.get("start_phases_s"))
+               start_phases_s=m.get("start_phases_s"), start_overlap_s=m.get("start_overlap_s"))
     if side.is_file():
         s = json.loads(side.read_text())
         rec["interpreter_s"] = round(s["launched_unix"] - launched, 3)  # the interpreter's own start
@@ -374,7 +377,7 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
             _clear_cold(dirs)
         print(f"[cold_start] {shape_name} {lib} {cache}: {left:.0f} s left", flush=True)
         try:
-            if lib in ("ours", "ours-before"):
+            if lib in OURS:
                 rec = _run_ours(lib, shape, work, dirs, device, steps, left - 5)
             else:
                 rec = _run_peer(lib, shape, work, dirs, batches_file, device, steps, left - 5)
