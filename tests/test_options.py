@@ -339,3 +339,26 @@ def test_the_compile_package_has_no_import_cycle():
     for start in sorted(graph):
         if start not in state:
             visit(start, [start])
+
+
+def test_the_models_compute_dtype_is_what_its_frozen_weights_are_on_any_device():
+    """A model built from a config in memory names no dtype: its weights say what it computes in, not
+    the device's default (an fp32 model on a GPU is not cast to bf16 unless asked)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qlora_nb_utils.compile.plan import compute_dtype
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=2, target_modules="all-linear"))
+    assert getattr(model.config, "dtype", None) in (None, torch.float32)
+    assert compute_dtype(model, torch.device("cuda")) == torch.float32
+    model.get_base_model().to(torch.bfloat16)
+    for name, p in model.named_parameters():  # LoRA kept as fp32 master weights, the base in bf16
+        if "lora_" in name:
+            p.data = p.data.float()
+    assert compute_dtype(model, torch.device("cuda")) == torch.bfloat16
+    for p in model.parameters():
+        p.requires_grad_(True)  # nothing frozen: the config, else the device's default
+    assert compute_dtype(model, torch.device("cpu")) == torch.float32

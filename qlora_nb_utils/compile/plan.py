@@ -38,11 +38,21 @@ __all__ = ["Plan", "decide", "compute_dtype", "chunk_rows", "target_chunks"]
 
 
 def compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
-    """The dtype ``model`` computes in: bitsandbytes' ``compute_dtype``, else its config's, else the device's default."""
+    """The dtype ``model`` computes in: bitsandbytes' ``compute_dtype``, else its frozen weights', else its
+    config's, else the device's default.
+
+    The frozen weights come before the config: a model built from a config in memory names no dtype
+    there, and one cast after loading keeps the config's old one, while its weights are what it
+    computes with (an fp32 model is not trained in bf16 unless asked). Trainable weights are passed
+    over: LoRA's are often fp32 master weights beside a bf16 base.
+    """
     for module in model.modules():  # bitsandbytes Linear4bit keeps the dtype it computes in
         dtype = getattr(module, "compute_dtype", None)
         if isinstance(dtype, torch.dtype):
             return dtype
+    frozen = [p.dtype for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
+    if frozen:
+        return max(set(frozen), key=frozen.count)  # the base's dtype (a few norms may differ)
     config = getattr(model, "config", None)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):  # a config built in memory may name it
