@@ -198,7 +198,8 @@ def test_flex_masks_for_every_window_a_layer_passes():
         model_attention.with_block_masks(model, (0,))
 
 
-def test_a_capped_model_trains_with_its_own_attention_on_cuda_until_flex_is_trusted():
+def test_a_capped_model_trains_with_its_own_attention_on_cuda_when_flex_is_switched_off(monkeypatch):
+    monkeypatch.setattr(attention_scores, "FLEX_TRAINS_SCORES", False)
     model, batch = _gemma2(), _padded()
     scores = AttentionScores(seen=True, softcap=CAP, windows=(4096,))
     choice, why = choose_attention(model, "auto", [batch], packed=False, scores=scores, device=CUDA)
@@ -208,8 +209,17 @@ def test_a_capped_model_trains_with_its_own_attention_on_cuda_until_flex_is_trus
     assert kernel == "eager" and "not yet known to match" in why
 
 
-def test_choices_for_a_capped_model(monkeypatch):
-    monkeypatch.setattr(attention_scores, "FLEX_TRAINS_SCORES", True)
+def test_sinks_and_a_position_bias_keep_the_models_own_attention_until_flex_is_checked_for_them():
+    model, batch = _gemma2(), _padded()
+    for scores, what in ((AttentionScores(seen=True, sinks=True), "learned sinks"),
+                         (AttentionScores(seen=True, softcap=CAP, position_bias=True), "a position bias")):
+        choice, why = choose_attention(model, "auto", [batch], packed=False, scores=scores, device=CUDA)
+        assert choice == "eager" and f"its gradients with {what} are not yet known to match" in why
+        kernel, why = choose_doc_kernel(CUDA, "auto", scores)
+        assert kernel == "eager" and what in why
+
+
+def test_choices_for_a_capped_model():
     model, batch = _gemma2(), _padded()
     scores = AttentionScores(seen=True, softcap=CAP, windows=(4096,))
     choice, why = choose_attention(model, "auto", [batch], packed=False, scores=scores, device=CUDA)

@@ -31,12 +31,13 @@ _PROBE = "qlora_nb_attention_probe"
 PROBE_TOKENS = 8
 #: What an attention call may take that changes nothing SDPA and flex attention do not do themselves.
 #: Whether ``optimize()`` may train a score change SDPA drops with flex attention (the change in its
-#: score modification) on CUDA. Off: the model's own eager attention trains instead. Eager
-#: attention is the reference a model's loss is judged by, so it is right by definition; flex
-#: attention is faster and leaner at long rows, and becomes the default once its loss and LoRA
-#: gradients match the eager forward's to fp32 rounding on a GPU with the score change biting.
-#: ``attention``/``doc_attention`` choices say which one ran.
-FLEX_TRAINS_SCORES = False
+#: score modification) on CUDA; off, the model's own eager attention trains instead. Eager
+#: attention is the reference a model's loss is judged by; flex attention is faster and leaner at
+#: long rows. On for a soft cap (with or without a sliding window): there its loss and LoRA
+#: gradients match the eager forward's to fp32 rounding on a GPU, padded and packed, with the cap
+#: biting. Learned sinks and a position bias are not yet checked so (:meth:`AttentionScores.flex_cannot`
+#: keeps them eager). ``attention``/``doc_attention`` choices say which one ran.
+FLEX_TRAINS_SCORES = True
 _KNOWN = {"dropout", "scaling", "sliding_window", "softcap", "s_aux", "sinks", "position_bias", "is_causal",
           "position_ids", "use_cache", "cache_position", "output_attentions", "cu_seq_lens_q", "cu_seq_lens_k",
           "max_length_q", "max_length_k", "past_key_values", "kernel_options"}
@@ -80,6 +81,10 @@ class AttentionScores:
             return f"torch has no flex-attention backward on {device.type}"
         if not FLEX_TRAINS_SCORES:
             return ("its gradients with a score modification are not yet known to match the model's own "
+                    "attention to fp32 rounding")
+        unchecked = [what for what, on in (("learned sinks", self.sinks), ("a position bias", self.position_bias)) if on]
+        if unchecked:
+            return (f"its gradients with {' and '.join(unchecked)} are not yet known to match the model's own "
                     "attention to fp32 rounding")
         if self.dropout:
             return f"attention dropout {self.dropout:g}, which flex attention has not"
