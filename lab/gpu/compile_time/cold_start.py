@@ -302,7 +302,7 @@ SMOLLM2_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_lay
                   "eos_token_id": 2, "pad_token_id": 2}
 
 
-def _smollm2_shape(folder: Path) -> Path:
+def smollm2_shape(folder: Path) -> Path:
     """A checkpoint of SmolLM2-135M's shape with seeded random weights and its tokenizer (from the cache)."""
     if (folder / "config.json").is_file():
         return folder
@@ -348,7 +348,7 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
     except FileNotFoundError as exc:  # SmolLM2's real weights come from a package the GPU machine lacks
         if shape["model"] != "smollm2-135m":
             raise
-        shape["model_dir"] = shape["model"] = str(_smollm2_shape(work / "smollm2-135m-shape"))
+        shape["model_dir"] = shape["model"] = str(smollm2_shape(work / "smollm2-135m-shape"))
         res["model_note"] = (f"SmolLM2-135M's shape with random weights ({exc}); compile and step times depend on "
                              "the shape, the losses do not mean anything")
     res["build_s"] = round(time.monotonic() - t_build, 1)
