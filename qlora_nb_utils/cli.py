@@ -258,14 +258,14 @@ def _train(args: argparse.Namespace) -> int:
     from .training.finetuning import check_options, finetune
 
     opts = _train_options(args)
-    check_options(out=args.out, resume=args.resume, overwrite=args.overwrite, **opts)  # before any model loads
+    checked = check_options(out=args.out, resume=args.resume, overwrite=args.overwrite, **opts)  # before any model loads
     if args.max_memory_gib is not None:  # before CUDA starts: the allocator reads its settings once
         from .env import prefer_expandable_segments
 
         print(f"qlora-nb train: allocator: {prefer_expandable_segments()[1]}", file=sys.stderr)
     try:
         finetune(out=args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
-                          command=args.command_line, **opts)
+                 command=args.command_line, checked=checked, **opts)
     except FinetuneInterrupted as stop:
         return stop.exit_code
     return 0

@@ -68,7 +68,12 @@ def test_the_ticker_says_how_long_until_stopped():
     assert said.lines[0].startswith("compiling: ")
 
 
-def test_a_short_run_says_it_compiles_and_reports_its_rate_without_that_step(tmp_path, capsys):
+def test_a_short_run_says_it_compiles_and_reports_its_rate_without_that_step(tmp_path, capsys, monkeypatch):
+    from qlora_nb_utils.training import finetuning
+
+    checks = []
+    own_check = finetuning.check_options
+    monkeypatch.setattr(finetuning, "check_options", lambda **kw: checks.append(1) or own_check(**kw))
     data = write_words(tmp_path / "words.jsonl", 40)
     out = tmp_path / "run"
     code = cli.main(["train", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--steps", "2",
@@ -90,3 +95,4 @@ def test_a_short_run_says_it_compiles_and_reports_its_rate_without_that_step(tmp
     assert set(phases) == {"data_and_load_s", "optimize_s"} and set(parts) == {"data_s", "load_s"}
     assert phases["data_and_load_s"] + 0.01 >= max(parts.values())  # side by side: the wall covers each
     assert "its batches built meanwhile" in before and "training batches of 2" in before
+    assert len(checks) == 1  # the CLI checks the options before the allocator is set; finetune() takes them

@@ -90,7 +90,7 @@ def run_packing_bench(opts: dict[str, Any], progress: bool = True, log=print, co
         hist[name] = train(model, batches, cfg, forward=forward, label=name)
 
     run("hf-eager", with_document_mask(model, "sdpa"), packed)
-    opt = optimize(model, opts["optimize_options"], batches=padded)  # doc_attention: packed batches only
+    opt = optimize(model, opts["optimize_options"], batches=padded, steps=steps)  # doc_attention: packed only
     try:
         run("fast-padded", opt.forward, padded)
         padded_stats = opt.counter.to_dict()
@@ -98,7 +98,7 @@ def run_packing_bench(opts: dict[str, Any], progress: bool = True, log=print, co
         opt.undo()
     _reset()
     load_trainable_state(model, start)
-    opt = optimize(model, opts["optimize_options"], batches=packed)
+    opt = optimize(model, opts["optimize_options"], batches=packed, steps=steps)
     log(f"==> {opt.description}")
     try:
         run("fast-eager", opt.eager, packed)

@@ -101,7 +101,8 @@ def _resume_command(command: str | None, out: Path) -> str:
 
 
 def finetune(*, out: str | Path = "runs/train", resume: bool = False, overwrite: bool = False, progress: bool = True,
-             log: Callable[[str], None] = print, command: str | None = None, **options: Any) -> dict[str, Any]:
+             log: Callable[[str], None] = print, command: str | None = None, checked: dict[str, Any] | None = None,
+             **options: Any) -> dict[str, Any]:
     """Fine-tune a model with QLoRA through the fast path; write adapter, checkpoint and metrics.
 
     Args:
@@ -112,6 +113,8 @@ def finetune(*, out: str | Path = "runs/train", resume: bool = False, overwrite:
         progress: show a tqdm bar (loss, tokens/s, time left).
         log: where status lines go.
         command: the command line, recorded in the metrics and used for the resume hint.
+        checked: what :func:`check_options` returned for these very arguments, by a caller that
+            checked them first (the CLI, before it sets up the allocator): not checked again.
         **options: any of :data:`DEFAULTS`: ``model`` (a name of ``models.MODEL_NAMES`` or a
             folder), ``data`` (None: the shipped data; a JSONL file or a ``save_to_disk``
             folder), ``steps``, ``batch_size``, ``seq_len``, ``lr``, ``warmup_steps``,
@@ -130,7 +133,7 @@ def finetune(*, out: str | Path = "runs/train", resume: bool = False, overwrite:
             once a step is done, ``metrics.json`` (``"interrupted": true``) and ``loss_curve.png``.
     """
     started = time.perf_counter()
-    opts = check_options(out=out, resume=resume, overwrite=overwrite, **options)
+    opts = checked if checked is not None else check_options(out=out, resume=resume, overwrite=overwrite, **options)
     out = opts["out"]
     if overwrite:
         _clear(out)
