@@ -123,11 +123,13 @@ def driver(out_dir: Path, budget_s: float, steps: int, model_name: str, batch: i
         cmd = [sys.executable, __file__, "arm", str(path), "--backend", backend, "--steps",
                str(steps if not unfixed else min(steps, 31)), "--model", model_name, "--batch-size", str(batch),
                "--seq-len", str(seq)] + (["--unfixed"] if unfixed else [])
+        code = None
         try:
-            subprocess.run(cmd, timeout=left, check=False)
+            code = subprocess.run(cmd, timeout=left, check=False).returncode
         except subprocess.TimeoutExpired:
             pass
-        part = json.loads(path.read_text()) if path.is_file() else {"error": "no output"}
+        missing = f"no output (exit {code})" if code is not None else f"timed out after {left:.0f} s, no output"
+        part = json.loads(path.read_text()) if path.is_file() else {"error": missing}
         if not path.is_file() or "wall_s" not in part:
             part.setdefault("error", f"timed out after {left:.0f} s")
         result["arms"][name] = {**summarize(part), "run": part}
