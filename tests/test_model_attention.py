@@ -204,9 +204,9 @@ def test_a_capped_model_trains_with_its_own_attention_on_cuda_when_flex_is_switc
     scores = AttentionScores(seen=True, softcap=CAP, windows=(4096,))
     choice, why = choose_attention(model, "auto", [batch], packed=False, scores=scores, device=CUDA)
     assert choice == "eager" and "soft-caps its scores at 5, which SDPA drops" in why
-    assert "not yet known to match" in why
+    assert "switched off (attention_scores.FLEX_TRAINS_SCORES)" in why
     kernel, why = choose_doc_kernel(CUDA, "auto", scores)
-    assert kernel == "eager" and "not yet known to match" in why
+    assert kernel == "eager" and "switched off" in why
 
 
 def test_sinks_and_a_position_bias_keep_the_models_own_attention_until_flex_is_checked_for_them():

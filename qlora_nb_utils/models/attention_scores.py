@@ -80,8 +80,7 @@ class AttentionScores:
         if device.type != "cuda":
             return f"torch has no flex-attention backward on {device.type}"
         if not FLEX_TRAINS_SCORES:
-            return ("its gradients with a score modification are not yet known to match the model's own "
-                    "attention to fp32 rounding")
+            return "flex attention for score changes is switched off (attention_scores.FLEX_TRAINS_SCORES)"
         unchecked = [what for what, on in (("learned sinks", self.sinks), ("a position bias", self.position_bias)) if on]
         if unchecked:
             return (f"its gradients with {' and '.join(unchecked)} are not yet known to match the model's own "
