@@ -94,6 +94,20 @@ def _compile_breakdown() -> dict:
     except Exception as exc:  # a private helper moved: the rest of the record still stands
         return {"error": f"{type(exc).__name__}: {exc}"}
 
+    frames = []
+    try:  # each frame Dynamo compiled: what it was, whether its analysis restarted and why, what it cost
+        from torch._dynamo.utils import get_compilation_metrics
+
+        for m in get_compilation_metrics():
+            frames.append({k: (sorted(v) if isinstance(v := getattr(m, k, None), set) else v) if k != "co_filename"
+                           else Path(str(m.co_filename)).name
+                           for k in ("compile_id", "co_name", "co_filename", "co_firstlineno", "is_forward",
+                                     "restart_reasons", "dynamo_time_before_restart_s", "entire_frame_compile_time_s",
+                                     "backend_compile_time_s", "inductor_compile_time_s", "graph_op_count",
+                                     "fail_type", "fail_reason", "num_graph_breaks", "recompile_reason")})
+    except Exception as exc:  # a private helper moved
+        frames.append({"error": f"{type(exc).__name__}: {exc}"})
+
     def total(*parts: str, exclude: tuple = ()) -> float:
         return round(sum(v for k, v in raw.items() if any(p.lower() in k.lower() for p in parts)
                          and not any(e.lower() in k.lower() for e in exclude)), 3)
@@ -103,7 +117,7 @@ def _compile_breakdown() -> dict:
     aot = total("create_aot_dispatcher_function")
     forward = total("fw_compiler_base")  # inside AOTAutograd's; the backward compiles lazily, outside it
     inductor = total("fw_compiler_base", "bw_compiler")
-    return {"raw_s": raw, "cache_counters": cache, "phases_s": {
+    return {"raw_s": raw, "cache_counters": cache, "frames": frames, "phases_s": {
         "tracing_dynamo": round(max(whole - backend, 0.0), 3),
         "aot_autograd": round(max(aot - forward, 0.0), 3),
         "inductor": inductor,

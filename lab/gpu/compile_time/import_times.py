@@ -5,7 +5,10 @@ of them ``import peft`` (which imports bitsandbytes), against about 1.6 s on a 2
 runs ``python -X importtime -c "import X"`` in fresh processes, twice each (the second with the
 file cache warm), and keeps each module's cumulative time, the largest first.
 
-    python3 lab/gpu/compile_time/import_times.py OUT.json
+    python3 lab/gpu/compile_time/import_times.py OUT.json [TARGET ...]
+
+A target is a module, or several joined by commas, imported in that order in one process: ``train``
+stands for what ``qlora-nb train`` imports before its first line (as ``cold_start.py`` times them).
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import sys
 import time
 
 TARGETS = ("torch", "transformers", "bitsandbytes", "peft", "qlora_nb_utils")
+ALIASES = {"train": "torch,transformers,peft,qlora_nb_utils.training.finetuning,qlora_nb_utils.compile.fast_path,"
+                    "qlora_nb_utils.models.load"}
 
 
 def one(target: str) -> dict:
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {target}"], capture_output=True,
+    modules = ALIASES.get(target, target).replace(",", ", ")
+    res = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {modules}"], capture_output=True,
                          text=True, timeout=300)
     wall = time.perf_counter() - t0
     rows = []
@@ -36,7 +42,7 @@ def one(target: str) -> dict:
             "self_top": sorted(rows, key=lambda r: -r["self_s"])[:25]}
 
 
-def main(out: str) -> None:
+def main(out: str, targets: tuple[str, ...] = TARGETS) -> None:
     from qlora_nb_utils import env  # the timed imports run in processes of their own
 
     res = {"what": "python -X importtime per target, fresh processes (lab/gpu/compile_time/import_times.py)",
@@ -45,7 +51,7 @@ def main(out: str) -> None:
            "command": os.environ.get("QLORA_NB_IMPORT_CMD", "python3 lab/gpu/compile_time/import_times.py OUT.json"),
            "python": sys.version.split()[0], "cpus": os.cpu_count(), "runs": []}
     for round_ in (1, 2):
-        for target in TARGETS:
+        for target in targets:
             r = one(target)
             r["round"] = round_
             res["runs"].append(r)
@@ -56,4 +62,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(sys.argv[2:]) or TARGETS)

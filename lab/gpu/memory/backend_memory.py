@@ -30,7 +30,9 @@ import time
 from pathlib import Path
 
 ARMS = (("eager-unfixed", "eager", True), ("eager", "eager", False), ("aot_eager", "aot_eager", False),
-        ("inductor", "inductor", False))
+        ("inductor", "inductor", False), ("inductor-whole", "inductor", False))
+#: Arms that force a compile scope; the others let ``optimize()`` choose it from the steps, as ``qlora-nb train`` does.
+SCOPE = {"inductor-whole": "whole"}
 
 
 def _allocated_gib(device) -> float:
@@ -56,11 +58,12 @@ def _slope(xs, ys) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else None
 
 
-def arm(out: Path, backend: str, unfixed: bool, steps: int, model_name: str, batch: int, seq: int) -> None:
+def arm(out: Path, backend: str, unfixed: bool, steps: int, model_name: str, batch: int, seq: int,
+        scope: str = "auto") -> None:
     from qlora_nb_utils import env, models, optimize
     from qlora_nb_utils.training import TrainConfig, build_finetune_batches, train
 
-    part: dict = {"backend": backend, "unfixed": unfixed, "model": model_name, "batch_size": batch, "seq_len": seq,
+    part: dict = {"backend": backend, "unfixed": unfixed, "scope_asked": scope, "model": model_name, "batch_size": batch, "seq_len": seq,
                   "allocated_gib": [], "step_peak_mem_gib": [], "losses": []}
     t0 = time.perf_counter()
     try:
@@ -75,7 +78,7 @@ def arm(out: Path, backend: str, unfixed: bool, steps: int, model_name: str, bat
         part["batches"] = len(batches)
         model, _ = models.load_model(model_name, quant="nf4", lora=True, dtype=dtype, device=device,
                                      prepare_kbit=True, seed=0)
-        opt = optimize(model, batches=batches, backend=backend)
+        opt = optimize(model, batches=batches, backend=backend, scope=scope, steps=steps)  # as qlora-nb train
         part["optimize"] = opt.description
 
         def on_step(step, row):
@@ -122,7 +125,7 @@ def driver(out_dir: Path, budget_s: float, steps: int, model_name: str, batch: i
         path = out_dir / f"arm_{name}.json"
         cmd = [sys.executable, __file__, "arm", str(path), "--backend", backend, "--steps",
                str(steps if not unfixed else min(steps, 31)), "--model", model_name, "--batch-size", str(batch),
-               "--seq-len", str(seq)] + (["--unfixed"] if unfixed else [])
+               "--seq-len", str(seq), "--scope", SCOPE.get(name, "auto")] + (["--unfixed"] if unfixed else [])
         code = None
         try:
             code = subprocess.run(cmd, timeout=left, check=False).returncode
@@ -148,11 +151,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="llama-3.2-1b-shape")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--scope", default="auto", help="an arm's compile scope (auto: optimize() chooses from the steps)")
     p.add_argument("--budget-s", type=float, default=520)
     p.add_argument("--arms", default=",".join(a[0] for a in ARMS), help="which arms, comma-separated")
     a = p.parse_args(argv)
     if a.what == "arm":
-        arm(Path(a.out), a.backend, a.unfixed, a.steps, a.model, a.batch_size, a.seq_len)
+        arm(Path(a.out), a.backend, a.unfixed, a.steps, a.model, a.batch_size, a.seq_len, a.scope)
     else:
         chosen = [x for x in ARMS if x[0] in a.arms.split(",")]
         driver(Path(a.out), a.budget_s, a.steps, a.model, a.batch_size, a.seq_len, chosen)
