@@ -270,7 +270,7 @@ def padded_batch(seq: int, seed: int):
 def test_regional_variable_lengths_compile_once_without_a_restart(tiny_dir, grad_ckpt):
     """Regional + ``dynamic=True`` over 5 lengths: one graph serves every layer and length.
 
-    Without ``compile._with_static_floats`` the layer's float attributes become graph inputs and
+    Without ``ops.static_floats.with_static_floats`` the layer's float attributes become graph inputs and
     SDPA's ``scale``/``dropout_p`` make AOTAutograd raise ``TensorifyScalarRestartAnalysis``:
     the frame is traced twice (2 compilations, both compile id 0/0; on an H200 with inductor a
     third one, the ``% 8`` SDPA alignment guard). The embedding-output hook is the matrix's

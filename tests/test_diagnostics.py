@@ -182,7 +182,7 @@ def test_a_restarted_trace_is_counted_as_a_restart_under_the_same_compile_id():
     assert (counter.compilations, counter.recompilations, counter.recompile_reasons) == (2, 0, [])
     assert counter.restarts == 1 and counter.restart_reasons == ["0/0: TensorifyScalarRestartAnalysis"]
     assert counter.to_dict()["restarts"] == 1
-    with torch._dynamo.config.patch(specialize_float=True):  # what compile._with_static_floats sets
+    with torch._dynamo.config.patch(specialize_float=True):  # what ops.static_floats.with_static_floats sets
         torch.compiler.reset()
         counter = CompileCounter(backend="aot_eager")
         fn = counter.compile(_ScaledAttention(), dynamic=True, fullgraph=True)

@@ -86,22 +86,27 @@ def test_token_log_probs_refuse_a_trainable_head_and_bad_shapes():
 def test_compiled_math_gives_the_eager_loss_and_gradients_and_compiles_once():
     """compiled_math (a loss outside a compiled graph, as in regional scope): each chunk's softmax
     arithmetic through one torch.compile'd function with dynamic lengths, so chunks of other sizes
-    reuse it; loss and gradients as the eager arithmetic's. Empty chunks are skipped."""
-    from torch._dynamo.utils import counters
+    reuse it; loss and gradients as the eager arithmetic's. Empty chunks are skipped. Its float
+    arguments are constants: a cold compile (no cached graph) traces it once, with no restart."""
+    from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
     from qlora_nb_utils.ops import losses
 
     torch.compiler.reset()
     losses._COMPILED_MATH.clear()
     counters.clear()
+    clear_compilation_metrics()
     hidden, weight, labels = _inputs(v=64)
     weight.requires_grad_(True)
     results = []
-    for compiled, chunks in ((False, 4), (True, 4), (True, 3), (True, 40)):  # 40 chunks: some are empty
-        hidden.grad = weight.grad = None
-        loss = chunked_cross_entropy(hidden, weight, labels, chunks=chunks, compiled_math=compiled)
-        loss.backward()
-        results.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        for compiled, chunks in ((False, 4), (True, 4), (True, 3), (True, 40)):  # 40 chunks: some are empty
+            hidden.grad = weight.grad = None
+            loss = chunked_cross_entropy(hidden, weight, labels, chunks=chunks, compiled_math=compiled)
+            loss.backward()
+            results.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
+    frames = [m for m in get_compilation_metrics() if m.co_name == "_ce_math"]
+    assert frames and all(not m.restart_reasons for m in frames), [m.restart_reasons for m in frames]
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)  # the arithmetic is fp32 (logits.float())

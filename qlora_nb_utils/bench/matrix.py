@@ -128,7 +128,7 @@ def _compiled_cell(model, batches, cfg, start, scope, lengths, backend, mode, ck
     load_trainable_state(model, start)
     # Regional: prepare_for_compile makes the first layer's input require grad like the others'
     # (one compilation). Variable lengths cannot be marked on the layers' inputs from outside, so
-    # the layers are compiled dynamic (floats kept constant: see compile._with_static_floats,
+    # the layers are compiled dynamic (floats kept constant: see ops.static_floats.with_static_floats,
     # which removed a restarted trace per cell).
     dynamic = True if (scope == "regional" and lengths == "variable") else None
     # With checkpointing on, grad_ckpt=True gives the whole graph the recompute-everything policy

@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ..ops.static_floats import with_static_floats
 from ..reversible import PatchHandle, set_attribute
 from .checkpointing import configure_checkpointing, decoder_layers, has_traceable_hook
 from .counting import CompileCounter
@@ -216,55 +217,9 @@ def _compile_regional(model, backend_fn, fullgraph, dynamic) -> PatchHandle:
     for layer in layers:  # what Module.compile() does, recorded for undo
         compiled = torch.compile(layer._call_impl, backend=backend_fn, fullgraph=fullgraph, dynamic=dynamic)
         if dynamic is True:
-            compiled = _with_static_floats(compiled)
+            compiled = with_static_floats(compiled)
         set_attribute(handle, layer, "_compiled_call_impl", compiled)
     return handle
-
-
-def _with_static_floats(compiled: Callable) -> Callable:
-    """Run ``compiled`` with Dynamo's ``specialize_float`` on: Python floats are constants.
-
-    Why (regional scope, ``dynamic=True``, i.e. variable lengths): ``dynamic=True`` makes Dynamo
-    assume *everything* dynamic, Python floats included, so a decoder layer's float attributes
-    (the attention's ``scaling`` and ``attention_dropout``, RMSNorm's ``variance_epsilon``, the
-    LoRA ``scaling``) become graph inputs (``SymFloat``s, turned into 0-d tensors by AOTAutograd's
-    tensorify pass). ``scaled_dot_product_attention`` takes ``scale`` and ``dropout_p`` as plain
-    floats, so the pass cannot turn those two into tensors: it raises
-    ``TensorifyScalarRestartAnalysis`` and Dynamo traces the layer a second time with them
-    specialized. The restart is one more full Dynamo + AOTAutograd trace and one more graph
-    handed to the backend under the same compile id (``0/0`` twice): one more counted
-    compilation, on a CPU as on a GPU (where the compile matrix's regional variable-length cells
-    showed more compilations than recompilations: two graphs with frame compile id 0).
-
-    Specializing floats up front (what ``dynamic=None`` does on a first compile, where
-    ``assume_static_by_default`` keeps floats constant) avoids the restart; shapes stay dynamic,
-    so the sequence dimension is still symbolic from the first compile. The values are the
-    same constants either way, so results do not change. The cost: a float that differs
-    between calls (e.g. a per-layer LoRA ``scaling`` with ``rank_pattern``/``alpha_pattern``)
-    now recompiles once per distinct value (a ``CONSTANT_MATCH`` guard) instead of being a
-    graph input. The switch is set per call (Dynamo reads its config while it compiles, inside
-    the call) with the low-overhead patcher ``torch.compile`` itself uses for ``dynamic``.
-    """
-    config = torch._dynamo.config
-    if not hasattr(config, "specialize_float"):  # older torch: floats were always specialized
-        return compiled
-    make_patcher = getattr(config, "_make_closure_patcher", None)
-    if make_patcher is None:  # private helper gone: the public (slower) context manager
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with config.patch(specialize_float=True):
-                return compiled(*args, **kwargs)
-    else:
-        patch = make_patcher(specialize_float=True)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            revert = patch()
-            try:
-                return compiled(*args, **kwargs)
-            finally:
-                revert()
-
-    call.__wrapped__ = compiled  # type: ignore[attr-defined]
-    return call
 
 
 # ----------------------------------------------------------------------------- the entry point
@@ -350,7 +305,7 @@ def prepare_for_compile(
         dynamic: ``torch.compile``'s ``dynamic`` (None: specialise first, then go dynamic
             on the first shape change). In ``"regional"`` scope ``True`` (variable lengths:
             the layers' inputs cannot be marked dynamic from outside) keeps Python floats
-            constant, which saves a restarted trace of the layer (see ``_with_static_floats``).
+            constant, which saves a restarted trace of the layer (see :func:`~qlora_nb_utils.ops.static_floats.with_static_floats`).
         compile_optimizer: True builds a compiled ``AdamW`` over the trainable parameters
             (lr 2e-4); a dict gives its ``AdamW`` options, e.g. ``{"lr": 1e-4}``.
         patches: ``"auto"`` (the patches whose targets the model has), None/``[]`` (none), or

@@ -18,6 +18,8 @@
 - ``lora_update``: a LoRA update added into the base layer's output in place (``add_lora_``,
   the mutable custom op ``qlora_nb::lora_addmm_``), with no copy of the base output; and a whole
   LoRA linear over an NF4 base whose base matmul adds into the update (``nf4_lora_linear``).
+- ``static_floats``: a function compiled with dynamic shapes whose Python floats stay constants, so
+  a cold compile traces it once (``with_static_floats``; the regional layers and the chunked loss).
 
 Nothing here imports the rest of the package except ``reversible`` (the undo handle) and
 ``models.attention_scores`` (what a model's attention does, read on a probe forward).

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .lm_head import LMHead, causal_lm_of, decoder_of, mapped, read_head
+from .static_floats import with_static_floats
 
 __all__ = ["IGNORE_INDEX", "ROW_BUCKETS", "CHUNK_MIN_ROWS", "labelled_rows", "chunked_cross_entropy", "chunked_token_log_probs", "TokenStats", "causal_lm_targets",
            "ChunkedLossLM"]
@@ -181,7 +182,8 @@ def _math(compiled: bool):
     if not compiled or torch.compiler.is_compiling():
         return _ce_math
     if "fn" not in _COMPILED_MATH:
-        _COMPILED_MATH["fn"] = torch.compile(_ce_math, dynamic=True, fullgraph=True)
+        # its floats (scale, softcap) constants: no restarted trace on a cold compile
+        _COMPILED_MATH["fn"] = with_static_floats(torch.compile(_ce_math, dynamic=True, fullgraph=True))
     return _COMPILED_MATH["fn"]
 
 

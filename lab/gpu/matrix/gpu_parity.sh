@@ -6,7 +6,7 @@
 #   parity_default.json         matrix cells lora,qlora,base x fixed x whole, inductor as is
 #   parity_eager_numerics.json  the same cells with --eager-numerics (emulate_precision_casts)
 #   regional_variable.json      lora,qlora x variable x regional: compilations after the
-#                               restart fix (compile._with_static_floats)
+#                               restart fix (ops.static_floats.with_static_floats)
 #   noise.json                  eager vs eager (lab/gpu/matrix/bf16_noise.py): the floor
 # The four run side by side (timings in these files mean nothing; losses and counts do).
 # Usage (GPU machine, carry .whl .gpucache): OUT=/dir bash lab/gpu/matrix/gpu_parity.sh
