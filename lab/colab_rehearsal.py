@@ -21,7 +21,8 @@ profile, seconds, command) and its outputs have this machine's paths replaced by
 nothing of the machine that ran it. ``run`` writes the executed notebooks and ``rehearsal.json``
 into ``--out``; ``collect`` copies the notebooks that passed into ``notebooks/`` and writes the
 results file of the lab (one row per notebook: name, profile, passed, seconds, device, gpus,
-versions).
+versions, and each cell's seconds with the slowest). ``adopt`` does the same for a notebook that
+``lab/gpu/notebooks/gpu_notebooks.sh`` ran in the repository's own environment (its row says so).
 
 Lanes run side by side, one per GPU set: ``0:notebooks/03_x.ipynb,notebooks/00_y.ipynb`` runs
 those two one after the other on GPU 0 while ``2,3:notebooks/07_z.ipynb`` runs on GPUs 2 and 3.
@@ -68,7 +69,7 @@ import os, signal, sys, threading, time, nbformat
 from nbclient import NotebookClient
 path, budget, cell_timeout = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 nb = nbformat.read(path, as_version=4)
-client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", record_timing=False,
+client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", record_timing=True,
                         resources={"metadata": {"path": "."}})
 t0 = time.monotonic()
 timer = None
@@ -225,6 +226,28 @@ def _after_returns(line: str) -> str:
     return parts[-1] if parts else ""
 
 
+def cell_seconds(nb: dict) -> list[dict[str, Any]]:
+    """Each executed code cell's wall seconds, from the timestamps nbclient records (``record_timing``):
+    its position among the code cells, the seconds, its first line. Cells without timestamps are left out."""
+    rows = []
+    code = [c for c in nb.get("cells", []) if c.get("cell_type") == "code"]
+    for i, cell in enumerate(code):
+        t = cell.get("metadata", {}).get("execution", {})
+        start, end = t.get("iopub.execute_input"), t.get("shell.execute_reply")
+        if not (start and end):
+            continue
+        took = (datetime.datetime.fromisoformat(end.replace("Z", "+00:00"))
+                - datetime.datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
+        first = next((ln for ln in _text(cell.get("source", "")).splitlines() if ln.strip()), "")
+        rows.append({"code_cell": i, "seconds": round(took, 1), "first_line": first[:80]})
+    return rows
+
+
+def _timing(nb: dict) -> dict[str, Any]:
+    cells = cell_seconds(nb)
+    return {"slowest_cell_s": max((c["seconds"] for c in cells), default=None), "cells_s": cells}
+
+
 def tidy(nb: dict, replacements: dict[str, str]) -> tuple[int, list[str]]:
     """Drop the cells' execution timestamps, coalesce streams and replace machine paths (given ones, then
     the temporary folder); returns the number of paths replaced and the machine paths still left."""
@@ -334,13 +357,14 @@ def rehearse(notebook: Path, profile: str | None, gpus: str | None, *, wheel: Pa
     replacements = {str(content): "/content", str(home): "~", str(runtime): "<runtime>"}
     for d in _site_dirs(py) + _site_dirs(python):
         replacements[d] = "<site-packages>" if "-packages" in d else "<python>"
+    timing = _timing(nb)  # before tidy() drops the timestamps
     replaced, left = tidy(nb, replacements)
     gpu_names = facts["gpus"]
     row = {"name": notebook.name, "profile": effective, "passed": passed, "seconds": round(seconds, 1),
            "setup_s": round(setup_s, 1), "device": gpu_names[0] if gpu_names else "cpu", "gpus": len(gpu_names),
            "versions": facts["versions"], "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": command, "cells_run": sum(1 for c in executed if c.get("execution_count")),
-           "cells": len(executed), "paths_replaced": replaced, "paths_left": len(left)}
+           "cells": len(executed), "paths_replaced": replaced, "paths_left": len(left), **timing}
     if errors:
         row["error"] = f"{errors[0].get('ename')}: {str(errors[0].get('evalue'))[:300]}"
     elif not passed:
@@ -425,7 +449,12 @@ def collect(args: argparse.Namespace) -> int:
                     raise ValueError(f"{src}: machine paths left in outputs: {left[:3]}")
                 (NOTEBOOKS / row["name"]).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
                 print(f"notebooks/{row['name']} <- {src}")
-    results = Path(args.results)
+    _merge(Path(args.results), rows)
+    return 0
+
+
+def _merge(results: Path, rows: list[dict[str, Any]]) -> None:
+    """Merge ``rows`` into the results file by notebook name (a passed row replaces; a failed one only a failed one)."""
     record = json.loads(results.read_text()) if results.is_file() else {"notebooks": []}
     by_name = {r["name"]: r for r in record["notebooks"]}
     for row in rows:
@@ -439,6 +468,39 @@ def collect(args: argparse.Namespace) -> int:
     record["command"] = "python -m lab.colab_rehearsal run ... (each row's command)"
     results.write_text(json.dumps(record, indent=1) + "\n")
     print(f"{results}: {len(passed)} of {len(record['notebooks'])} notebooks passed")
+
+
+#: where the GPU machine keeps packages, as the committed outputs name them
+GPU_MACHINE_PATHS = {"/opt/torch/.venv/lib/python3.12/site-packages": "<site-packages>",
+                     "/tmp/site-nb": "<site-packages>", "/tmp/site": "<site-packages>"}
+
+
+def adopt(args: argparse.Namespace) -> int:
+    """A notebook executed and stamped elsewhere (``lab/gpu/notebooks/gpu_notebooks.sh``, the repository's
+    own environment): its seconds per cell into its row, its outputs tidied into ``notebooks/``."""
+    rows = []
+    replacements = {**GPU_MACHINE_PATHS, **dict(r.split("=", 1) for r in args.replace)}
+    for path in map(Path, args.notebooks):
+        nb = json.loads(path.read_text())
+        stamp = nb.get("metadata", {}).get(STAMP) or {}
+        missing = [k for k in ("device", "gpus", "versions", "date", "profile", "command", "passed") if k not in stamp]
+        if missing:
+            raise ValueError(f"{path}: its {STAMP} stamp lacks {missing} (run it with lab/gpu/notebooks/gpu_notebooks.sh)")
+        timing = _timing(nb)
+        replaced, left = tidy(nb, replacements)
+        if left:
+            raise ValueError(f"{path}: machine paths left in outputs: {left[:3]} (name them with --replace OLD=NEW)")
+        code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+        row = {"name": path.name, **{k: stamp[k] for k in ("profile", "passed", "device", "gpus", "versions", "date",
+                                                            "command")},
+               "seconds": stamp.get("seconds"), "environment": stamp.get("environment"),
+               "cells_run": sum(1 for c in code if c.get("execution_count")), "cells": len(code),
+               "paths_replaced": replaced, "paths_left": 0, **timing}
+        rows.append(row)
+        if row["passed"]:
+            (Path(args.notebooks_dir) / path.name).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+            print(f"{args.notebooks_dir}/{path.name} <- {path} (slowest cell {row['slowest_cell_s']} s)")
+    _merge(Path(args.results), rows)
     return 0
 
 
@@ -459,8 +521,13 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("collect", help="copy passed notebooks into notebooks/ and write the results file")
     c.add_argument("folders", nargs="+", help="--out folders of earlier runs")
     c.add_argument("--results", required=True, help="the lab's results file to write (merged by notebook)")
+    a = sub.add_parser("adopt", help="a notebook run by lab/gpu/notebooks/gpu_notebooks.sh: its cell times, its outputs")
+    a.add_argument("notebooks", nargs="+", help="executed, stamped notebooks")
+    a.add_argument("--results", required=True, help="the lab's results file to write (merged by notebook)")
+    a.add_argument("--notebooks-dir", default=str(NOTEBOOKS), help="where a passed notebook is written")
+    a.add_argument("--replace", action="append", default=[], help="OLD=NEW: a machine path and its placeholder")
     args = parser.parse_args(argv)
-    return run(args) if args.what == "run" else collect(args)
+    return {"run": run, "collect": collect, "adopt": adopt}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The Colab rehearsal (lab/colab_rehearsal.py) and what it leaves in notebooks/: outputs of a GPU run,
 stamped, with no path of the machine that ran them."""
 
+import datetime
 import json
 import subprocess
 import sys
@@ -132,3 +133,36 @@ def test_every_notebook_shows_the_outputs_of_its_gpu_rehearsal_or_the_record_say
         assert len(with_outputs) >= len(code) // 2, f"{path.name}: most cells show nothing"
         assert cr.machine_paths(nb) == [], f"{path.name}: machine paths in outputs"
     assert sum(r["passed"] is True for r in rows.values()) >= 8
+
+
+def _timed(seconds: float, source: str = "x = 1") -> dict:
+    start = datetime.datetime(2026, 11, 29, 1, 0, 0, tzinfo=datetime.timezone.utc)
+    return {"cell_type": "code", "source": source, "execution_count": 1, "metadata": {"execution": {
+        "iopub.execute_input": start.isoformat().replace("+00:00", "Z"),
+        "shell.execute_reply": (start + datetime.timedelta(seconds=seconds)).isoformat().replace("+00:00", "Z")}},
+        "outputs": [{"output_type": "stream", "name": "stderr", "text": "/tmp/site/torch/x.py:1: Warning\n"}]}
+
+
+def test_adopt_records_each_cells_seconds_and_tidies_a_notebook_run_elsewhere(tmp_path):
+    nb = {"cells": [{"cell_type": "markdown", "source": "# t", "metadata": {}}, _timed(3.25, "\nimport torch"),
+                    _timed(71.0, "live = run()")],
+          "metadata": {cr.STAMP: {"device": "NVIDIA H200", "gpus": 1, "versions": {"torch": "2.11.0"},
+                                  "date": "2026-11-29T01:30:00+00:00", "profile": "gpu", "command": "bash x.sh",
+                                  "passed": True, "seconds": 80.0, "environment": "the repository's own"}}}
+    assert cr.cell_seconds(nb) == [{"code_cell": 0, "seconds": 3.2, "first_line": "import torch"},
+                                   {"code_cell": 1, "seconds": 71.0, "first_line": "live = run()"}]
+    src, out = tmp_path / "03_x.ipynb", tmp_path / "notebooks"
+    src.write_text(json.dumps(nb))
+    out.mkdir()
+    results = tmp_path / "results.json"
+    assert cr.main(["adopt", str(src), "--results", str(results), "--notebooks-dir", str(out)]) == 0
+    (row,) = json.loads(results.read_text())["notebooks"]
+    assert row["slowest_cell_s"] == 71.0 and row["passed"] is True and row["cells_run"] == 2
+    assert row["environment"] == "the repository's own" and row["date"] == "2026-11-29T01:30:00+00:00"
+    written = json.loads((out / "03_x.ipynb").read_text())
+    assert all(not c.get("metadata") for c in written["cells"][1:]) and cr.machine_paths(written) == []
+    assert "<site-packages>/torch/x.py" in written["cells"][1]["outputs"][0]["text"]
+    del nb["metadata"][cr.STAMP]["versions"]
+    src.write_text(json.dumps(nb))
+    with pytest.raises(ValueError, match="lacks"):
+        cr.main(["adopt", str(src), "--results", str(results), "--notebooks-dir", str(out)])

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Wrote: lab/results/notebooks/*.h200.ipynb and their run*.log
+# Writes: $OUT/<notebook>.ipynb, executed and stamped, with each cell's timestamps (python -m lab.colab_rehearsal
+#   adopt $OUT/<notebook>.ipynb: its seconds per cell into lab/results/notebooks/notebooks_gpu.json, the tidied
+#   notebook into notebooks/)
 # Rerun: QLORA_NB_PROFILE=gpu-short OUT=$OUT bash lab/gpu/notebooks/gpu_notebooks.sh notebooks/04_recompilations.ipynb (carry .nbwhl too)
 #   (on the lent GPU machine, from the repository root; carry .whl .gpucache)
 # Execute notebooks on the lent GPU machine with their outputs kept (QLORA_NB_PROFILE=gpu unless
@@ -46,12 +48,19 @@ try:
     client.execute()
 finally:
     import datetime, os, torch
+    from qlora_nb_utils import env
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
     nb.metadata["qlora_nb_run"] = {  # where the outputs came from (the executed copy only)
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpus": torch.cuda.device_count(), "versions": env.versions(),
         "command": os.environ.get("QLORA_NB_COMMAND", "bash lab/gpu/notebooks/gpu_notebooks.sh " + str(path)),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "profile": os.environ.get("QLORA_NB_PROFILE")}
-    nbformat.write(nb, path)
+        "profile": os.environ.get("QLORA_NB_PROFILE"), "seconds": round(time.perf_counter() - t0, 1),
+        "passed": not errors and all(c.get("execution_count") for c in code),
+        "environment": "the repository's own environment on the GPU machine (the package from the checkout, "
+                       "the carried wheels), fresh caches: not the Colab rehearsal"}
+    nbformat.write(nb, path)  # with nbclient's timestamps per cell: python -m lab.colab_rehearsal adopt reads them
     print(f"{path}: {time.perf_counter() - t0:.0f} s")
 PY
   if [ -n "${OUT:-}" ]; then cp "$nb" "$OUT/"; fi
