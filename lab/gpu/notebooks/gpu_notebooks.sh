@@ -31,7 +31,7 @@ missing=$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('nb
 python3 -m ipykernel install --user --name python3 > /dev/null
 nvidia-smi -L
 status=0
-export QLORA_NB_COMMAND="bash lab/gpu/notebooks/gpu_notebooks.sh $*"
+export QLORA_NB_COMMAND="${QLORA_NB_COMMAND:-bash lab/gpu/notebooks/gpu_notebooks.sh $*}"
 for nb in "$@"; do
   echo "==> $nb"
   # nbclient executes in the notebook's folder and keeps every output; a failing cell stops the
