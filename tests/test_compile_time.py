@@ -16,6 +16,8 @@ def test_measure_trains_through_optimize_and_records_its_description(tmp_path):
     assert opt["choices"]["device"] == "cpu"
     assert all(isinstance(v, str) for v in opt["choices"].values())  # JSON-safe
     assert r["compilations"] == 1, r["recompile_reasons"]  # fixed shapes, whole model: one graph
+    # the package's shared artifact folder is off: a case starts only from the caches measure() gives it
+    assert opt["choices"]["compile_cache"] == "False" and "compile_cache=False (asked for)" in opt["description"]
     assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
     assert r["first_step_s"] > 0 and r["process_s"] > r["first_step_s"]
     # where a start goes: each import, the load, optimize(), the first step, on the parent's clock

@@ -10,7 +10,9 @@ and autotuning; a Colab user pays it again after every reconnect. Three levers, 
   cache, compiled kernels): a second process on the same machine reuses them.
 * **Cache artifacts** (``torch.compiler.save_cache_artifacts()`` ->
   ``load_cache_artifacts(bytes)``): the same caches as one portable blob, so a new machine (a
-  reconnected Colab runtime, with an empty cache directory) starts warm.
+  reconnected Colab runtime, with an empty cache directory) starts warm. The package's own
+  artifact folder (``optimize(compile_cache=...)``) is off in a measured process: it is shared
+  between processes, so a "cold" case would load what the case before it saved.
 * **AOTAutograd's cache for the recipe's graphs** (``optimize(warm_cache=...)``): without it the
   AOTAutograd cache refuses every graph holding an autograd Function, and a warm process traces
   and partitions again. ``cache_counters`` (AOTAutograd's and Inductor's hit, miss and bypass
@@ -192,7 +194,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     model, batches = load_case(model=args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                                seq_len=args.seq_len, steps=args.steps, timings=load_parts)
     t_opt = time.perf_counter()
-    opt = optimize(model, batches=batches, scope=args.scope, warm_cache=args.warm_cache)
+    # compile_cache=False: the package's own artifact folder is shared by every process, so a case
+    # would start warm from another's artifacts; each case's caches are the ones measure() gives it
+    opt = optimize(model, batches=batches, scope=args.scope, warm_cache=args.warm_cache, compile_cache=False)
     t_train = time.perf_counter()
     try:
         hist = train(model, batches, TrainConfig(steps=args.steps, progress=False), forward=opt.forward)
