@@ -83,6 +83,13 @@ def _median_after_first(step_ms: list[float]) -> float | None:
 
 
 # ----------------------------------------------------------------------------- children
+#: What each frame Dynamo compiled keeps of its compilation metrics.
+FRAME_FIELDS = ("compile_id", "co_name", "co_filename", "co_firstlineno", "is_forward", "restart_reasons",
+                "dynamo_time_before_restart_s", "entire_frame_compile_time_s", "backend_compile_time_s",
+                "inductor_compile_time_s", "graph_op_count", "fail_type", "fail_reason", "num_graph_breaks",
+                "recompile_reason")
+
+
 def _compile_breakdown() -> dict:
     """Dynamo's timers since the process started, summed, and what they add up to by phase."""
     try:
@@ -99,12 +106,11 @@ def _compile_breakdown() -> dict:
         from torch._dynamo.utils import get_compilation_metrics
 
         for m in get_compilation_metrics():
-            frames.append({k: (sorted(v) if isinstance(v := getattr(m, k, None), set) else v) if k != "co_filename"
-                           else Path(str(m.co_filename)).name
-                           for k in ("compile_id", "co_name", "co_filename", "co_firstlineno", "is_forward",
-                                     "restart_reasons", "dynamo_time_before_restart_s", "entire_frame_compile_time_s",
-                                     "backend_compile_time_s", "inductor_compile_time_s", "graph_op_count",
-                                     "fail_type", "fail_reason", "num_graph_breaks", "recompile_reason")})
+            frame = {k: getattr(m, k, None) for k in FRAME_FIELDS}
+            frame["co_filename"] = Path(str(frame["co_filename"])).name
+            if isinstance(frame["restart_reasons"], set):  # JSON has no sets
+                frame["restart_reasons"] = sorted(frame["restart_reasons"])
+            frames.append(frame)
     except Exception as exc:  # a private helper moved
         frames.append({"error": f"{type(exc).__name__}: {exc}"})
 
