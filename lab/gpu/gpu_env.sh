@@ -11,11 +11,39 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 export TOKENIZERS_PARALLELISM=false
 
+# bytecode_like_pip: write the bytecode of every installed module, as `pip install` does. This image
+# ships torch and sympy without it and sets PYTHONDONTWRITEBYTECODE=1, so without this step each
+# process compiles their sources anew (seconds of every start that an installed environment never
+# pays). Once per machine, on the GPU machine only (a CPU dry run keeps its environment);
+# QLORA_NB_BYTECODE=off keeps the image as it is. Exports QLORA_NB_BYTECODE, what was done, which
+# the scripts record beside their results.
+bytecode_like_pip() {
+  if [ "${QLORA_NB_BYTECODE:-on}" = off ]; then
+    export QLORA_NB_BYTECODE="off: the image as it is (no bytecode for torch; PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset})"
+    return
+  fi
+  case "${QLORA_NB_BYTECODE:-on}" in written*|skipped*) return ;; esac
+  if ! command -v nvidia-smi > /dev/null 2>&1; then  # a dry run on a CPU: the installed environment as it is
+    export QLORA_NB_BYTECODE="skipped: no GPU machine (a dry run)"
+    return
+  fi
+  local t0 purelib
+  t0=$(date +%s)
+  purelib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  python3 -m compileall -q -j 0 "$purelib" /tmp/site "$PWD/qlora_nb_utils" > /dev/null 2>&1 || true
+  export QLORA_NB_BYTECODE="written for $purelib, /tmp/site and the package, as pip install does ($(( $(date +%s) - t0 )) s)"
+  echo "bytecode: $QLORA_NB_BYTECODE"
+}
+bytecode_like_pip
+
 # unsloth_site: unpack the carried Unsloth bundle (.unsloth/usite.tar.gz, from lab/gpu/peers/unsloth_bundle.sh)
 # into /tmp/usite and point the Unsloth peer at it (QLORA_NB_UNSLOTH_SITE); nothing when it was not carried.
 unsloth_site() {
   if [ -f .unsloth/usite.tar.gz ]; then
     mkdir -p /tmp/usite && tar -xzf .unsloth/usite.tar.gz -C /tmp/usite && export QLORA_NB_UNSLOTH_SITE=/tmp/usite
+    case "${QLORA_NB_BYTECODE:-}" in  # Unsloth's modules get their bytecode as ours do
+      written*) python3 -m compileall -q -j 0 /tmp/usite > /dev/null 2>&1 || true ;;
+    esac
   fi
 }
 

@@ -51,3 +51,18 @@ def test_calls_merge_into_one_file(tmp_path):
     merged = json.loads(out.read_text())
     assert [r["model"] for r in merged["runs"]] == ["a", "b"] and merged["date"] == "2026-01-02"
     assert merged["command"] == ["cmd a", "cmd b"] and [c["shape"] for c in merged["calls"]] == ["a", "b"]
+
+
+def test_merge_keeps_whether_the_modules_had_their_bytecode(tmp_path):
+    """A call's imports take seconds more without bytecode: each run says which kind of call it came from."""
+    base = {"what": "w", "device": {}, "versions": {}, "tool": "t", "time_to_first_step_how": "h", "wall_60_how": "w",
+            "skipped": [], "shape": "s", "command": "c", "runs": [{"library": "ours"}]}
+    with_bc, without = tmp_path / "a.json", tmp_path / "b.json"
+    with_bc.write_text(json.dumps({**base, "date": "2026-01-01", "bytecode": "written (40 s)"}))
+    without.write_text(json.dumps({**base, "date": "2026-01-02"}))
+    out = tmp_path / "m.json"
+    assert cold_start.merge(str(out), [str(with_bc), str(without)], conditions="quiet") == 0
+    merged = json.loads(out.read_text())
+    assert [r.get("bytecode") for r in merged["runs"]] == ["written (40 s)", None]
+    assert [c.get("bytecode") for c in merged["calls"]] == ["written (40 s)", None]
+    assert all(r["conditions"] == "quiet" for r in merged["runs"])

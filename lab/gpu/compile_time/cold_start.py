@@ -356,6 +356,7 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
            "versions": env.versions(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "command": os.environ.get("QLORA_NB_COLD_CMD", " ".join(sys.argv)), "tool": "lab/gpu/compile_time/cold_start.py",
            "budget_s": budget_s, "steps": steps,
+           "bytecode": os.environ.get("QLORA_NB_BYTECODE", "not recorded (the image as it is)"),
            "time_to_first_step_how": "the parent's time.time() just before the spawn to the child's time.time() at the "
                                      "end of its first optimizer step (after the device sync)",
            "wall_60_how": "time to the first step plus the times of steps 2..60 (evaluation and checkpoints are "
@@ -431,6 +432,8 @@ def merge(out_json: str, inputs: list[str], conditions: str | None = None) -> in
             commands += f["command"] if isinstance(f["command"], list) else [f["command"]]
             continue
         extra = {"conditions": conditions} if conditions else {}
+        if "bytecode" in f:  # whether the installed modules had their bytecode (imports are seconds without it)
+            extra["bytecode"] = f["bytecode"]
         calls.append({"shape": f["shape"], "date": f["date"], "skipped": f["skipped"], "wall_s": f.get("wall_s"),
                       "command": f["command"], **extra})
         runs += [{**r, "call_date": f["date"], **extra} for r in f["runs"]]

@@ -15,7 +15,8 @@
 #   QLORA_NB_PROFILE=gpu-short OUT=$OUT timeout 580 bash lab/gpu/notebooks/gpu_notebooks.sh notebooks/04_recompilations.ipynb
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: lab/gpu/notebooks/gpu_notebooks.sh NOTEBOOK.ipynb..." >&2; exit 2; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+source "$(dirname "$0")/../gpu_env.sh"  # the carried wheels, the offline environment, bytecode as pip writes it
+unset MPLBACKEND  # the kernel's own inline backend draws the plots into the notebook
 if compgen -G ".whl/torchao/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-torchao .whl/torchao/*.whl
   export QLORA_NB_TORCHAO_SITE=/tmp/site-torchao
@@ -23,6 +24,7 @@ fi
 if compgen -G ".nbwhl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-nb .nbwhl/*.whl
 fi
+(cd /tmp && python3 -m compileall -q -j 0 /tmp/site-nb > /dev/null 2>&1 || true)
 export PYTHONPATH=/tmp/site:/tmp/site-nb:$PWD:${PYTHONPATH:-}
 export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 export QLORA_NB_PROFILE=${QLORA_NB_PROFILE:-gpu} QLORA_NB_OFFLINE=1
@@ -59,7 +61,8 @@ finally:
         "profile": os.environ.get("QLORA_NB_PROFILE"), "seconds": round(time.perf_counter() - t0, 1),
         "passed": not errors and all(c.get("execution_count") for c in code),
         "environment": "the repository's own environment on the GPU machine (the package from the checkout, "
-                       "the carried wheels), fresh caches: not the Colab rehearsal"}
+                       "the carried wheels), fresh caches: not the Colab rehearsal",
+        "bytecode": os.environ.get("QLORA_NB_BYTECODE", "not recorded")}
     nbformat.write(nb, path)  # with nbclient's timestamps per cell: python -m lab.colab_rehearsal adopt reads them
     print(f"{path}: {time.perf_counter() - t0:.0f} s")
 PY
