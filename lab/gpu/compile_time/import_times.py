@@ -49,6 +49,7 @@ def main(out: str, targets: tuple[str, ...] = TARGETS) -> None:
            "device": env.device_info(), "versions": env.versions(),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "command": os.environ.get("QLORA_NB_IMPORT_CMD", "python3 lab/gpu/compile_time/import_times.py OUT.json"),
+           "bytecode": os.environ.get("QLORA_NB_BYTECODE", "not recorded (the image as it is)"),
            "python": sys.version.split()[0], "cpus": os.cpu_count(), "runs": []}
     for round_ in (1, 2):
         for target in targets:
