@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import re
+import sys
 from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
@@ -383,3 +384,48 @@ def prefer_expandable_segments() -> Tuple[bool, str]:
         return False, "CUDA is already initialized: the allocator has read its settings"
     os.environ[_ALLOC_ENV[0]] = EXPANDABLE_SEGMENTS
     return True, f"{_ALLOC_ENV[0]}={EXPANDABLE_SEGMENTS} (fewer stranded cached blocks under a memory target)"
+
+
+#: The heavy libraries every run imports: where their bytecode is missing, each start compiles them.
+BYTECODE_MODULES = ("torch", "torch._dynamo", "torch._inductor.lowering", "sympy", "transformers", "peft",
+                    "bitsandbytes")
+
+
+def missing_bytecode(modules: Tuple[str, ...] = BYTECODE_MODULES) -> list:
+    """The imported ``modules`` whose bytecode file is absent after their import: each new process
+    compiles their sources again.
+
+    Why: an install leaves each module's bytecode beside its source (``pip install`` writes it, and
+    the first import writes what is missing), so a start only reads it. Where an image sets
+    ``PYTHONDONTWRITEBYTECODE`` or installs into a read-only folder without it, every start compiles
+    torch's and its neighbours' sources again, seconds each time, before the first line of a run.
+    A module not imported (or built in) is not reported.
+    """
+    out = []
+    for name in modules:
+        mod = sys.modules.get(name)
+        cached = getattr(mod, "__cached__", None) if mod is not None else None
+        if cached and str(getattr(mod, "__file__", "")).endswith(".py") and not os.path.exists(cached):
+            out.append(name)
+    return out
+
+
+def bytecode_note(modules: Tuple[str, ...] = BYTECODE_MODULES) -> Optional[str]:
+    """One line for a run's log where :func:`missing_bytecode` finds any, with the command that writes
+    their bytecode once (for the folders they are installed in); None where every imported one has it."""
+    missing = missing_bytecode(modules)
+    if not missing:
+        return None
+    pycache = os.path.dirname(sys.modules[missing[0]].__cached__)
+    folder = pycache if os.path.isdir(pycache) else os.path.dirname(pycache)
+    why = ("PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode
+           else "the install's folders are read-only" if not os.access(folder, os.W_OK) else "not written")
+    sites = []
+    for name in missing:
+        top = sys.modules[name.split(".")[0]]
+        site = os.path.dirname(top.__file__)
+        site = os.path.dirname(site) if hasattr(top, "__path__") else site  # a package: the folder holding it
+        if site not in sites:
+            sites.append(site)
+    return (f"note: no bytecode for {', '.join(missing)} ({why}): every start compiles their sources again; "
+            f"write it once with: {sys.executable} -m compileall -q -j 0 {' '.join(sites)}")

@@ -236,3 +236,36 @@ def test_train_with_a_memory_target_asks_for_expandable_segments_before_training
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert cli.main(["train", "--model", "tiny", "--out", str(tmp_path / "r2")]) == 0  # no target: left alone
     assert seen["conf"] is None
+
+
+def _import_fresh(tmp_path, name, monkeypatch, *, write: bool):
+    """Import a new one-file package from tmp_path, its bytecode written or not."""
+    pkg = tmp_path / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", not write)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    __import__(name)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # the package's own imports, as before
+    return sys.modules[name]
+
+
+def test_a_module_imported_without_its_bytecode_is_named_with_the_command_that_writes_it(tmp_path, monkeypatch):
+    mod = _import_fresh(tmp_path, "qnb_nobytecode_pkg", monkeypatch, write=False)
+    assert not os.path.exists(mod.__cached__)
+    assert env.missing_bytecode(("qnb_nobytecode_pkg", "torch", "not_imported_module")) == ["qnb_nobytecode_pkg"]
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    note = env.bytecode_note(("qnb_nobytecode_pkg",))
+    assert "no bytecode for qnb_nobytecode_pkg (PYTHONDONTWRITEBYTECODE is set)" in note
+    assert note.endswith(f"{sys.executable} -m compileall -q -j 0 {tmp_path}")  # the folder it is installed in
+    # the command the note gives writes it, and then the note is gone
+    import subprocess
+    subprocess.run(note.split("write it once with: ")[1].split(), check=True)
+    assert os.path.exists(mod.__cached__) and env.bytecode_note(("qnb_nobytecode_pkg",)) is None
+
+
+def test_modules_with_their_bytecode_give_no_note(tmp_path, monkeypatch):
+    mod = _import_fresh(tmp_path, "qnb_bytecode_pkg", monkeypatch, write=True)
+    assert os.path.exists(mod.__cached__)
+    assert env.missing_bytecode(("qnb_bytecode_pkg",)) == [] and env.bytecode_note(("qnb_bytecode_pkg",)) is None

@@ -436,3 +436,24 @@ def test_the_held_out_loss_compiles_nothing_where_the_layers_are_compiled_in_pla
         opt.undo()
     assert abs(got - want) < 1e-5
     assert torch.is_grad_enabled()  # evaluate leaves grad mode as it found it
+
+
+@pytest.mark.parametrize("note", ["note: no bytecode for torch (PYTHONDONTWRITEBYTECODE is set): ...", None])
+def test_a_run_says_when_the_libraries_have_no_bytecode_before_it_loads_anything(tmp_path, monkeypatch, note):
+    from qlora_nb_utils import env, models
+    from qlora_nb_utils.training import finetuning
+
+    class Loaded(Exception):
+        pass
+
+    def load_tokenizer(*a, **k):
+        raise Loaded
+
+    monkeypatch.setattr(env, "bytecode_note", lambda: note)
+    monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
+    opts = finetuning.check_options(out=tmp_path / "r", model="tiny", device="cpu")
+    lines: list[str] = []
+    run = finetuning.Run(opts, stop=None, progress=False, log=lines.append)
+    with pytest.raises(Loaded):
+        run.prepare()
+    assert [line for line in lines if line.startswith("note: no bytecode")] == ([note] if note else [])

@@ -233,6 +233,9 @@ class Run:
         o = self.opts
         self.device, self.dtype = env.resolve_device_dtype(o["device"], o["dtype"])
         start_compile_workers(self.device, o["backend"])  # they come up while the data and model load
+        note = env.bytecode_note()  # an image without torch's bytecode pays seconds of imports at every start
+        if note:
+            self.log(note)
         clock = time.perf_counter()
         tok = models.load_tokenizer(o["model"])
         self.log(f"==> loading {o['model']} (NF4 + LoRA r={o['lora_r']}, {_show(self.dtype)}) on {self.device}, "
