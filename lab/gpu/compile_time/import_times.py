@@ -1,8 +1,12 @@
 """Where a fresh process's imports spend their time on the GPU machine (issue 20's warm start).
 
-Why: the warm start (notebook 09, section 7b) needs 12-17 s of imports on the GPU machine, 8-12 s
-of them ``import peft`` (which imports bitsandbytes), against about 1.6 s on a 2-core CPU. This
-runs ``python -X importtime -c "import X"`` in fresh processes, twice each (the second with the
+Why: a warm start on the GPU machine spends more of its time importing than compiling, most of it
+under ``import peft`` (which imports transformers' auto classes and bitsandbytes, and bitsandbytes
+Dynamo and Inductor). The GPU image ships torch without bytecode and sets
+``PYTHONDONTWRITEBYTECODE``, so its processes compiled torch's sources at every start until
+``gpu_env.sh`` wrote the bytecode as ``pip install`` does; the record's ``bytecode`` says which
+kind of call it was (``import_times_h200.json``: torch without it, ``import_times_bytecode_h200.json``: with).
+This runs ``python -X importtime -c "import X"`` in fresh processes, twice each (the second with the
 file cache warm), and keeps each module's cumulative time, the largest first.
 
     python3 lab/gpu/compile_time/import_times.py OUT.json [TARGET ...]
