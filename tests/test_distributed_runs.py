@@ -98,3 +98,29 @@ def test_the_shared_summary_fields_time_steps_after_the_warmup():
     resumed = [dict(r, run_start=0 if r["step"] < 2 else 2) for r in records]
     assert [r["step"] for r in runs.timed_records(resumed, 1, start=2)] == [3]
     assert runs.command_line("qlora_nb_utils.distributed.launch").split()[1:3] == ["-m", "qlora_nb_utils.distributed.launch"]
+
+
+def test_a_rank_leaves_with_its_code_and_everything_it_said_flushed(tmp_path):
+    """exit_after_run skips the interpreter's teardown (where gloo's threads can abort a finished
+    run) but not the run's output: the buffered stdout and the logging file are written first."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "rank.log"
+    script = ("import logging\nfrom qlora_nb_utils.distributed.runs import exit_after_run\n"
+              f"logging.basicConfig(filename={str(log)!r})\nlogging.warning('rank done')\n"
+              "print('summary written', end='')\nexit_after_run(3)\nprint('never')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and done.stdout == "summary written", (done.stdout, done.stderr[-2000:])
+    assert "rank done" in log.read_text()
+
+
+def test_every_rank_module_ends_through_exit_after_run():
+    from pathlib import Path
+
+    import qlora_nb_utils.distributed as dist_pkg
+
+    folder = Path(dist_pkg.__file__).parent
+    for name in ("big_model", "fsdp_train", "pipeline_train", "context_parallel", "nf4_probe"):
+        tail = (folder / f"{name}.py").read_text().split('if __name__ == "__main__":')[1]
+        assert "exit_after_run(main())" in tail, name

@@ -371,4 +371,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .runs import exit_after_run
+
+    exit_after_run(main())  # gloo's threads may abort a finished run's exit: runs.exit_after_run

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -393,4 +392,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .runs import exit_after_run
+
+    exit_after_run(main())  # gloo's threads may abort a finished run's exit: runs.exit_after_run

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -307,4 +306,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .runs import exit_after_run
+
+    exit_after_run(main())  # gloo's threads may abort a finished run's exit: runs.exit_after_run

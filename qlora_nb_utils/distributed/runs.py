@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .._paths import pythonpath_with_package
 
-__all__ = ["launch", "read_log", "compare_runs", "DTYPE_CHOICES", "add_common_arguments", "add_sharding_arguments",
+__all__ = ["exit_after_run", "launch", "read_log", "compare_runs", "DTYPE_CHOICES", "add_common_arguments", "add_sharding_arguments",
            "check_common", "optimize_knobs", "world_size_from_env", "run_main", "compute_dtype", "max_over_ranks",
            "graph_break_total", "timed_records", "command_line", "summary_fields", "RankRun"]
 
@@ -291,6 +291,22 @@ def run_main(parser: argparse.ArgumentParser, validate: Callable, run: Callable,
         parser.error(str(exc))
     run(args)
     return 0
+
+
+def exit_after_run(code: int) -> None:
+    """End a rank's process with ``code`` once its run is done, without the interpreter's teardown.
+
+    Why: after a finished run (the process group left, every file written), gloo's threads can abort
+    the interpreter's own exit ("terminate called without an active exception"), and torchrun then
+    reports a run that did all its work as failed. The streams and the logging handlers are flushed
+    first; only the C++ destructors are skipped. Each rank module's ``__main__`` ends with it.
+    """
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 # ----------------------------------------------------------------------------- on every rank
