@@ -36,14 +36,20 @@ bytecode_like_pip() {
 }
 bytecode_like_pip
 
+# bytecode_for DIR...: the same for packages a script installs after this start (Unsloth's site, the
+# notebook wheels), where bytecode_like_pip wrote it; nothing where it did not.
+bytecode_for() {
+  case "${QLORA_NB_BYTECODE:-}" in
+    written*) python3 -m compileall -q -j 0 "$@" > /dev/null 2>&1 || true ;;
+  esac
+}
+
 # unsloth_site: unpack the carried Unsloth bundle (.unsloth/usite.tar.gz, from lab/gpu/peers/unsloth_bundle.sh)
 # into /tmp/usite and point the Unsloth peer at it (QLORA_NB_UNSLOTH_SITE); nothing when it was not carried.
 unsloth_site() {
   if [ -f .unsloth/usite.tar.gz ]; then
     mkdir -p /tmp/usite && tar -xzf .unsloth/usite.tar.gz -C /tmp/usite && export QLORA_NB_UNSLOTH_SITE=/tmp/usite
-    case "${QLORA_NB_BYTECODE:-}" in  # Unsloth's modules get their bytecode as ours do
-      written*) python3 -m compileall -q -j 0 /tmp/usite > /dev/null 2>&1 || true ;;
-    esac
+    bytecode_for /tmp/usite  # Unsloth's modules get their bytecode as ours do
   fi
 }
 

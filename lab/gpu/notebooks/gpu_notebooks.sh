@@ -24,9 +24,8 @@ fi
 if compgen -G ".nbwhl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-nb .nbwhl/*.whl
 fi
-(cd /tmp && python3 -m compileall -q -j 0 /tmp/site-nb > /dev/null 2>&1 || true)
-export PYTHONPATH=/tmp/site:/tmp/site-nb:$PWD:${PYTHONPATH:-}
-export QLORA_NB_CACHE=$PWD/.gpucache/qlora_nb HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+bytecode_for /tmp/site-nb
+export PYTHONPATH=/tmp/site:/tmp/site-nb:$PYTHONPATH  # the notebook wheels after the carried ones, before the checkout
 export QLORA_NB_PROFILE=${QLORA_NB_PROFILE:-gpu} QLORA_NB_OFFLINE=1
 missing=$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('nbclient','nbformat','ipykernel','jupyter_client') if u.find_spec(m) is None))")
 [ -z "$missing" ] || { echo "missing on this machine: $missing (carry their wheels in .nbwhl/)" >&2; exit 3; }
