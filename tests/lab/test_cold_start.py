@@ -66,3 +66,19 @@ def test_merge_keeps_whether_the_modules_had_their_bytecode(tmp_path):
     assert [r.get("bytecode") for r in merged["runs"]] == ["written (40 s)", None]
     assert [c.get("bytecode") for c in merged["calls"]] == ["written (40 s)", None]
     assert all(r["conditions"] == "quiet" for r in merged["runs"])
+
+
+def test_a_trial_of_ours_runs_with_its_environment_and_records_it(tmp_path, monkeypatch):
+    seen = {}
+
+    def spawn(cmd, env, log, timeout_s):
+        seen["env"] = env
+        return 0.0, 1.0, 1  # launched, wall, exit: no metrics.json written
+
+    monkeypatch.setattr(cold_start, "_spawn", spawn)
+    shape = {"model": "tiny", "batch_size": 2, "seq_len": 64, "packing": "auto"}
+    rec = cold_start._run_ours("ours-cpp-wrapper", shape, tmp_path, tmp_path / "dirs", "cpu", 2, 10)
+    assert seen["env"]["TORCHINDUCTOR_CPP_WRAPPER"] == "1"
+    assert rec["env"] == {"TORCHINDUCTOR_CPP_WRAPPER": "1"} and "no metrics.json" in rec["error"]
+    rec = cold_start._run_ours("ours", shape, tmp_path, tmp_path / "dirs", "cpu", 2, 10)
+    assert "env" not in rec and seen["env"].get("TORCHINDUCTOR_CPP_WRAPPER") != "1"

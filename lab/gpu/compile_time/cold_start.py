@@ -63,9 +63,13 @@ ORDER = [("ours", "cold"), ("ours", "warm"), ("unsloth", "cold"), ("hf-eager", "
          ("unsloth", "warm"), ("ours-before", "warm")]
 #: What ours-before forces through optimize()'s options: the whole model, no artifacts.
 BEFORE = ["--scope", "whole", "--compile-cache", "off"]
-#: Our runs, by library name: the options each adds to ``qlora-nb train``'s. ``ours-cudagraphs`` (a trial,
-#: only when COLD_START_RUNS names it): the regional scope with CUDA graphs asked for.
-OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"]}
+#: Our runs, by library name: the options each adds to ``qlora-nb train``'s. Trials, run only when
+#: COLD_START_RUNS names them: ``ours-cudagraphs``, the regional scope with CUDA graphs asked for;
+#: ``ours-cpp-wrapper``, ours with Inductor's C++ wrapper (:data:`OURS_ENV`), which launches a graph's
+#: kernels from C++ instead of its Python ``call``: the host's share of a small model's step.
+OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": []}
+#: The environment a trial of ours adds (recorded in its row as ``env``).
+OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}}
 #: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
@@ -239,8 +243,10 @@ def _run_ours(lib: str, shape: dict, work: Path, dirs: Path, device: str, steps:
             "--eval-every", "0", "--save-every", "0", "--eval-size", "8", "--no-progress", "--out", str(out),
             "--overwrite", *OURS[lib]]
     cmd = [sys.executable, str(Path(__file__).resolve()), "child-ours", str(side), "--", *argv]
-    launched, wall, code = _spawn(cmd, _env(dirs), out.with_suffix(".log"), timeout_s)
-    rec = {"command": "qlora-nb train " + " ".join(argv), "exit": code, "process_s": round(wall, 2)}
+    extra = OURS_ENV.get(lib, {})
+    launched, wall, code = _spawn(cmd, {**_env(dirs), **extra}, out.with_suffix(".log"), timeout_s)
+    rec = {"command": "qlora-nb train " + " ".join(argv), "exit": code, "process_s": round(wall, 2),
+           **({"env": extra} if extra else {})}
     metrics_file = out / "metrics.json"
     if not metrics_file.is_file():
         return {**rec, "error": f"no metrics.json (exit {code}): " + _tail(out.with_suffix(".log"))}
