@@ -82,3 +82,15 @@ def test_a_trial_of_ours_runs_with_its_environment_and_records_it(tmp_path, monk
     assert rec["env"] == {"TORCHINDUCTOR_CPP_WRAPPER": "1"} and "no metrics.json" in rec["error"]
     rec = cold_start._run_ours("ours", shape, tmp_path, tmp_path / "dirs", "cpu", 2, 10)
     assert "env" not in rec and seen["env"].get("TORCHINDUCTOR_CPP_WRAPPER") != "1"
+
+
+def test_the_nested_trial_marks_the_llama_layer_and_says_so(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", modeling_llama.LlamaDecoderLayer.forward)
+    before = modeling_llama.LlamaDecoderLayer.forward
+    trial = cold_start.nest_llama_layers()
+    assert modeling_llama.LlamaDecoderLayer.forward is not before
+    assert trial["nested"] == "LlamaDecoderLayer.forward" and trial["nested_compile_region"].startswith("(")
+    assert cold_start.OURS["ours-nested"] == ["--scope", "whole"]
+    assert cold_start.OURS_ENV["ours-nested"] == {cold_start.NESTED_ENV: "1"}

@@ -66,10 +66,30 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: Our runs, by library name: the options each adds to ``qlora-nb train``'s. Trials, run only when
 #: COLD_START_RUNS names them: ``ours-cudagraphs``, the regional scope with CUDA graphs asked for;
 #: ``ours-cpp-wrapper``, ours with Inductor's C++ wrapper (:data:`OURS_ENV`), which launches a graph's
-#: kernels from C++ instead of its Python ``call``: the host's share of a small model's step.
-OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": []}
+#: kernels from C++ instead of its Python ``call``: the host's share of a small model's step;
+#: ``ours-nested``, the whole model (CUDA graphs where ``optimize()`` takes them) with the decoder layer's
+#: forward marked ``torch.compiler.nested_compile_region`` in the child (:data:`NESTED_ENV`): whether
+#: torch traces and compiles the layer once inside the whole graph, which would give the whole
+#: graph's step at near a layer's compile.
+OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
+        "ours-nested": ["--scope", "whole"]}
+#: Set in a child of ours: the decoder layer class's forward wrapped in ``nested_compile_region`` first.
+NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
 #: The environment a trial of ours adds (recorded in its row as ``env``).
-OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}}
+OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"}}
+
+
+def nest_llama_layers() -> dict:
+    """The Llama decoder layer's forward as a nested compile region (a trial, in the child only):
+    what was done, and the torch function's parameters (whether this torch reuses a traced region)."""
+    import inspect
+
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    region = torch.compiler.nested_compile_region
+    modeling_llama.LlamaDecoderLayer.forward = region(modeling_llama.LlamaDecoderLayer.forward)
+    return {"nested": "LlamaDecoderLayer.forward", "nested_compile_region": str(inspect.signature(region))}
 #: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
@@ -151,11 +171,12 @@ def child_ours(side: str, argv: list[str]) -> int:
         importlib.import_module(name)
         imports[name] = round(time.perf_counter() - t0, 3)
     imported_unix = time.time()
+    trial = nest_llama_layers() if os.environ.get(NESTED_ENV) == "1" else {}
     from qlora_nb_utils import cli
 
     code = cli.main(["train", *argv])
     _write(Path(side), {"exit": code, "launched_unix": _LAUNCHED, "imported_unix": imported_unix,
-                        "imports_s": imports, "compile": _compile_breakdown()})
+                        "imports_s": imports, "compile": _compile_breakdown(), **({"trial": trial} if trial else {})})
     return code
 
 
@@ -266,6 +287,8 @@ def _run_ours(lib: str, shape: dict, work: Path, dirs: Path, device: str, steps:
         rec["imports_s"] = round(s["imported_unix"] - launched, 3)  # to the end of the imports, the start included
         rec["imports_by_module_s"] = s["imports_s"]
         rec["compile_breakdown"] = s["compile"]
+        if "trial" in s:
+            rec["trial"] = s["trial"]
         if rec.get("first_step_end_unix"):  # the rest of the start: the "before" sample, the step-0 held-out loss
             phases = rec.get("start_phases_s") or {}
             rec["start_other_s"] = round(rec["first_step_end_unix"] - s["imported_unix"] - sum(phases.values())
