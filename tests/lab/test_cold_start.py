@@ -94,3 +94,35 @@ def test_the_nested_trial_marks_the_llama_layer_and_says_so(monkeypatch):
     assert trial["nested"] == "LlamaDecoderLayer.forward" and trial["nested_compile_region"].startswith("(")
     assert cold_start.OURS["ours-nested"] == ["--scope", "whole"]
     assert cold_start.OURS_ENV["ours-nested"] == {cold_start.NESTED_ENV: "1"}
+
+
+def _run(lib, cache, call, ttfs, wall, model="/tmp/x/llama-3.1-8b-shape"):
+    return {"library": lib, "cache": cache, "call_date": call, "model": model, "batch_size": 4, "seq_len": 2048,
+            "time_to_first_step_s": ttfs, "wall_60_s": wall, "median_step_ms": 100.0}
+
+
+def test_comparisons_set_ours_beside_the_peers_of_the_same_call_only():
+    runs = [_run("ours", "cold", "c1", 40.0, 60.0), _run("unsloth", "cold", "c1", 50.0, 90.0),
+            _run("hf-eager", "cold", "c1", 20.0, 150.0), _run("ours", "warm", "c1", 25.0, 45.0),
+            _run("unsloth", "cold", "c2", 50.0, 90.0),  # no ours in call c2: no comparison
+            _run("ours", "cold", "c3", 40.0, 60.0), _run("hf-eager", "cold", "c3", None, None)]  # a failed peer
+    out = cold_start.comparisons(runs)
+    assert len(out) == 1
+    c = out[0]
+    assert c["case"] == "llama-3.1-8b-shape 4 x 2048 cold, call c1"
+    assert c["unsloth_wall_60_ratio"] == 1.5 and c["hf_eager_wall_60_ratio"] == 2.5
+    assert c["unsloth_time_to_first_step_ratio"] == 1.25 and c["hf_eager_time_to_first_step_ratio"] == 0.5
+    assert c["ours_wall_60_s"] == 60.0
+
+
+def test_merge_writes_the_comparisons(tmp_path):
+    base = {"what": "w", "device": {"name": "GPU"}, "versions": {}, "tool": "t", "time_to_first_step_how": "h",
+            "wall_60_how": "w60", "skipped": [], "wall_s": 1.0, "shape": "s", "date": "d1", "command": "c"}
+    runs = [{k: v for k, v in _run(lib, "cold", None, t, w).items() if k != "call_date"}
+            for lib, t, w in (("ours", 30.0, 40.0), ("unsloth", 60.0, 80.0))]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps({**base, "runs": runs}))
+    out = tmp_path / "merged.json"
+    cold_start.merge(str(out), [str(path)])
+    merged = json.loads(out.read_text())
+    assert [c["unsloth_wall_60_ratio"] for c in merged["comparisons"]] == [2.0]

@@ -445,6 +445,40 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
     return 0
 
 
+#: The peers a comparison sets against ours, by library name: the key prefix of its ratios.
+PEERS = {"unsloth": "unsloth", "hf-eager": "hf_eager"}
+
+
+def comparisons(runs: list[dict]) -> list[dict]:
+    """Ours against each peer that ran in the same call, at the same shape and cache: the peer's time
+    to the first step and to the end of step 60 over ours' (above 1: ours is ahead), one entry per
+    call, shape and cache. Only runs of one call are set side by side (one machine, one host's load);
+    a run without a time (failed, skipped) gives no ratio. Each entry is named by its shape, cache and
+    call, which stay as they are when later calls are merged."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in runs:
+        if r.get("call_date") and r.get("wall_60_s"):
+            groups.setdefault((r["call_date"], Path(str(r["model"])).name, r["batch_size"], r["seq_len"], r["cache"]),
+                              {})[r["library"]] = r
+    out = []
+    for (call, model, batch, seq, cache), libs in groups.items():
+        ours = libs.get("ours")
+        peers = [lib for lib in PEERS if lib in libs]
+        if not ours or not peers:
+            continue
+        entry = {"case": f"{model} {batch} x {seq} {cache}, call {call}", "call_date": call, "cache": cache,
+                 "ours_time_to_first_step_s": ours["time_to_first_step_s"], "ours_wall_60_s": ours["wall_60_s"],
+                 "ours_median_step_ms": ours["median_step_ms"]}
+        for lib in peers:
+            key, peer = PEERS[lib], libs[lib]
+            entry[f"{key}_time_to_first_step_s"] = peer["time_to_first_step_s"]
+            entry[f"{key}_wall_60_s"] = peer["wall_60_s"]
+            entry[f"{key}_time_to_first_step_ratio"] = round(peer["time_to_first_step_s"] / ours["time_to_first_step_s"], 3)
+            entry[f"{key}_wall_60_ratio"] = round(peer["wall_60_s"] / ours["wall_60_s"], 3)
+        out.append(entry)
+    return out
+
+
 def merge(out_json: str, inputs: list[str], conditions: str | None = None) -> int:
     """One results file of several calls' (one shape each, or files merged before): their runs side by
     side. ``conditions`` says what else the machine ran during the calls of this merge (each of their
@@ -468,7 +502,7 @@ def merge(out_json: str, inputs: list[str], conditions: str | None = None) -> in
         runs += [{**r, "call_date": f["date"], **extra} for r in f["runs"]]
         commands.append(f["command"])
     merged = {k: first[k] for k in ("what", "device", "versions", "tool", "time_to_first_step_how", "wall_60_how")}
-    merged.update(date=max(dates), command=commands, calls=calls, runs=runs)
+    merged.update(date=max(dates), command=commands, calls=calls, runs=runs, comparisons=comparisons(runs))
     _write(Path(out_json), merged)
     return 0
 
