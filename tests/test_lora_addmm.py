@@ -364,3 +364,65 @@ def test_optimize_groups_siblings_in_regional_scope_with_checkpointing_and_not_i
         assert "whole scope with checkpointing" in opt.reasons["lora_groups"]
     finally:
         opt.undo()
+
+
+# ----------------------------------------------------------------------------- following bitsandbytes' own choice
+def test_the_route_takes_the_rows_bitsandbytes_would_dequantize_by_weight_shape(tiny, batch):
+    """Below the global threshold, a weight shape for which bitsandbytes would dequantize anyway takes the
+    fused route; a shape it keeps for its own fused kernel, or one it says nothing about, does not."""
+    from qlora_nb_utils.compile.patches import nf4_dequant
+
+    model, _ = tiny
+    base = lora_addmm.find_layers(model)[0].base_layer  # a q projection: its NF4 weight's shape
+    shape = (int(base.weight.quant_state.shape[0]), int(base.weight.quant_state.shape[1]))
+    x = torch.randn(8, shape[1], requires_grad=True)  # 8 rows
+    with nf4_dequant.patched():
+        def route(fused):
+            return nf4_dequant.make_lora_route({"cpu": 10**6}, fused)(base, x)
+
+        assert route(None) is None  # the global threshold: bitsandbytes' path
+        assert isinstance(route({("cpu", *shape): 4}), tuple)  # bitsandbytes keeps 4 rows at most: 8 are ours
+        assert route({("cpu", *shape): 8}) is None  # it keeps 8: its own kernel
+        assert route({("cpu", shape[0] + 1, shape[1]): 4}) is None  # another shape: the global threshold
+        assert route({("cuda", *shape): 4}) is None  # another device type
+
+
+def test_following_bitsandbytes_compiles_fused_with_no_bitsandbytes_op_left(tiny, batch, monkeypatch):
+    from qlora_nb_utils.compile.patches import nf4_dequant
+
+    model, _ = tiny
+    shapes = {(int(layer.base_layer.weight.quant_state.shape[0]), int(layer.base_layer.weight.quant_state.shape[1]))
+              for layer in lora_addmm.find_layers(model)}
+    # on a CPU bitsandbytes says nothing (its choice is a CUDA one): a table that says it keeps 4 rows at most
+    monkeypatch.setattr(nf4_dequant, "fused_rows_by_shape", lambda layers: {("cpu", *s): 4 for s in shapes})
+    torch.compiler.reset()
+    graphs, backend = _aot_graphs()
+    with lora_addmm.patched(model, nf4_rows={"cpu": 10**6}, follow_bitsandbytes=True):
+        loss = torch.compile(model, backend=backend, fullgraph=True)(**batch).loss
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    nodes = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert nodes and not any(str(n.target).startswith("bitsandbytes") for n in nodes)
+    torch.compiler.reset()
+    graphs.clear()
+    with lora_addmm.patched(model, nf4_rows={"cpu": 10**6}):  # not following: bitsandbytes' own matmul
+        torch.compile(model, backend=backend, fullgraph=True)(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    assert any(str(n.target).startswith("bitsandbytes") for g in graphs for n in g.graph.nodes)
+
+
+def test_optimize_has_the_fused_route_follow_bitsandbytes_unless_rows_were_asked_for(tiny, batch, monkeypatch):
+    from qlora_nb_utils.compile.patches import nf4_dequant
+
+    model, _ = tiny
+    asked = []
+    real = nf4_dequant.fused_rows_by_shape
+    monkeypatch.setattr(nf4_dequant, "fused_rows_by_shape", lambda layers: asked.append(len(layers)) or real(layers))
+    opt = optimize(model, batches=[batch], nf4_dequant=True, backend="eager")
+    try:
+        assert opt.choices["nf4_lora_linear"] == 14 and asked == [14]  # every LoRA layer's weight looked up
+        assert real(lora_addmm.find_layers(model)) == {}  # on a CPU bitsandbytes has no fused-kernel choice to follow
+    finally:
+        opt.undo()
+    with nf4_dequant.patched(forward_min_rows=4) as handle:  # rows asked for: nothing to follow
+        assert handle.details["follow_bitsandbytes"] is False

@@ -387,3 +387,44 @@ def test_optimize_says_when_there_is_no_nf4_layer():
 
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert nf4_layers(plain) == 0 and choose_nf4_dequant(True, "cpu", nf4_layers(plain), True) == (False, "no NF4 layer")
+
+
+def test_bitsandbytes_fused_rows_read_its_own_per_gpu_choice(monkeypatch):
+    """The most rows bitsandbytes' CUDA gemm_4bit keeps for its fused kernel, read from its own choice
+    (not monotone in the rows: the largest), 0 for a misaligned weight, None where it has no such choice."""
+    import sys
+    import types
+
+    seen = []
+
+    def use(index, dtype, rows, n, k):
+        seen.append((index, dtype, n, k))
+        return rows <= 16 or rows == 100
+
+    fake = types.SimpleNamespace(_gemm_4bit_use_custom_fn=use, _gemm_4bit_custom_max_m=1536)
+    monkeypatch.setitem(sys.modules, "bitsandbytes.backends.cuda.ops", fake)
+    import bitsandbytes.backends.cuda as cuda_pkg
+
+    monkeypatch.setattr(cuda_pkg, "ops", fake, raising=False)
+    dev = torch.device("cuda", 1)
+    assert nf4_dequant.bnb_fused_rows(256, 128, 64, torch.bfloat16, dev) == 100
+    assert seen[0] == (1, torch.bfloat16, 256, 128)
+    assert nf4_dequant.bnb_fused_rows(256, 100, 64, torch.bfloat16, dev) == 0  # 100 % 64: never its kernel
+    monkeypatch.setattr(fake, "_gemm_4bit_use_custom_fn", None)
+    assert nf4_dequant.bnb_fused_rows(256, 128, 64, torch.bfloat16, dev) is None
+
+
+def test_fused_rows_by_shape_covers_cuda_nf4_weights_once_per_shape(monkeypatch):
+    import types
+
+    calls = []
+    monkeypatch.setattr(nf4_dequant, "bnb_fused_rows", lambda n, k, bs, dt, dev: calls.append((n, k)) or 32)
+
+    def layer(n, k, device="cuda", quant_type="nf4"):
+        qs = types.SimpleNamespace(shape=torch.Size([n, k]), blocksize=64, dtype=torch.bfloat16, quant_type=quant_type)
+        return types.SimpleNamespace(base_layer=types.SimpleNamespace(
+            weight=types.SimpleNamespace(quant_state=qs, device=torch.device(device))))
+
+    layers = [layer(64, 64), layer(64, 64), layer(32, 64), layer(16, 64, device="cpu"), layer(8, 64, quant_type="fp4")]
+    assert nf4_dequant.fused_rows_by_shape(layers) == {("cuda", 64, 64): 32, ("cuda", 32, 64): 32}
+    assert calls == [(64, 64), (32, 64)]
