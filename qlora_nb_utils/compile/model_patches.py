@@ -76,10 +76,9 @@ def use_lora_addmm(model: torch.nn.Module, plan: Any, nf4: list[PatchHandle] | N
     if not nf4 and asked != "unfused":  # the nf4_dequant patch planned but refused when applied
         plan.applied("nf4_lora_linear", 0, "needs lora_addmm and the nf4_dequant patch")
     rows = nf4[0].details.get("forward_min_rows") if nf4 and asked != "unfused" else None
-    follow = bool(rows is not None and nf4[0].details.get("follow_bitsandbytes"))
     grouped = plan.lora_groups and asked != "ungrouped"
     wide = grouped and asked != "narrow"
-    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, not plan.over_target, rows, grouped, wide, follow),
+    handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, not plan.over_target, rows, grouped, wide),
                               True if asked in ("unfused", "ungrouped", "narrow") else asked, plan)
     if handle is None:
         return []

@@ -210,7 +210,7 @@ def find_groups(model: torch.nn.Module, layers: list | None = None) -> list[list
 
 
 def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int] | None = None,
-          group: bool = True, wide: bool = False, follow_bitsandbytes: bool = False) -> PatchHandle:
+          group: bool = True, wide: bool = False) -> PatchHandle:
     """Give every PEFT LoRA linear layer of ``model`` the one-matmul update (module docstring).
 
     ``in_place=False``: the out-of-place ``torch.addmm`` (a copy of each base output, so a little
@@ -219,10 +219,7 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
 
     ``nf4_rows``: layers over an NF4 weight run as one ``nf4_lora_linear`` past this many input
     rows per device type (module docstring; the ``forward_min_rows`` of the ``nf4_dequant``
-    patch's details). None: never. ``follow_bitsandbytes`` (that patch's details say whether): on
-    CUDA, past the rows for which bitsandbytes itself would run its fused 4-bit kernel on each
-    weight's shape instead (:func:`~.nf4_dequant.fused_rows_by_shape`): below the threshold, where it
-    would dequantize anyway, the fused route does the same work in fewer kernels.
+    patch's details). None: never.
 
     ``group``: with ``nf4_rows``, the :data:`GROUPS` run as one ``nf4_lora_linears`` each
     (module docstring). False: every layer on its own.
@@ -246,9 +243,9 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
         raise ValueError("lora_addmm: the model has no PEFT LoRA linear layer")
     route, nf4 = None, 0
     if nf4_rows is not None:
-        from .nf4_dequant import fused_rows_by_shape, holds_nf4, make_lora_route
+        from .nf4_dequant import holds_nf4, make_lora_route
 
-        route = make_lora_route(dict(nf4_rows), fused_rows_by_shape(layers) if follow_bitsandbytes else None)
+        route = make_lora_route(dict(nf4_rows))
         nf4 = sum(holds_nf4(layer.base_layer) for layer in layers)
     groups = ([_Group(members, bool(wide)) for members in find_groups(model, layers)]
               if route is not None and group else [])
@@ -268,9 +265,9 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
 @contextlib.contextmanager
 def patched(model: torch.nn.Module, in_place: bool = True,
             nf4_rows: dict[str, int] | None = None, group: bool = True,
-            wide: bool = False, follow_bitsandbytes: bool = False) -> Iterator[PatchHandle]:
+            wide: bool = False) -> Iterator[PatchHandle]:
     """:func:`apply` for the duration of the block."""
-    handle = apply(model, in_place, nf4_rows, group, wide, follow_bitsandbytes)
+    handle = apply(model, in_place, nf4_rows, group, wide)
     try:
         yield handle
     finally:

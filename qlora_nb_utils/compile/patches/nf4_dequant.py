@@ -16,12 +16,8 @@ Not a graph-break workaround: a speed patch. bitsandbytes 0.50's ``Linear4bit.fo
 what :func:`routable` accepts and hands anything else, untouched, to the function it replaced:
 FP4, an ``out=`` tensor, a weight quantized in the deprecated [K, N] orientation, a CPU
 inference-packed weight, other dtypes or devices, an empty input, and (on CUDA) a forward of at
-most ``forward_min_rows`` rows, where bitsandbytes' fused kernels may read the packed weight
-directly. Below that threshold bitsandbytes decides per GPU and weight shape, and on some GPUs
-(Hopper) dequantizes for most shapes anyway: the fused LoRA linear of :mod:`.lora_addmm` takes
-those rows too (:func:`make_lora_route` with :func:`fused_rows_by_shape`, which reads
-bitsandbytes' own choice once per shape), so only the rows it would really run its fused kernel
-for stay with it. A routed ``matmul_4bit`` is an autograd function of ours (:class:`NF4Linear`) whose
+most ``forward_min_rows`` rows, where bitsandbytes' fused kernels read the packed weight
+directly. A routed ``matmul_4bit`` is an autograd function of ours (:class:`NF4Linear`) whose
 forward is ``F.linear(x, op(W))`` and whose backward dequantizes again
 (``grad @ op(W)``): the dequantized weight is never saved for the backward, as with
 bitsandbytes. The op is ``torch.ops.qlora_nb.dequantize_nf4_fused``
@@ -49,7 +45,7 @@ import torch
 from ...reversible import PatchHandle, check_signature, check_versions, set_attribute
 
 __all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routable", "holds_nf4", "make_lora_route",
-           "as_bytes", "bnb_fused_rows", "fused_rows_by_shape"]
+           "as_bytes"]
 
 NAME = "nf4_dequant"
 
@@ -177,64 +173,19 @@ def holds_nf4(layer: Any) -> bool:
     return getattr(getattr(getattr(layer, "weight", None), "quant_state", None), "quant_type", None) == "nf4"
 
 
-def bnb_fused_rows(out_features: int, in_features: int, blocksize: int, dtype: torch.dtype,
-                   device: torch.device) -> int | None:
-    """The most input rows for which bitsandbytes' own CUDA ``gemm_4bit`` runs its fused 4-bit kernel
-    on a weight of this shape on ``device`` (0: never); None where this bitsandbytes does not say.
-
-    Its ``gemm_4bit`` dequantizes and calls ``F.linear`` past ``_gemm_4bit_custom_max_m`` rows, and
-    below it too wherever its per-GPU choice (``_gemm_4bit_use_custom_fn``: on Hopper, most shapes
-    past a few rows) finds the dequantize faster. Where bitsandbytes dequantizes anyway, this patch's
-    one-kernel dequantize and the fused LoRA linear do the same work with fewer kernels, so the route
-    should take those rows too, not only those past the global threshold.
-    """
-    try:
-        from bitsandbytes.backends.cuda import ops as cuda_ops
-    except Exception:  # a bitsandbytes without its CUDA backend: nothing to follow
-        return None
-    use, top = getattr(cuda_ops, "_gemm_4bit_use_custom_fn", None), getattr(cuda_ops, "_gemm_4bit_custom_max_m", None)
-    if not callable(use) or not isinstance(top, int):
-        return None
-    if in_features % blocksize:  # bitsandbytes' fused kernel needs aligned rows of the weight
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    for rows in range(top, 0, -1):  # its choice need not be monotone in the rows: the largest it keeps
-        if use(index, dtype, rows, out_features, in_features):
-            return rows
-    return 0
-
-
-def fused_rows_by_shape(layers: Any) -> dict[tuple[str, int, int], int]:
-    """:func:`bnb_fused_rows` for each NF4 weight of ``layers`` on CUDA, by ``("cuda", out, in)`` (shapes
-    on which bitsandbytes says nothing are left out, and keep the global threshold)."""
-    table: dict[tuple[str, int, int], int] = {}
-    for layer in layers:
-        weight = getattr(getattr(layer, "base_layer", layer), "weight", None)
-        qs = getattr(weight, "quant_state", None)
-        if qs is None or not holds_nf4(getattr(layer, "base_layer", layer)) or weight.device.type != "cuda":
-            continue
-        key = ("cuda", int(qs.shape[0]), int(qs.shape[1]))
-        if key not in table and (rows := bnb_fused_rows(*key[1:], int(qs.blocksize), qs.dtype, weight.device)) is not None:
-            table[key] = rows
-    return table
-
-
-def make_lora_route(min_rows: dict[str, int], fused_rows: dict[tuple[str, int, int], int] | None = None):
+def make_lora_route(min_rows: dict[str, int]):
     """A ``route(layer, x)`` for :mod:`.lora_addmm`: the op's arguments for ``layer``'s weight when
     ``layer`` (a bitsandbytes ``Linear4bit``) would send ``x`` down this patch's NF4 route with nothing
     else to do, else None.
 
     "Nothing else": an NF4 weight :func:`routable` accepts, no bias, ``x`` already in the weight's
-    dtype and the layer's compute dtype, on the weight's device, gradients on, and more rows than
-    bitsandbytes runs its fused 4-bit kernel for: ``fused_rows[(device type, out, in)]`` where the
-    weight's shape is there (:func:`fused_rows_by_shape`: bitsandbytes' own per-GPU choice), else
-    ``min_rows[device type]`` (the ``forward_min_rows`` of :func:`apply`'s details). Everything it
-    reads is resolved here, not while tracing.
+    dtype and the layer's compute dtype, on the weight's device, gradients on, and more than
+    ``min_rows[device type]`` rows (the ``forward_min_rows`` of :func:`apply`'s details: below it
+    bitsandbytes' fused 4-bit kernels run). Everything it reads is resolved here, not while tracing.
     """
     from bitsandbytes.nn import Linear4bit
 
     op = _op()
-    fused_rows = dict(fused_rows or {})
 
     def route(layer: Any, x: torch.Tensor) -> tuple | None:
         if type(layer) is not Linear4bit or layer.bias is not None or not torch.is_grad_enabled():
@@ -245,10 +196,7 @@ def make_lora_route(min_rows: dict[str, int], fused_rows: dict[tuple[str, int, i
             return None
         if x.dtype != qs.dtype or layer.compute_dtype not in (None, x.dtype) or x.device != weight.device:
             return None
-        if x.dim() < 2 or x.shape[-1] != qs.shape[1]:
-            return None
-        kind = x.device.type
-        if x.numel() // x.shape[-1] <= fused_rows.get((kind, qs.shape[0], qs.shape[1]), min_rows.get(kind, 0)):
+        if x.dim() < 2 or x.shape[-1] != qs.shape[1] or x.numel() // x.shape[-1] <= min_rows.get(x.device.type, 0):
             return None
         return op.op_args(as_bytes(weight), qs, x.dtype)
 
@@ -307,10 +255,7 @@ def apply(model: torch.nn.Module | None = None, *, forward: bool = True,
     op = _op()
     rows = (_cuda_rows(), 0) if forward_min_rows is None else (forward_min_rows, forward_min_rows)
     handle = PatchHandle(NAME, {"forward": forward, "backward": True, "cuda": op.HAS_TRITON,
-                                "forward_min_rows": {"cuda": rows[0], "cpu": rows[1]},
-                                # the fused LoRA route may follow bitsandbytes' own per-GPU choice below
-                                # the threshold (make_lora_route's fused_rows); not when rows were asked for
-                                "follow_bitsandbytes": forward_min_rows is None})
+                                "forward_min_rows": {"cuda": rows[0], "cpu": rows[1]}})
     set_attribute(handle, bnbF, "dequantize_4bit", _make_dequantize(bnbF.dequantize_4bit, op))
     if forward:
         set_attribute(handle, bitsandbytes, "matmul_4bit", _make_matmul(bitsandbytes.matmul_4bit, op, *rows))
