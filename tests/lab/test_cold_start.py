@@ -126,3 +126,18 @@ def test_merge_writes_the_comparisons(tmp_path):
     cold_start.merge(str(out), [str(path)])
     merged = json.loads(out.read_text())
     assert [c["unsloth_wall_60_ratio"] for c in merged["comparisons"]] == [2.0]
+
+
+def test_a_failed_run_of_ours_keeps_its_traceback(tmp_path, monkeypatch):
+    def spawn(cmd, env, log, timeout_s):
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "qlora-nb-train-error.txt").write_text("qlora-nb train ...\n\nTraceback: KeyError: 'example_value'\n")
+        log.write_text("qlora-nb train: failed: InternalTorchDynamoError: KeyError: example_value\n")
+        return 0.0, 1.0, 3
+
+    monkeypatch.setattr(cold_start, "_spawn", spawn)
+    shape = {"model": "tiny", "batch_size": 2, "seq_len": 64, "packing": "auto"}
+    rec = cold_start._run_ours("ours-nested", shape, tmp_path, tmp_path / "dirs", "cpu", 2, 10)
+    assert "exit 3" in rec["error"] and "InternalTorchDynamoError" in rec["error"]
+    assert "KeyError: 'example_value'" in rec["traceback"]

@@ -270,7 +270,11 @@ def _run_ours(lib: str, shape: dict, work: Path, dirs: Path, device: str, steps:
            **({"env": extra} if extra else {})}
     metrics_file = out / "metrics.json"
     if not metrics_file.is_file():
-        return {**rec, "error": f"no metrics.json (exit {code}): " + _tail(out.with_suffix(".log"))}
+        rec["error"] = f"no metrics.json (exit {code}): " + _tail(out.with_suffix(".log"))
+        failed = out / "qlora-nb-train-error.txt"  # where qlora-nb train writes the traceback of a failed run
+        if failed.is_file():  # kept in the record: the run's folder stays on the GPU machine
+            rec["traceback"] = failed.read_text(errors="replace")[-4000:]
+        return rec
     m = json.loads(metrics_file.read_text())
     step_ms = [r["step_ms"] for r in m["history"]]
     rec.update(step_ms=step_ms, first_step_end_unix=m.get("first_step_end_unix"), launched_unix=launched,
