@@ -77,6 +77,10 @@ OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce
 NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
 #: The environment a trial of ours adds (recorded in its row as ``env``).
 OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"}}
+#: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
+NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
+STEPS = 60
+LR, SEED, LORA_R, LORA_ALPHA = 2e-4, 0, 16, 32
 
 
 def nest_llama_layers() -> dict:
@@ -90,10 +94,6 @@ def nest_llama_layers() -> dict:
     region = torch.compiler.nested_compile_region
     modeling_llama.LlamaDecoderLayer.forward = region(modeling_llama.LlamaDecoderLayer.forward)
     return {"nested": "LlamaDecoderLayer.forward", "nested_compile_region": str(inspect.signature(region))}
-#: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
-NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
-STEPS = 60
-LR, SEED, LORA_R, LORA_ALPHA = 2e-4, 0, 16, 32
 
 
 def _write(path: Path, data: dict) -> None:
@@ -449,8 +449,8 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
     return 0
 
 
-#: The peers a comparison sets against ours, by library name: the key prefix of its ratios.
-PEERS = {"unsloth": "unsloth", "hf-eager": "hf_eager"}
+#: The peers a comparison sets against ours (each its ratios' key prefix, ``-`` as ``_``).
+PEERS = ("unsloth", "hf-eager")
 
 
 def comparisons(runs: list[dict]) -> list[dict]:
@@ -474,7 +474,7 @@ def comparisons(runs: list[dict]) -> list[dict]:
                  "ours_time_to_first_step_s": ours["time_to_first_step_s"], "ours_wall_60_s": ours["wall_60_s"],
                  "ours_median_step_ms": ours["median_step_ms"]}
         for lib in peers:
-            key, peer = PEERS[lib], libs[lib]
+            key, peer = lib.replace("-", "_"), libs[lib]
             entry[f"{key}_time_to_first_step_s"] = peer["time_to_first_step_s"]
             entry[f"{key}_wall_60_s"] = peer["wall_60_s"]
             entry[f"{key}_time_to_first_step_ratio"] = round(peer["time_to_first_step_s"] / ours["time_to_first_step_s"], 3)
