@@ -418,6 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.command_line = "qlora-nb " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     handler = {"bench": _bench, "diagnose": _diagnose, "report": _report, "train": _train,
                "quantize": _quantize, "export": _export, "generate": _generate}[args.command]
+    if args.command in LOADS_MODELS:  # before transformers loads: scikit-learn only when something calls it
+        from .startup import defer_sklearn
+
+        defer_sklearn()
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as err:
@@ -434,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 #: set to 1 to see a failed command's traceback on the terminal instead of in a file
 DEBUG_ENV = "QLORA_NB_DEBUG"
+#: The commands that import transformers and peft (the others start without them).
+LOADS_MODELS = frozenset({"bench", "diagnose", "train", "quantize", "export", "generate"})
 
 
 def _out_of_memory_hint(target: float | None, estimate: float | None) -> str:
