@@ -159,13 +159,23 @@ def _compile_breakdown() -> dict:
 #: What ``qlora-nb train`` imports before its first line, in its order: timed one by one in the child.
 IMPORTS = ("torch", "transformers", "peft", "qlora_nb_utils.training.finetuning", "qlora_nb_utils.compile.fast_path",
            "qlora_nb_utils.models.load")
+#: Timed first, as the command line does it before it imports anything that loads models
+#: (``qlora_nb_utils.cli.LOADS_MODELS``): transformers' assisted-generation module without scikit-learn.
+DEFER = "qlora_nb_utils.startup.defer_sklearn"
 
 
 def child_ours(side: str, argv: list[str]) -> int:
-    """``qlora-nb train ARGV`` in this process (its imports first, each timed), then Dynamo's timers into ``side``."""
+    """``qlora-nb train ARGV`` in this process (its imports first, each timed, after what the command line
+    does before them), then Dynamo's timers into ``side``."""
     import importlib
 
     imports = {}
+    t0 = time.perf_counter()
+    from qlora_nb_utils.cli import LOADS_MODELS
+    from qlora_nb_utils.startup import defer_sklearn
+
+    deferred = defer_sklearn() if "train" in LOADS_MODELS else None
+    imports[DEFER] = round(time.perf_counter() - t0, 3)
     for name in IMPORTS:
         t0 = time.perf_counter()
         importlib.import_module(name)
@@ -176,7 +186,8 @@ def child_ours(side: str, argv: list[str]) -> int:
 
     code = cli.main(["train", *argv])
     _write(Path(side), {"exit": code, "launched_unix": _LAUNCHED, "imported_unix": imported_unix,
-                        "imports_s": imports, "compile": _compile_breakdown(), **({"trial": trial} if trial else {})})
+                        "imports_s": imports, "sklearn_deferred": deferred is not None,
+                        "sklearn_imported": "sklearn" in sys.modules, "compile": _compile_breakdown(), **({"trial": trial} if trial else {})})
     return code
 
 
@@ -291,6 +302,9 @@ def _run_ours(lib: str, shape: dict, work: Path, dirs: Path, device: str, steps:
         rec["imports_s"] = round(s["imported_unix"] - launched, 3)  # to the end of the imports, the start included
         rec["imports_by_module_s"] = s["imports_s"]
         rec["compile_breakdown"] = s["compile"]
+        for key in ("sklearn_deferred", "sklearn_imported"):  # the command line's deferral, and what came of it
+            if key in s:
+                rec[key] = s[key]
         if "trial" in s:
             rec["trial"] = s["trial"]
         if rec.get("first_step_end_unix"):  # the rest of the start: the "before" sample, the step-0 held-out loss
