@@ -330,6 +330,28 @@ def test_batches_tokenize_the_training_split_once(data_file, monkeypatch, packin
     assert ("document_ids" in train[0]) is packing and heldout
 
 
+def test_packing_asked_for_builds_no_padded_training_batches(data_file, monkeypatch):
+    """``--packing on`` goes straight to the packed batches (only ``auto`` weighs padded ones against
+    them, seconds of a start at long rows): the same batches as ``auto`` gives where it packs."""
+    import torch
+
+    from qlora_nb_utils import data, models
+    from qlora_nb_utils.training import build_finetune_batches
+
+    tok = models.load_tokenizer("tiny")
+    kw = dict(data=data_file, batch_size=2, seq_len=256, eval_size=4, log=lambda m: None)
+    auto, auto_held, _ = build_finetune_batches(tok, packing="auto", **kw)
+    assert "document_ids" in auto[0]  # rows of 256 on this data: auto packs
+    cuts = []
+    real_cut = data.cut_tokenized
+    monkeypatch.setattr(data, "cut_tokenized", lambda *a, **k: cuts.append(1) or real_cut(*a, **k))
+    on, on_held, _ = build_finetune_batches(tok, packing=True, **kw)
+    assert cuts == []  # no padded view cut for the training split
+    assert len(on) == len(auto) and len(on_held) == len(auto_held)
+    for a, b in zip(on + on_held, auto + auto_held):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("packing", [True, False, "auto"])
 def test_every_packing_choice_prints_the_padding_share(data_file, packing):
     """``--packing off`` says how much of its batches is padding, as ``on`` and ``auto`` do."""

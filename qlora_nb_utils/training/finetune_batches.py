@@ -69,9 +69,11 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
     whole = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if packing is not False:  # tokenized once, whole: cut here for the padded batches, packed below
+        rows = None
+        if packing is not False:  # tokenized once, whole: packed below (and cut here, for auto's padded batches)
             whole = tokenize_examples(train_ds, tokenizer, max_len=UNCUT, cache=True)  # a restart reads it back
-            rows = cut_tokenized(whole, seq_len)
+            if packing is not True:  # "auto" weighs the padded batches too
+                rows = cut_tokenized(whole, seq_len)
         else:
             rows = tokenize_examples(train_ds, tokenizer, max_len=seq_len, cache=True)
         held = tokenize_examples(held_ds, tokenizer, max_len=seq_len, cache=True)
@@ -79,10 +81,11 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
         (log or print)(f"note: {w.message} (--seq-len {seq_len})")
     collator = PaddingCollator(pad_token_id=tokenizer.pad_token_id, policy="multiple",
                                multiple_of=_bucket(seq_len), max_length=seq_len)
-    train = list(make_batches(rows, batch_size, collator, seed=seed))
+    # packing asked for: no padded batches, which only "auto" weighs against the packed ones
+    train = list(make_batches(rows, batch_size, collator, seed=seed)) if rows is not None else None
     heldout = list(make_batches(held, batch_size, collator, shuffle=False, drop_last=False))
     if packing is not False:
-        waste = padding_stats(train)["waste_fraction"]
+        waste = padding_stats(train)["waste_fraction"] if train is not None else None
         if packing is True or waste > PACK_WHEN_PADDING_OVER:
             train, stats = pack_tokenized(whole, batch_size=batch_size, max_len=seq_len,
                                           pad_id=tokenizer.pad_token_id, seed=seed)
