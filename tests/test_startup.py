@@ -119,3 +119,23 @@ def test_the_command_line_defers_it_before_anything_loads(fake_sklearn, tmp_path
         out["metrics"] = "sklearn.metrics" in sys.modules
     """, fake_sklearn)
     assert out == {"rc": 2, "deferred": True, "metrics": False}
+
+
+def test_the_distributed_launchers_defer_it_in_every_rank(fake_sklearn):
+    """``run_main`` (each rank of ``torchrun -m qlora_nb_utils.distributed...``) defers it after the
+    arguments are checked and before the run."""
+    out = _run("""
+        import argparse
+        from qlora_nb_utils.distributed.runs import run_main
+
+        seen = {}
+
+        def run(args):
+            cg = sys.modules.get(CANDIDATES)
+            seen["deferred"] = cg is not None and cg.roc_curve.__module__ == "qlora_nb_utils.startup"
+            seen["metrics"] = "sklearn.metrics" in sys.modules
+
+        out["rc"] = run_main(argparse.ArgumentParser(), lambda args, world: args, run, [])
+        out.update(seen)
+    """, fake_sklearn)
+    assert out == {"rc": 0, "deferred": True, "metrics": False}

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .._paths import pythonpath_with_package
+from ..startup import defer_sklearn
 
 __all__ = ["exit_after_run", "launch", "read_log", "compare_runs", "DTYPE_CHOICES", "add_common_arguments", "add_sharding_arguments",
            "check_common", "optimize_knobs", "world_size_from_env", "run_main", "compute_dtype", "max_over_ranks",
@@ -289,6 +290,7 @@ def run_main(parser: argparse.ArgumentParser, validate: Callable, run: Callable,
         args = validate(args, world_size_from_env())
     except ValueError as exc:
         parser.error(str(exc))
+    defer_sklearn()  # as qlora-nb train does, in every rank: transformers loads next
     run(args)
     return 0
 
