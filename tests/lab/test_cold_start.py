@@ -107,12 +107,15 @@ def test_comparisons_set_ours_beside_the_peers_of_the_same_call_only():
             _run("unsloth", "cold", "c2", 50.0, 90.0),  # no ours in call c2: no comparison
             _run("ours", "cold", "c3", 40.0, 60.0), _run("hf-eager", "cold", "c3", None, None)]  # a failed peer
     out = cold_start.comparisons(runs)
-    assert len(out) == 1
-    c = out[0]
-    assert c["case"] == "llama-3.1-8b-shape 4 x 2048 cold, call c1"
+    assert [c["case"] for c in out] == ["llama-3.1-8b-shape 4 x 2048 cold, call c1",
+                                       "llama-3.1-8b-shape 4 x 2048 warm, call c1"]
+    c, warm = out
     assert c["unsloth_wall_60_ratio"] == 1.5 and c["hf_eager_wall_60_ratio"] == 2.5
     assert c["unsloth_time_to_first_step_ratio"] == 1.25 and c["hf_eager_time_to_first_step_ratio"] == 0.5
-    assert c["ours_wall_60_s"] == 60.0
+    assert c["ours_wall_60_s"] == 60.0 and c["unsloth_cache"] == "cold"
+    # HF eager compiles nothing: its one run of the call beside ours' warm one; Unsloth ran cold only
+    assert warm["hf_eager_wall_60_ratio"] == round(150.0 / 45.0, 3) and warm["hf_eager_cache"] == "cold"
+    assert "unsloth_wall_60_ratio" not in warm and warm["ours_wall_60_s"] == 45.0
 
 
 def test_merge_writes_the_comparisons(tmp_path):

@@ -465,6 +465,9 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
 
 #: The peers a comparison sets against ours (each its ratios' key prefix, ``-`` as ``_``).
 PEERS = ("unsloth", "hf-eager")
+#: Peers that compile nothing: what a compile cache holds does not change their run, so the one run of
+#: a call is set beside ours' cold and warm runs alike (its entry keeps the cache it was recorded under).
+NO_COMPILE = ("hf-eager",)
 
 
 def comparisons(runs: list[dict]) -> list[dict]:
@@ -472,12 +475,15 @@ def comparisons(runs: list[dict]) -> list[dict]:
     to the first step and to the end of step 60 over ours' (above 1: ours is ahead), one entry per
     call, shape and cache. Only runs of one call are set side by side (one machine, one host's load);
     a run without a time (failed, skipped) gives no ratio. Each entry is named by its shape, cache and
-    call, which stay as they are when later calls are merged."""
+    call, which stay as they are when later calls are merged. A peer that compiles nothing
+    (:data:`NO_COMPILE`) is set beside ours' warm runs too: its run does not depend on the caches.
+    Where a call ran one library twice at one cache, the entry takes its later run."""
     groups: dict[tuple, dict[str, dict]] = {}
     for r in runs:
         if r.get("call_date") and r.get("wall_60_s"):
-            groups.setdefault((r["call_date"], Path(str(r["model"])).name, r["batch_size"], r["seq_len"], r["cache"]),
-                              {})[r["library"]] = r
+            for cache in ("cold", "warm") if r["library"] in NO_COMPILE else (r["cache"],):
+                groups.setdefault((r["call_date"], Path(str(r["model"])).name, r["batch_size"], r["seq_len"], cache),
+                                  {})[r["library"]] = r
     out = []
     for (call, model, batch, seq, cache), libs in groups.items():
         ours = libs.get("ours")
@@ -489,6 +495,7 @@ def comparisons(runs: list[dict]) -> list[dict]:
                  "ours_median_step_ms": ours["median_step_ms"]}
         for lib in peers:
             key, peer = lib.replace("-", "_"), libs[lib]
+            entry[f"{key}_cache"] = peer["cache"]
             entry[f"{key}_time_to_first_step_s"] = peer["time_to_first_step_s"]
             entry[f"{key}_wall_60_s"] = peer["wall_60_s"]
             entry[f"{key}_time_to_first_step_ratio"] = round(peer["time_to_first_step_s"] / ours["time_to_first_step_s"], 3)
