@@ -18,9 +18,12 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ._paths import check_out_dir, check_out_file
+
+if TYPE_CHECKING:
+    from .reversible import PatchHandle
 
 #: models.ATTN_CHOICES, repeated so that `--help` imports no torch (tests/test_bench.py checks they agree)
 ATTN_CHOICES = ("sdpa", "eager", "flex_attention")
@@ -418,10 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.command_line = "qlora-nb " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     handler = {"bench": _bench, "diagnose": _diagnose, "report": _report, "train": _train,
                "quantize": _quantize, "export": _export, "generate": _generate}[args.command]
-    if args.command in LOADS_MODELS:  # before transformers loads: scikit-learn only when something calls it
-        from .startup import defer_sklearn
-
-        defer_sklearn()
+    prepare_command(args.command)
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as err:
@@ -440,6 +440,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 DEBUG_ENV = "QLORA_NB_DEBUG"
 #: The commands that import transformers and peft (the others start without them).
 LOADS_MODELS = frozenset({"bench", "diagnose", "train", "quantize", "export", "generate"})
+
+
+def prepare_command(command: str) -> PatchHandle | None:
+    """What :func:`main` does before ``command``'s handler imports anything: for a command that loads
+    models, scikit-learn imported only when something calls it (:func:`~qlora_nb_utils.startup.defer_sklearn`).
+
+    Returns:
+        The deferral's handle, or None (a command that loads no model, or nothing was changed).
+    """
+    if command not in LOADS_MODELS:
+        return None
+    from .startup import defer_sklearn
+
+    return defer_sklearn()
 
 
 def _out_of_memory_hint(target: float | None, estimate: float | None) -> str:

@@ -12,11 +12,12 @@ with it: a second or more of every start.
 ``roc_curve`` that imports scikit-learn's at its first call and hands the call on. Everything
 behaves as before (assisted generation included); a process that never calls it never pays for
 the import. Like the package's patches (:mod:`.reversible`) it is explicit and undone exactly:
-nothing happens at import; the command line applies it at the start of the commands that
-load models, and each rank of the distributed launchers (``distributed.runs.run_main``) after its
-arguments are checked; ``undo()`` puts scikit-learn's own function in place. It checks its target rather
-than a version range: where transformers no longer asks whether scikit-learn is installed when
-that module is imported, or that module was already imported, it changes nothing.
+nothing happens at import; the command line applies it at the start of the commands that load
+models (``cli.prepare_command``), and each rank of the distributed launchers
+(``distributed.runs.run_main``) after its arguments are checked; ``undo()`` puts scikit-learn's
+own function in place. It checks its target rather than a version range: where transformers no
+longer asks whether scikit-learn is installed when that module is imported, or that module was
+already imported, it changes nothing.
 """
 
 from __future__ import annotations

@@ -159,8 +159,8 @@ def _compile_breakdown() -> dict:
 #: What ``qlora-nb train`` imports before its first line, in its order: timed one by one in the child.
 IMPORTS = ("torch", "transformers", "peft", "qlora_nb_utils.training.finetuning", "qlora_nb_utils.compile.fast_path",
            "qlora_nb_utils.models.load")
-#: Timed first, as the command line does it before it imports anything that loads models
-#: (``qlora_nb_utils.cli.LOADS_MODELS``): transformers' assisted-generation module without scikit-learn.
+#: Timed first: what the command line does before a command that loads models imports anything
+#: (``qlora_nb_utils.cli.prepare_command``: transformers' assisted-generation module without scikit-learn).
 DEFER = "qlora_nb_utils.startup.defer_sklearn"
 
 
@@ -171,10 +171,9 @@ def child_ours(side: str, argv: list[str]) -> int:
 
     imports = {}
     t0 = time.perf_counter()
-    from qlora_nb_utils.cli import LOADS_MODELS
-    from qlora_nb_utils.startup import defer_sklearn
+    from qlora_nb_utils.cli import prepare_command
 
-    deferred = defer_sklearn() if "train" in LOADS_MODELS else None
+    deferred = prepare_command("train")
     imports[DEFER] = round(time.perf_counter() - t0, 3)
     for name in IMPORTS:
         t0 = time.perf_counter()
