@@ -6,7 +6,7 @@ transformers' assisted-generation module (imported by ``peft`` through transform
 classes) imports scikit-learn's metrics wherever scikit-learn is installed, as it is on Colab,
 Kaggle and most GPU images, for one function, ``roc_curve``, called only when assisted
 generation tunes its confidence threshold. scikit-learn brings SciPy's statistics and pandas
-with it: a second or more of every start.
+with it, all imported at every start for nothing.
 
 :func:`defer_sklearn` imports that module with scikit-learn out of its sight and gives it a
 ``roc_curve`` that imports scikit-learn's at its first call and hands the call on. Everything
