@@ -2,7 +2,7 @@
 # Writes: $OUT/<notebook>.ipynb, executed and stamped, with each cell's timestamps (python -m lab.colab_rehearsal
 #   adopt $OUT/<notebook>.ipynb: its seconds per cell into lab/results/notebooks/notebooks_gpu.json, the tidied
 #   notebook into notebooks/)
-# Rerun: QLORA_NB_PROFILE=gpu-short OUT=$OUT bash lab/gpu/notebooks/gpu_notebooks.sh notebooks/04_recompilations.ipynb (carry .nbwhl too)
+# Rerun: OUT=$OUT bash lab/gpu/notebooks/gpu_notebooks.sh notebooks/04_recompilations.ipynb (carry .nbwhl too)
 #   (on the lent GPU machine, from the repository root; carry .whl .gpucache)
 # Execute notebooks on the lent GPU machine with their outputs kept (QLORA_NB_PROFILE=gpu unless
 # set), in place, and copy each executed notebook into $OUT when it is set. Any notebook of the series.
@@ -11,8 +11,8 @@
 # carry them as wheels in .nbwhl/ (installed into /tmp/site-nb; debugpy and jedi, optional and
 # 10 MB, are left out) or the script stops with the list of what is missing. Carried otherwise as lab/gpu/bench/gpu_bench.sh (.whl, .gpucache).
 # Usage (on that machine, from the repository root): bash lab/gpu/notebooks/gpu_notebooks.sh notebooks/05_benchmarks.ipynb ...
-# Notebook 04 sized for one 600 s call (untimed yet): its gpu-short profile, the 1B shape with 4 layers:
-#   QLORA_NB_PROFILE=gpu-short OUT=$OUT timeout 580 bash lab/gpu/notebooks/gpu_notebooks.sh notebooks/04_recompilations.ipynb
+# Notebooks 04 and 09 in one 600 s call (their gpu profiles: the 1B shapes with 4 layers):
+#   OUT=$OUT timeout 580 bash lab/gpu/notebooks/gpu_notebooks.sh notebooks/04_recompilations.ipynb notebooks/09_optimize_choices.ipynb
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: lab/gpu/notebooks/gpu_notebooks.sh NOTEBOOK.ipynb..." >&2; exit 2; }
 source "$(dirname "$0")/../gpu_env.sh"  # the carried wheels, the offline environment, bytecode as pip writes it
