@@ -36,9 +36,10 @@ def _env(folder: Path) -> dict:
 
 
 def _cold(folder: Path) -> None:
-    from qlora_nb_utils.data import token_cache
+    from qlora_nb_utils.data import batch_cache, token_cache
 
     shutil.rmtree(token_cache.default_dir(), ignore_errors=True)
+    shutil.rmtree(batch_cache.default_dir(), ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
 
 

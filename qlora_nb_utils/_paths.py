@@ -1,4 +1,4 @@
-"""Where the package sits on disk, said once; and whether a command can write where it is asked to.
+"""Where the package sits on disk and where it keeps its caches, said once; and whether a command can write where it is asked to.
 
 Child processes (the peers, the compile-time runs, ``torchrun``) must import this very copy
 of ``qlora_nb_utils``, and a clone finds its shipped data in the repository's ``data/``: both
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["package_parent", "pythonpath_with_package", "check_out_dir", "check_out_file"]
+__all__ = ["package_parent", "pythonpath_with_package", "cache_root", "check_out_dir", "check_out_file"]
 
 
 def package_parent() -> Path:
@@ -28,6 +28,13 @@ def pythonpath_with_package(existing: str | None, *first: str) -> str:
     """A ``PYTHONPATH`` for a child process: ``first`` (e.g. an extra site), this package's
     parent folder, then ``existing``; empty entries left out."""
     return os.pathsep.join(p for p in (*first, str(package_parent()), existing or "") if p)
+
+
+def cache_root() -> Path:
+    """The package's cache folder (built models, tokenized rows, batches, compiled graphs):
+    ``$QLORA_NB_CACHE`` when set and non-empty, else ``~/.cache/qlora_nb``."""
+    configured = os.environ.get("QLORA_NB_CACHE", "").strip()
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "qlora_nb"
 
 
 def check_out_dir(path: str, *, what: str = "--out", empty: bool = False) -> Path:

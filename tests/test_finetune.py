@@ -325,7 +325,7 @@ def test_batches_tokenize_the_training_split_once(data_file, monkeypatch, packin
 
     monkeypatch.setattr(data, "tokenize_examples", counting)
     train, heldout, _ = build_finetune_batches(tok, data=data_file, batch_size=2, seq_len=48, eval_size=4,
-                                               packing=packing, log=lambda m: None)
+                                               packing=packing, log=lambda m: None, cache=False)  # built here
     assert calls == ([data.UNCUT, 48] if packing else [48, 48])  # the training split, then the held-out one
     assert ("document_ids" in train[0]) is packing and heldout
 
@@ -339,7 +339,7 @@ def test_packing_asked_for_builds_no_padded_training_batches(data_file, monkeypa
     from qlora_nb_utils.training import build_finetune_batches
 
     tok = models.load_tokenizer("tiny")
-    kw = dict(data=data_file, batch_size=2, seq_len=256, eval_size=4, log=lambda m: None)
+    kw = dict(data=data_file, batch_size=2, seq_len=256, eval_size=4, log=lambda m: None, cache=False)  # built here
     auto, auto_held, _ = build_finetune_batches(tok, packing="auto", **kw)
     assert "document_ids" in auto[0]  # rows of 256 on this data: auto packs
     cuts = []

@@ -10,6 +10,9 @@
   ``learned_rows``).
 - ``token_cache``: tokenized rows kept on disk, keyed by what they depend on, so that a restart
   does not tokenize the same data again (``tokenize_examples(cache=True)``).
+- ``batch_cache``: a run's finished batches kept on disk, keyed by the source files, the
+  tokenizer, the arguments and the code, so that an unchanged start reads them back without
+  loading the examples (``training.build_finetune_batches(cache=True)``).
 - ``collate``: the padding policy that decides batch shapes under ``torch.compile``
   (``PaddingCollator``: ``longest``, ``multiple`` or ``fixed``), a seeded ``DataLoader``
   (``make_batches``) and what the padding costs (``padding_stats``).

@@ -38,15 +38,16 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-__all__ = ["default_dir", "resolve", "key", "load", "save", "cached"]
+from .._paths import cache_root
+
+__all__ = ["default_dir", "resolve", "tokenizer_id", "key", "load", "save", "cached"]
 
 META = "qlora_nb_tokenized.json"
 
 
 def default_dir() -> Path:
     """``$QLORA_NB_CACHE/tokenized`` when that is set, else ``~/.cache/qlora_nb/tokenized``."""
-    root = os.environ.get("QLORA_NB_CACHE", "").strip()
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "qlora_nb") / "tokenized"
+    return cache_root() / "tokenized"
 
 
 def resolve(cache: bool | str | os.PathLike | None) -> Path | None:
@@ -60,7 +61,9 @@ def resolve(cache: bool | str | os.PathLike | None) -> Path | None:
     raise ValueError(f"cache must be True, False, None or a folder, got {cache!r}")
 
 
-def _tokenizer_id(tokenizer: Any) -> list:
+def tokenizer_id(tokenizer: Any) -> list:
+    """What tokenized rows depend on in a tokenizer: its class, name, size, special token ids, chat
+    template and a hash of its serialized vocabulary and rules (a slow tokenizer: its vocabulary)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         rules = backend.to_str()
@@ -80,7 +83,7 @@ def key(ds: Any, tokenizer: Any, *, code: Iterable[str | os.PathLike] = (), **ar
     import tokenizers
     import transformers
 
-    parts = {"examples": fingerprint, "rows": len(ds), "tokenizer": _tokenizer_id(tokenizer),
+    parts = {"examples": fingerprint, "rows": len(ds), "tokenizer": tokenizer_id(tokenizer),
              "args": sorted(args.items()), "transformers": transformers.__version__,
              "tokenizers": tokenizers.__version__,
              "code": hashlib.sha256(b"".join(Path(f).read_bytes() for f in code)).hexdigest()}

@@ -32,6 +32,8 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+from .._paths import cache_root
+
 MODEL_NAMES = ("tiny", "smollm2-135m", "smollm2-135m-5l", "llama-3.2-1b-shape", "llama-3.2-1b-shape-4l",
                "llama-3.1-8b-shape", "llama-3.1-8b-shape-4l")
 QUANT_CHOICES = ("nf4", "none")
@@ -156,10 +158,7 @@ def default_cache_dir() -> Path:
     Returns:
         ``$QLORA_NB_CACHE`` when set and non-empty, else ``~/.cache/qlora_nb``.
     """
-    configured = os.environ.get("QLORA_NB_CACHE", "").strip()
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "qlora_nb"
+    return cache_root()
 
 
 def model_config(name: str):

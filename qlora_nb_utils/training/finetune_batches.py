@@ -40,7 +40,7 @@ def _bucket(seq_len: int) -> int:
 def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, batch_size: int = 4,
                            seq_len: int = 128, seed: int = 0, eval_size: int = 32,
                            log: Callable[[str], None] | None = None,
-                           packing: bool | str = False) -> tuple[list, list, dict]:
+                           packing: bool | str = False, cache: bool = True) -> tuple[list, list, dict]:
     """The training and held-out batches of a run, and the held-out example shown as a sample.
 
     Training: one epoch of the training split, tokenized (prompt masked), shuffled by ``seed``,
@@ -50,10 +50,45 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
     ``data.load_splits(eval_size)``'s held-out split, in order, padded. The same arguments give
     the same batches (what ``--resume`` relies on).
 
+    ``cache``: keep the tokenized rows (:mod:`~qlora_nb_utils.data.token_cache`) and the finished
+    batches (:mod:`~qlora_nb_utils.data.batch_cache`) on disk, so that a start whose data,
+    tokenizer and arguments are unchanged reads the batches back instead of building them (the
+    same batches, and the same lines logged, with one more saying so). False: build, keep nothing.
+
     Returns:
         ``(train_batches, heldout_batches, sample_example)``: lists of dicts of CPU tensors, and
         the first held-out example as it is in the data.
     """
+    from ..data import batch_cache
+
+    said: list[str] = []
+
+    def build() -> dict:
+        train, heldout, example = _build(tokenizer, data=data, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                                         eval_size=eval_size, log=said.append, packing=packing, cache=cache)
+        return {"train": train, "heldout": heldout, "example": example, "log": said}
+
+    folder = batch_cache.default_dir() if cache else None
+    built, read_back = batch_cache.cached(data, tokenizer, folder, build, code=_code_files(), batch_size=batch_size,
+                                          seq_len=seq_len, seed=seed, eval_size=eval_size, packing=packing)
+    for line in built["log"]:
+        (log or print)(line)
+    if read_back:
+        (log or print)(f"==> batches read back from {folder} (data, tokenizer and options as when they were built)")
+    return built["train"], built["heldout"], built["example"]
+
+
+def _code_files() -> list[str]:
+    """The source files the batches depend on (part of the batch cache's key)."""
+    from ..data import batches, collate, examples, packing, token_cache, tokenizing
+
+    return [__file__, *(m.__file__ for m in (batches, collate, examples, packing, token_cache, tokenizing))]
+
+
+def _build(tokenizer: Any, *, data: str | Path | None, batch_size: int, seq_len: int, seed: int, eval_size: int,
+           log: Callable[[str], None], packing: bool | str, cache: bool) -> tuple[list, list, dict]:
+    """:func:`build_finetune_batches`'s batches, built (``cache``: tokenized rows read back where
+    the token cache keeps them)."""
     from ..data import (
         UNCUT,
         PaddingCollator,
@@ -71,14 +106,14 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
         warnings.simplefilter("always")
         rows = None
         if packing is not False:  # tokenized once, whole: packed below (and cut here, for auto's padded batches)
-            whole = tokenize_examples(train_ds, tokenizer, max_len=UNCUT, cache=True)  # a restart reads it back
+            whole = tokenize_examples(train_ds, tokenizer, max_len=UNCUT, cache=cache)  # a restart reads it back
             if packing is not True:  # "auto" weighs the padded batches too
                 rows = cut_tokenized(whole, seq_len)
         else:
-            rows = tokenize_examples(train_ds, tokenizer, max_len=seq_len, cache=True)
-        held = tokenize_examples(held_ds, tokenizer, max_len=seq_len, cache=True)
+            rows = tokenize_examples(train_ds, tokenizer, max_len=seq_len, cache=cache)
+        held = tokenize_examples(held_ds, tokenizer, max_len=seq_len, cache=cache)
     for w in caught:
-        (log or print)(f"note: {w.message} (--seq-len {seq_len})")
+        log(f"note: {w.message} (--seq-len {seq_len})")
     collator = PaddingCollator(pad_token_id=tokenizer.pad_token_id, policy="multiple",
                                multiple_of=_bucket(seq_len), max_length=seq_len)
     # packing asked for: no padded batches, which only "auto" weighs against the packed ones
@@ -90,12 +125,12 @@ def build_finetune_batches(tokenizer: Any, *, data: str | Path | None = None, ba
             train, stats = pack_tokenized(whole, batch_size=batch_size, max_len=seq_len,
                                           pad_id=tokenizer.pad_token_id, seed=seed)
             why = "asked for" if packing is True else f"padded batches would be {waste:.0%} padding"
-            (log or print)(f"==> packing: on ({why}): {len(train)} packed batches, {stats.pad_fraction:.0%} "
+            log(f"==> packing: on ({why}): {len(train)} packed batches, {stats.pad_fraction:.0%} "
                            f"padding, {stats.truncated} example(s) cut to {seq_len} tokens")
         else:
-            (log or print)(f"==> packing: off (padded batches are {waste:.0%} padding, "
+            log(f"==> packing: off (padded batches are {waste:.0%} padding, "
                            f"<= {PACK_WHEN_PADDING_OVER:.0%})")
     else:
-        (log or print)(f"==> packing: off (asked for): padded batches are "
+        log(f"==> packing: off (asked for): padded batches are "
                        f"{padding_stats(train)['waste_fraction']:.0%} padding")
     return train, heldout, dict(held_ds[0])

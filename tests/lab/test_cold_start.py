@@ -84,6 +84,25 @@ def test_a_trial_of_ours_runs_with_its_environment_and_records_it(tmp_path, monk
     assert "env" not in rec and seen["env"].get("TORCHINDUCTOR_CPP_WRAPPER") != "1"
 
 
+def test_the_rebatched_trial_shares_ours_caches_but_builds_its_batches(tmp_path, monkeypatch):
+    """``ours-rebatched`` is a warm start of ours as before the batch cache: ours' compile caches, the
+    token cache kept, the batch cache emptied."""
+    from qlora_nb_utils.data import batch_cache, token_cache
+
+    monkeypatch.setenv("QLORA_NB_CACHE", str(tmp_path / "cache"))
+    for folder in (batch_cache.default_dir(), token_cache.default_dir()):
+        folder.mkdir(parents=True)
+        (folder / "entry").write_text("kept")
+    assert cold_start._caches_for("ours", "warm", tmp_path) == tmp_path / "ours-cache"
+    assert (batch_cache.default_dir() / "entry").exists()  # ours' warm run reads its batches back
+    assert cold_start._caches_for("ours-rebatched", "warm", tmp_path) == tmp_path / "ours-cache"
+    assert not batch_cache.default_dir().exists() and (token_cache.default_dir() / "entry").exists()
+    assert cold_start.OURS["ours-rebatched"] == cold_start.OURS["ours"]
+    batch_cache.default_dir().mkdir(parents=True)
+    cold_start._caches_for("ours", "cold", tmp_path)  # a cold run: every cache emptied
+    assert not batch_cache.default_dir().exists() and not token_cache.default_dir().exists()
+
+
 def test_the_nested_trial_marks_the_llama_layer_and_says_so(monkeypatch):
     from transformers.models.llama import modeling_llama
 

@@ -70,9 +70,15 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: ``ours-nested``, the whole model (CUDA graphs where ``optimize()`` takes them) with the decoder layer's
 #: forward marked ``torch.compiler.nested_compile_region`` in the child (:data:`NESTED_ENV`): whether
 #: torch traces and compiles the layer once inside the whole graph, which would give the whole
-#: graph's step at near a layer's compile.
+#: graph's step at near a layer's compile; ``ours-rebatched``, ours on ours' caches with the batch
+#: cache emptied first (:data:`REBATCHED`): a warm start as it was before ``data.batch_cache``, the
+#: tokenized rows read back and the batches built from them, for a same-call A/B against ``ours``.
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
-        "ours-nested": ["--scope", "whole"]}
+        "ours-nested": ["--scope", "whole"], "ours-rebatched": []}
+#: Trials that run on another library's compile caches (its warm runs are warm for them too).
+CACHES_OF = {"ours-rebatched": "ours"}
+#: Trials whose start finds no batches kept (the batch cache emptied just before; the token cache kept).
+REBATCHED = ("ours-rebatched",)
 #: Set in a child of ours: the decoder layer class's forward wrapped in ``nested_compile_region`` first.
 NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
 #: The environment a trial of ours adds (recorded in its row as ``env``).
@@ -256,14 +262,28 @@ def _env(dirs: Path, extra_site: str = "") -> dict:
 
 
 def _clear_cold(dirs: Path) -> None:
-    """Every compile cache a run reads, empty: its folders, the package's artifacts and token cache."""
-    from qlora_nb_utils.data import token_cache
+    """Every compile cache a run reads, empty: its folders, the package's artifacts, token and batch caches."""
+    from qlora_nb_utils.data import batch_cache, token_cache
     from qlora_nb_utils.models.registry import default_cache_dir
 
     shutil.rmtree(dirs, ignore_errors=True)
     dirs.mkdir(parents=True)
     shutil.rmtree(default_cache_dir() / "compile", ignore_errors=True)
     shutil.rmtree(token_cache.default_dir(), ignore_errors=True)
+    shutil.rmtree(batch_cache.default_dir(), ignore_errors=True)
+
+
+def _caches_for(lib: str, cache: str, work: Path) -> Path:
+    """A run's compile-cache folders (those of the library a trial shares them with), emptied with
+    every other cache for a cold run; for a rebatched trial, the batch cache emptied."""
+    from qlora_nb_utils.data import batch_cache
+
+    dirs = work / f"{CACHES_OF.get(lib, lib)}-cache"
+    if cache == "cold":
+        _clear_cold(dirs)
+    if lib in REBATCHED:
+        shutil.rmtree(batch_cache.default_dir(), ignore_errors=True)
+    return dirs
 
 
 def _run_ours(lib: str, shape: dict, work: Path, dirs: Path, device: str, steps: int, timeout_s: float) -> dict:
@@ -439,9 +459,7 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
         if lib == "unsloth" and device != "cuda":
             res["skipped"].append(f"{lib}:{cache} (Unsloth runs on CUDA only)")
             continue
-        dirs = work / f"{lib}-cache"
-        if cache == "cold":
-            _clear_cold(dirs)
+        dirs = _caches_for(lib, cache, work)
         print(f"[cold_start] {shape_name} {lib} {cache}: {left:.0f} s left", flush=True)
         try:
             if lib in OURS:

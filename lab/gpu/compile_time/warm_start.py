@@ -27,7 +27,7 @@ Per shape, in this order, all in one Inductor cache folder:
   (the same bits, ``tests/test_models.py``): ``nf4_losses_equal``.
 
 * ``warm_nf4_retokenized`` and ``warm_nf4_cached_tokens`` (and ``_again``): the same-call A/B of
-  :mod:`qlora_nb_utils.data.token_cache`: the first deletes the token cache before its start, so
+  :mod:`qlora_nb_utils.data.token_cache`: the first deletes the token and batch caches before its start, so
   the data is rendered and tokenized again (and kept), the second reads it back.
   ``load_parts_s`` splits every start's load into the model and the batches.
 
@@ -145,7 +145,7 @@ def main(out_path: str, budget_s: float) -> int:
 
     from qlora_nb_utils import env
     from qlora_nb_utils.bench import compile_time
-    from qlora_nb_utils.data import token_cache
+    from qlora_nb_utils.data import batch_cache, token_cache
     from qlora_nb_utils.models.build import materialize
 
     t0 = time.monotonic()
@@ -195,8 +195,9 @@ def main(out_path: str, budget_s: float) -> int:
             if run.startswith("warm_nf4") and "nf4_error" in entry:
                 entry["skipped"].append(run)
                 continue
-            if "retokenized" in run:  # the A/B's other arm: the data tokenized again, as before data.token_cache
+            if "retokenized" in run:  # the A/B's other arm: the data tokenized and batched again, as before the data caches
                 shutil.rmtree(token_cache.default_dir(), ignore_errors=True)
+                shutil.rmtree(batch_cache.default_dir(), ignore_errors=True)
             print(f"[warm_start] {name} {run} (warm_cache={warm_cache}), {left:.0f} s left", flush=True)
             try:
                 r = compile_time.measure(model=str(nf4_dir) if run.startswith("warm_nf4") else name,
