@@ -89,6 +89,21 @@ def test_an_unreadable_entry_is_built_again_and_replaced(tmp_path, folder, tok, 
     assert builds == [1] and said[-1].startswith("==> batches read back")  # the entry was written anew
 
 
+def test_batches_over_the_size_limit_are_not_kept(tmp_path, folder, tok, monkeypatch):
+    data = write_words(tmp_path / "words.jsonl", 40)
+    (train, held, _), _ = _build(tok, data, cache=False)
+    size = batch_cache.tensor_bytes([train, held])
+    assert size == sum(t.numel() * t.element_size() for b in train + held for t in b.values())
+    monkeypatch.setattr(batch_cache, "MAX_ENTRY_BYTES", size - 1)
+    builds = _counting_builds(monkeypatch)
+    _build(tok, data)
+    _build(tok, data)
+    assert builds == [1, 1] and not list(folder.glob("*.pt"))
+    monkeypatch.setattr(batch_cache, "MAX_ENTRY_BYTES", size)
+    _build(tok, data)
+    assert len(list(folder.glob("*.pt"))) == 1
+
+
 def test_cache_false_keeps_nothing(tmp_path, folder, tok, monkeypatch):
     data = write_words(tmp_path / "words.jsonl", 40)
     builds = _counting_builds(monkeypatch)

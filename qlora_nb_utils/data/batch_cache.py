@@ -19,8 +19,10 @@ The key is what the batches depend on, said explicitly, and computed without rea
   caller names, so a change to how batches are made never reads batches the old code made.
 
 Each entry is one ``torch.save`` file, written to a temporary name and renamed, read back with
-``weights_only=True``; an entry that cannot be read is a miss. The folder is
-``$QLORA_NB_CACHE/batches`` (else ``~/.cache/qlora_nb/batches``); deleting it is always safe.
+``weights_only=True``; an entry that cannot be read is a miss. An epoch's batches are whole
+tensors (several per token), so a large dataset's would fill a disk: batches over
+:data:`MAX_ENTRY_BYTES` are not kept (the token cache still spares their tokenizing). The folder
+is ``$QLORA_NB_CACHE/batches`` (else ``~/.cache/qlora_nb/batches``); deleting it is always safe.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from typing import Any, Callable, Iterable
 from .._paths import cache_root
 from .token_cache import tokenizer_id
 
-__all__ = ["default_dir", "source_files", "key", "load", "save", "cached"]
+__all__ = ["MAX_ENTRY_BYTES", "default_dir", "source_files", "key", "load", "save", "cached", "tensor_bytes"]
+
+#: Batches whose tensors hold more bytes than this are built at every start, not kept.
+MAX_ENTRY_BYTES = 1 << 30
 
 
 def default_dir() -> Path:
@@ -117,15 +122,29 @@ def save(folder: Path, name: str, value: Any) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+def tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor in ``value`` (nested dicts, lists and tuples)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
 def cached(data: str | os.PathLike | None, tokenizer: Any, folder: Path | None, build: Callable[[], Any], *,
            code: Iterable[str | os.PathLike] = (), **args: Any) -> tuple[Any, bool]:
     """``build()``'s value for these inputs, read from ``folder`` when an entry is there, else built
-    and kept there (``folder`` None: built, nothing kept). Returns ``(value, read_back)``."""
+    and kept there when its tensors hold at most :data:`MAX_ENTRY_BYTES` (``folder`` None: built,
+    nothing kept). Returns ``(value, read_back)``."""
     name = key(data, tokenizer, code=code, **args) if folder is not None else None
     hit = load(folder, name) if name is not None else None
     if hit is not None:
         return hit, True
     value = build()
-    if name is not None:
+    if name is not None and tensor_bytes(value) <= MAX_ENTRY_BYTES:
         save(folder, name, value)
     return value, False
