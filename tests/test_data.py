@@ -345,3 +345,32 @@ def test_cut_tokenized_refuses_bad_lengths_and_all_prompt_rows():
         D.cut_tokenized([{"input_ids": [1, 2], "labels": [1, 2]}], 1)
     with pytest.raises(ValueError, match="every example's prompt fills max_len=2"):
         D.cut_tokenized([{"input_ids": [1, 2, 3], "labels": [-100, -100, 3]}], 2)
+
+
+def test_as_rows_gives_what_iterating_gives():
+    """A Dataset without a format is converted in one call; a formatted one (or a list) as iteration gives it."""
+    import datasets
+    import numpy as np
+
+    from qlora_nb_utils.data.examples import as_rows
+
+    ds = datasets.Dataset.from_dict({"prompt": ["a", "b"], "ids": [[1], [2, 3]]})
+    assert as_rows(ds) == list(ds) == [{"prompt": "a", "ids": [1]}, {"prompt": "b", "ids": [2, 3]}]
+    formatted = as_rows(ds.with_format("numpy"))
+    assert isinstance(formatted[1]["ids"], np.ndarray) and formatted[1]["ids"].tolist() == [2, 3]
+    assert as_rows([{"x": 1}]) == [{"x": 1}] and as_rows(iter([{"x": 2}])) == [{"x": 2}]
+
+
+def test_learned_rows_keeps_the_same_rows_from_any_sequence():
+    """Lists are counted in C; tuples and arrays are read as before: the same rows kept, the same dropped."""
+    import numpy as np
+
+    from qlora_nb_utils.data import IGNORE_INDEX, learned_rows
+
+    rows = [([1, 2, 3], [IGNORE_INDEX, IGNORE_INDEX, 3]), ([4, 5], [IGNORE_INDEX, IGNORE_INDEX]), ([6], [6])]
+    with pytest.warns(UserWarning, match="dropped 1 of 3"):
+        as_lists = learned_rows(rows, 8)
+    for convert in (tuple, np.array):
+        with pytest.warns(UserWarning, match="dropped 1 of 3"):
+            other = learned_rows([(ids, convert(labels)) for ids, labels in rows], 8)
+        assert other["input_ids"] == as_lists["input_ids"] == [[1, 2, 3], [6]]

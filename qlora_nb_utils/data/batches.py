@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .collate import PaddingCollator, make_batches
-from .examples import IGNORE_INDEX, load_examples
+from .examples import IGNORE_INDEX, as_rows, load_examples
 from .packing import PackingStats, pack_examples
 from .tokenizing import learned_rows, tokenize_examples
 
@@ -108,8 +108,8 @@ def cut_tokenized(rows: Any, max_len: int) -> Any:
     """
     if not isinstance(max_len, int) or max_len < 2:
         raise ValueError(f"max_len must be an integer >= 2, got {max_len!r}")
-    return learned_rows(((list(r["input_ids"])[:max_len], list(r["labels"])[:max_len]) for r in rows), max_len,
-                        stacklevel=3)
+    return learned_rows(((list(r["input_ids"])[:max_len], list(r["labels"])[:max_len]) for r in as_rows(rows)),
+                        max_len, stacklevel=3)
 
 
 def pack_tokenized(rows: Any, *, batch_size: int, max_len: int, pad_id: int, seed: int = 0,
@@ -119,7 +119,7 @@ def pack_tokenized(rows: Any, *, batch_size: int, max_len: int, pad_id: int, see
     Raises:
         ValueError: a row longer than ``max_len`` without ``truncate``; bad sizes.
     """
-    rows = list(rows)
+    rows = as_rows(rows)
     long = [i for i, r in enumerate(rows) if len(r["input_ids"]) > max_len]
     if long and not truncate:
         raise ValueError(f"{len(long)} example(s) are longer than max_len={max_len} tokens (the first: example "

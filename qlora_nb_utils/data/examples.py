@@ -341,6 +341,15 @@ def load_examples(
     return ds
 
 
+def as_rows(ds: Any) -> list:
+    """The rows of ``ds`` as plain Python values: a ``datasets.Dataset`` without a format converted in
+    one call (``to_list``) instead of row by row (iterating one formats each row on its own, most of
+    a cold start's pass over its data), anything else as iterating it gives."""
+    if hasattr(ds, "to_list") and getattr(ds, "format", {}).get("type") is None:
+        return ds.to_list()
+    return list(ds)
+
+
 def load_splits(path: str | Path | None = None, *, eval_fraction: float = 0.05, max_eval: int | None = 64,
                 seed: int = 0, limit: int | None = None) -> tuple[datasets.Dataset, datasets.Dataset]:
     """The training examples and the held-out examples of a source.

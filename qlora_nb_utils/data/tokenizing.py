@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import examples
-from .examples import IGNORE_INDEX, format_example
+from .examples import IGNORE_INDEX, as_rows, format_example
 from .token_cache import cached
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template
                                                                       train_on_prompt),
                       code=_CODE, on_hit=lambda meta: _warn_dropped_again(meta, max_len),
                       max_len=max_len, chat_template=chat_template, train_on_prompt=train_on_prompt)
-    pairs = [format_example(ex, tokenizer, chat_template) for ex in ds]
+    pairs = [format_example(ex, tokenizer, chat_template) for ex in as_rows(ds)]
     plain = not (chat_template and getattr(tokenizer, "chat_template", None))
     # The chat template writes its own BOS if it wants one; the plain layout lets the
     # tokenizer add its usual special tokens to the prompt.
@@ -92,13 +92,20 @@ def _warn_dropped_again(meta: dict, max_len: int) -> None:
         _warn_dropped(meta["dropped"], meta["total"], max_len, stacklevel=5)
 
 
+def _learns(labels: Any) -> bool:
+    """Whether a row keeps a learned token (a list is counted in C, not compared token by token)."""
+    if isinstance(labels, (list, tuple)):
+        return labels.count(IGNORE_INDEX) < len(labels)
+    return any(x != IGNORE_INDEX for x in labels)
+
+
 def learned_rows(rows: Any, max_len: int, stacklevel: int = 2) -> datasets.Dataset:
     """``(input_ids, labels)`` pairs cut to ``max_len`` as a Dataset, less the rows with no learned token
     (warned; ValueError if none is left): what :func:`tokenize_examples` and ``batches.cut_tokenized`` keep."""
     import datasets
 
     rows = list(rows)
-    kept = [(ids, labels) for ids, labels in rows if any(x != IGNORE_INDEX for x in labels)]
+    kept = [(ids, labels) for ids, labels in rows if _learns(labels)]
     if not kept:
         raise ValueError(f"every example's prompt fills max_len={max_len}; raise max_len")
     if len(kept) < len(rows):
