@@ -141,3 +141,34 @@ def test_a_read_back_start_imports_neither_datasets_nor_pandas(tmp_path):
     first, second = (r.stdout.strip().splitlines()[-1] for r in runs)
     assert first == "[] ['datasets', 'pandas']"  # built: the examples loaded through datasets
     assert second == "[] []"  # read back: neither imported
+
+
+def test_only_the_rows_own_warnings_become_notes(folder, tok):
+    """catch_warnings is process-wide: what another thread warns during the build (the model load
+    beside it) is neither logged as a note nor kept with the batches; the rows' own warnings (examples
+    dropped) are notes, said again on a read-back."""
+    import threading
+    import warnings
+
+    stop = threading.Event()
+
+    def loading():  # another thread, warning all along
+        while not stop.is_set():
+            warnings.warn_explicit("a load warning", FutureWarning, "elsewhere.py", 7)
+            stop.wait(0.001)
+
+    kw = dict(data=None, batch_size=4, seq_len=128, eval_size=8)  # the shipped data: prompts that fill 128 tokens
+    said: list[str] = []
+    other = threading.Thread(target=loading)
+    with pytest.warns(FutureWarning, match="a load warning"):
+        other.start()
+        try:
+            finetune_batches.build_finetune_batches(tok, log=said.append, **kw)
+        finally:
+            stop.set()
+            other.join()
+    notes = [line for line in said if line.startswith("note:")]
+    assert notes and all("dropped" in n and "--seq-len 128" in n for n in notes), said
+    again: list[str] = []
+    finetune_batches.build_finetune_batches(tok, log=again.append, **kw)
+    assert again[:-1] == said and again[-1].startswith("==> batches read back")

@@ -112,8 +112,13 @@ def _build(tokenizer: Any, *, data: str | Path | None, batch_size: int, seq_len:
         else:
             rows = tokenize_examples(train_ds, tokenizer, max_len=seq_len, cache=cache)
         held = tokenize_examples(held_ds, tokenizer, max_len=seq_len, cache=cache)
+    # The rows' own warnings (dropped examples) point here and become notes; catch_warnings is
+    # process-wide, so what another thread warned meanwhile (the model load beside this) is given back
     for w in caught:
-        log(f"note: {w.message} (--seq-len {seq_len})")
+        if Path(w.filename).resolve() == Path(__file__).resolve():
+            log(f"note: {w.message} (--seq-len {seq_len})")
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     collator = PaddingCollator(pad_token_id=tokenizer.pad_token_id, policy="multiple",
                                multiple_of=_bucket(seq_len), max_length=seq_len)
     # packing asked for: no padded batches, which only "auto" weighs against the packed ones
