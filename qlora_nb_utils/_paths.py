@@ -1,4 +1,4 @@
-"""Where the package sits on disk and where it keeps its caches, said once; and whether a command can write where it is asked to.
+"""Where the package and its caches sit on disk, said once; and whether a command can write where it is asked to.
 
 Child processes (the peers, the compile-time runs, ``torchrun``) must import this very copy
 of ``qlora_nb_utils``, and a clone finds its shipped data in the repository's ``data/``: both

@@ -18,6 +18,9 @@ one decision, made here, from the tokenizer alone (no model):
   padding. The held-out batches stay padded: the loss per learned token is the same either way.
 * **Data order from the seed**: the batches of one epoch are built in a seeded order and step
   ``i`` trains on batch ``i mod len``, so a resumed run sees what the uninterrupted one saw.
+* **Kept for the next start**: the same source files, tokenizer and options give the same
+  batches, so they are kept on disk (:mod:`~qlora_nb_utils.data.batch_cache`) and a restart
+  reads them back instead of loading, tokenizing and packing the data again beside the model load.
 """
 
 from __future__ import annotations
@@ -131,11 +134,11 @@ def _build(tokenizer: Any, *, data: str | Path | None, batch_size: int, seq_len:
                                           pad_id=tokenizer.pad_token_id, seed=seed)
             why = "asked for" if packing is True else f"padded batches would be {waste:.0%} padding"
             log(f"==> packing: on ({why}): {len(train)} packed batches, {stats.pad_fraction:.0%} "
-                           f"padding, {stats.truncated} example(s) cut to {seq_len} tokens")
+                f"padding, {stats.truncated} example(s) cut to {seq_len} tokens")
         else:
             log(f"==> packing: off (padded batches are {waste:.0%} padding, "
-                           f"<= {PACK_WHEN_PADDING_OVER:.0%})")
+                f"<= {PACK_WHEN_PADDING_OVER:.0%})")
     else:
         log(f"==> packing: off (asked for): padded batches are "
-                       f"{padding_stats(train)['waste_fraction']:.0%} padding")
+            f"{padding_stats(train)['waste_fraction']:.0%} padding")
     return train, heldout, dict(held_ds[0])
