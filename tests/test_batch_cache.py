@@ -143,12 +143,16 @@ def test_a_read_back_start_imports_neither_datasets_nor_pandas(tmp_path):
     assert second == "[] []"  # read back: neither imported
 
 
-def test_only_the_rows_own_warnings_become_notes(folder, tok):
+@pytest.mark.parametrize("tokenized", ["kept", "not kept"])
+def test_only_the_rows_own_warnings_become_notes(folder, tok, tmp_path, monkeypatch, tokenized):
     """catch_warnings is process-wide: what another thread warns during the build (the model load
     beside it) is neither logged as a note nor kept with the batches; the rows' own warnings (examples
-    dropped) are notes, said again on a read-back."""
+    dropped) are notes, said again on a read-back, whether the token cache had the rows or not."""
     import threading
     import warnings
+
+    if tokenized == "not kept":  # a token cache of its own: the rows are tokenized here
+        monkeypatch.setenv("QLORA_NB_CACHE", str(tmp_path / "cache"))
 
     stop = threading.Event()
 
@@ -168,7 +172,8 @@ def test_only_the_rows_own_warnings_become_notes(folder, tok):
             stop.set()
             other.join()
     notes = [line for line in said if line.startswith("note:")]
-    assert notes and all("dropped" in n and "--seq-len 128" in n for n in notes), said
+    assert all("dropped" in n and "--seq-len 128" in n for n in notes), said
+    assert any("of 4000 examples" in n for n in notes) and any("of 8 examples" in n for n in notes), said
     again: list[str] = []
     finetune_batches.build_finetune_batches(tok, log=again.append, **kw)
     assert again[:-1] == said and again[-1].startswith("==> batches read back")

@@ -115,10 +115,15 @@ def _build(tokenizer: Any, *, data: str | Path | None, batch_size: int, seq_len:
         else:
             rows = tokenize_examples(train_ds, tokenizer, max_len=seq_len, cache=cache)
         held = tokenize_examples(held_ds, tokenizer, max_len=seq_len, cache=cache)
-    # The rows' own warnings (dropped examples) point here and become notes; catch_warnings is
-    # process-wide, so what another thread warned meanwhile (the model load beside this) is given back
+    # The rows' own warnings (dropped examples, raised in the data package or here) become notes;
+    # catch_warnings is process-wide, so what another thread warned meanwhile (the model load beside
+    # this) is given back as it was
+    from .. import data as data_package
+
+    here, data_folder = Path(__file__).resolve(), Path(data_package.__file__).resolve().parent
     for w in caught:
-        if Path(w.filename).resolve() == Path(__file__).resolve():
+        where = Path(w.filename).resolve()
+        if where == here or where.parent == data_folder:
             log(f"note: {w.message} (--seq-len {seq_len})")
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
