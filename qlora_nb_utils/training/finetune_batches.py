@@ -92,6 +92,7 @@ def _build(tokenizer: Any, *, data: str | Path | None, batch_size: int, seq_len:
            log: Callable[[str], None], packing: bool | str, cache: bool) -> tuple[list, list, dict]:
     """:func:`build_finetune_batches`'s batches, built (``cache``: tokenized rows read back where
     the token cache keeps them)."""
+    from .. import data as data_package
     from ..data import (
         UNCUT,
         PaddingCollator,
@@ -118,8 +119,6 @@ def _build(tokenizer: Any, *, data: str | Path | None, batch_size: int, seq_len:
     # The rows' own warnings (dropped examples, raised in the data package or here) become notes;
     # catch_warnings is process-wide, so what another thread warned meanwhile (the model load beside
     # this) is given back as it was
-    from .. import data as data_package
-
     here, data_folder = Path(__file__).resolve(), Path(data_package.__file__).resolve().parent
     for w in caught:
         where = Path(w.filename).resolve()
