@@ -374,3 +374,26 @@ def test_learned_rows_keeps_the_same_rows_from_any_sequence():
         with pytest.warns(UserWarning, match="dropped 1 of 3"):
             other = learned_rows([(ids, convert(labels)) for ids, labels in rows], 8)
         assert other["input_ids"] == as_lists["input_ids"] == [[1, 2, 3], [6]]
+
+
+@pytest.mark.parametrize("cache", ["none", "made", "read back"])
+def test_the_dropped_rows_warning_names_the_callers_line(tmp_path, cache):
+    """Made directly, made through the token cache or read back from it: the warning points here."""
+    import warnings
+
+    from qlora_nb_utils import data as qdata
+    from qlora_nb_utils import models
+
+    tok = models.load_tokenizer("tiny")
+    rows = qdata.load_examples(limit=40)
+    where = None if cache == "none" else tmp_path / "tokenized"
+    if cache == "read back":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qdata.tokenize_examples(rows, tok, max_len=96, cache=where)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qdata.tokenize_examples(rows, tok, max_len=96, cache=where)
+    dropped = [w for w in caught if "examples whose prompt fills max_len=96" in str(w.message)]
+    assert dropped and all(Path(w.filename).resolve() == Path(__file__).resolve() for w in dropped), \
+        [(w.filename, w.lineno) for w in caught]

@@ -66,11 +66,18 @@ def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template
     """
     if not isinstance(max_len, int) or max_len < 2:
         raise ValueError(f"max_len must be an integer >= 2, got {max_len!r}")
-    if cache is not None and cache is not False:
-        return cached(ds, tokenizer, cache, lambda: tokenize_examples(ds, tokenizer, max_len, chat_template,
-                                                                      train_on_prompt),
+    if cache is not None and cache is not False:  # the dropped-rows warning names the caller's line, made or read back
+        return cached(ds, tokenizer, cache,
+                      lambda: _tokenized(ds, tokenizer, max_len, chat_template, train_on_prompt, stacklevel=6),
                       code=_CODE, on_hit=lambda meta: _warn_dropped_again(meta, max_len),
                       max_len=max_len, chat_template=chat_template, train_on_prompt=train_on_prompt)
+    return _tokenized(ds, tokenizer, max_len, chat_template, train_on_prompt, stacklevel=4)
+
+
+def _tokenized(ds: Any, tokenizer: Any, max_len: int, chat_template: bool, train_on_prompt: bool, *,
+               stacklevel: int) -> datasets.Dataset:
+    """:func:`tokenize_examples`' rows, made; ``stacklevel``: the frames up to its caller, for the
+    dropped-rows warning (4 called from it directly, 6 through the token cache and a lambda)."""
     pairs = [format_example(ex, tokenizer, chat_template) for ex in as_rows(ds)]
     plain = not (chat_template and getattr(tokenizer, "chat_template", None))
     # The chat template writes its own BOS if it wants one; the plain layout lets the
@@ -78,7 +85,7 @@ def tokenize_examples(ds: Any, tokenizer: Any, max_len: int = 256, chat_template
     prompts = tokenizer([p for p, _ in pairs], add_special_tokens=plain)["input_ids"]
     completions = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
     return learned_rows((_tokenize_one(p_ids, c_ids, tokenizer.eos_token_id, max_len, train_on_prompt)
-                         for p_ids, c_ids in zip(prompts, completions)), max_len, stacklevel=3)
+                         for p_ids, c_ids in zip(prompts, completions)), max_len, stacklevel=stacklevel)
 
 
 def _warn_dropped(dropped: int, total: int, max_len: int, stacklevel: int) -> None:
