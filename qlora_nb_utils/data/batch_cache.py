@@ -27,15 +27,13 @@ is ``$QLORA_NB_CACHE/batches`` (else ``~/.cache/qlora_nb/batches``); deleting it
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .._paths import cache_root
-from .token_cache import tokenizer_id
+from .token_cache import entry_name, tokenizer_id
 
 __all__ = ["MAX_ENTRY_BYTES", "default_dir", "source_files", "key", "load", "save", "cached", "tensor_bytes"]
 
@@ -71,13 +69,11 @@ def key(data: str | os.PathLike | None, tokenizer: Any, *, code: Iterable[str | 
 
     try:
         files = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in source_files(data)]
-        code_hash = hashlib.sha256(b"".join(Path(f).read_bytes() for f in code)).hexdigest()
+        return entry_name({"source": files, "tokenizer": tokenizer_id(tokenizer), "args": sorted(args.items()),
+                           "versions": [torch.__version__, transformers.__version__, tokenizers.__version__,
+                                        _datasets_version()]}, code)
     except (OSError, ValueError):
         return None
-    parts = {"source": files, "tokenizer": tokenizer_id(tokenizer), "args": sorted(args.items()),
-             "versions": [torch.__version__, transformers.__version__, tokenizers.__version__, _datasets_version()],
-             "code": code_hash}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def _datasets_version() -> str:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable
 
 from .._paths import cache_root
 
-__all__ = ["default_dir", "resolve", "tokenizer_id", "key", "load", "save", "cached"]
+__all__ = ["default_dir", "resolve", "tokenizer_id", "key", "entry_name", "load", "save", "cached"]
 
 META = "qlora_nb_tokenized.json"
 
@@ -83,10 +83,15 @@ def key(ds: Any, tokenizer: Any, *, code: Iterable[str | os.PathLike] = (), **ar
     import tokenizers
     import transformers
 
-    parts = {"examples": fingerprint, "rows": len(ds), "tokenizer": tokenizer_id(tokenizer),
-             "args": sorted(args.items()), "transformers": transformers.__version__,
-             "tokenizers": tokenizers.__version__,
-             "code": hashlib.sha256(b"".join(Path(f).read_bytes() for f in code)).hexdigest()}
+    return entry_name({"examples": fingerprint, "rows": len(ds), "tokenizer": tokenizer_id(tokenizer),
+                       "args": sorted(args.items()), "transformers": transformers.__version__,
+                       "tokenizers": tokenizers.__version__}, code)
+
+
+def entry_name(parts: dict, code: Iterable[str | os.PathLike]) -> str:
+    """A cache entry's name: a hash of ``parts`` (plain values) and of the source files ``code``, in
+    order, so that a change to the code names other entries. Raises OSError: a file unreadable."""
+    parts = {**parts, "code": hashlib.sha256(b"".join(Path(f).read_bytes() for f in code)).hexdigest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
