@@ -84,6 +84,45 @@ def test_a_trial_of_ours_runs_with_its_environment_and_records_it(tmp_path, monk
     assert "env" not in rec and seen["env"].get("TORCHINDUCTOR_CPP_WRAPPER") != "1"
 
 
+def test_hf_eager_builds_its_batches_and_the_prebuilt_trial_reads_the_parents(tmp_path, monkeypatch):
+    seen = []
+
+    def spawn(cmd, env, log, timeout_s):
+        seen.append((cmd, env))
+        return 0.0, 1.0, 1
+
+    monkeypatch.setattr(cold_start, "_spawn", spawn)
+    shape = {"model": "tiny", "model_dir": "tiny", "batch_size": 2, "seq_len": 64, "packing": "auto", "packed": False}
+    for lib in ("hf-eager", "hf-eager-prebuilt"):
+        rec = cold_start._run_peer(lib, shape, tmp_path, tmp_path / "dirs", tmp_path / "batches.pt", "cpu", 2, 10)
+        assert "no record" in rec["error"]
+    (built, env), (prebuilt, _) = seen
+    assert "--batches" not in built and built[built.index("--batch-size") + 1] == "2"
+    assert built[built.index("--packing") + 1] == "auto" and built[built.index("--seq-len") + 1] == "64"
+    assert prebuilt[prebuilt.index("--batches") + 1] == str(tmp_path / "batches.pt") and "--batch-size" not in prebuilt
+    assert env["HF_DATASETS_CACHE"] == str(tmp_path / "dirs" / "datasets")  # emptied with a cold run's folders
+    assert set(cold_start.HF) <= set(cold_start.NO_COMPILE) and set(cold_start.HF) <= set(cold_start.PEERS)
+
+
+def test_the_hf_child_builds_its_batches_and_records_the_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("QLORA_NB_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "hf.json"
+    args = cold_start.main.__globals__["argparse"].Namespace(
+        model="tiny", batches=None, batch_size=2, seq_len=256, packing="auto", steps=2, device="cpu", out=str(out))
+    assert cold_start.child_hf(args) == 0
+    rec = json.loads(out.read_text())
+    assert "error" not in rec, rec.get("traceback")
+    assert rec["data"].startswith("built in the process") and rec["data_s"] > 0 and len(rec["step_ms"]) == 2
+    from qlora_nb_utils.data import batch_cache, token_cache
+
+    assert not batch_cache.default_dir().exists() and not token_cache.default_dir().exists()  # nothing kept
+
+
+def test_the_rows_before_trial_routes_by_the_threshold_alone(tmp_path, monkeypatch):
+    assert cold_start.OURS["ours-rows-before"] == cold_start.OURS["ours"]
+    assert cold_start.OURS_ENV["ours-rows-before"] == {cold_start.ROWS_BEFORE_ENV: "1"}
+
+
 def test_the_rebatched_trial_shares_ours_caches_but_builds_its_batches(tmp_path, monkeypatch):
     """``ours-rebatched`` is a warm start of ours as before the batch cache: ours' compile caches, the
     token cache kept, the batch cache emptied."""

@@ -14,8 +14,12 @@ of its first optimizer step (the child's clock, ``first_step_end_unix``):
   steps, keeps its compiled artifacts);
 * ``ours-before``: the same with the choices of before forced through ``optimize()``'s options
   (``--scope whole --compile-cache off``: the whole model, no artifacts);
-* ``hf-eager``: the HF recipe (kbit prep + LoRA, eager) on the same batches, the package's loop;
-* ``unsloth``: ``lab.peers.unsloth`` (its own loop) on the same batches, padding-free packed.
+* ``hf-eager``: the HF recipe (kbit prep + LoRA, eager), the package's loop, on batches it builds in
+  its own process from the same data and options (``build_finetune_batches``, nothing cached), as a
+  user of the recipe tokenizes before training; rows written before this rule read the parent's
+  batches from a file, and say so by having no ``data`` field. The trial ``hf-eager-prebuilt``
+  still does (``data``: "read from the parent's file");
+* ``unsloth``: ``lab.peers.unsloth`` (its own loop) on the parent's batches, padding-free packed.
 
 ``cold``: every compile cache empty (a fresh ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``,
 the package's artifact folder and token cache removed, Unsloth's compiled-module folder new);
@@ -33,7 +37,8 @@ ours-before warm. A run that does not fit the time left is listed under ``skippe
     python3 lab/gpu/compile_time/cold_start.py run SHAPE OUT_JSON BUDGET_S [--device cpu --model tiny --steps 4]
     python3 lab/gpu/compile_time/cold_start.py merge OUT_JSON IN_JSON... [--conditions TEXT]
     python3 lab/gpu/compile_time/cold_start.py child-ours SIDE_JSON -- QLORA_NB_TRAIN_ARGS...
-    python3 lab/gpu/compile_time/cold_start.py child-hf --model M --batches F --steps N --out J
+    python3 lab/gpu/compile_time/cold_start.py child-hf --model M (--batches F | --batch-size B --seq-len S
+        --packing P) --steps N --out J
 """
 
 from __future__ import annotations
@@ -74,15 +79,20 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: cache emptied first (:data:`REBATCHED`): a warm start as it was before ``data.batch_cache``, the
 #: tokenized rows read back and the batches built from them, for a same-call A/B against ``ours``.
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
-        "ours-nested": ["--scope", "whole"], "ours-rebatched": []}
+        "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-rows-before": []}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
 CACHES_OF = {"ours-rebatched": "ours"}
 #: Trials whose start finds no batches kept (the batch cache emptied just before; the token cache kept).
 REBATCHED = ("ours-rebatched",)
 #: Set in a child of ours: the decoder layer class's forward wrapped in ``nested_compile_region`` first.
 NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
+#: Set in a child of ours: the NF4 forwards routed by the row threshold alone, as before the route asked
+#: bitsandbytes' own heuristic per weight shape (``nf4_dequant.note_shapes`` made to read nothing): the trial
+#: ``ours-rows-before``, a same-call A/B of that rule.
+ROWS_BEFORE_ENV = "QLORA_NB_LAB_NF4_ROWS_BEFORE"
 #: The environment a trial of ours adds (recorded in its row as ``env``).
-OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"}}
+OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"},
+            "ours-rows-before": {ROWS_BEFORE_ENV: "1"}}
 #: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
@@ -187,6 +197,11 @@ def child_ours(side: str, argv: list[str]) -> int:
         imports[name] = round(time.perf_counter() - t0, 3)
     imported_unix = time.time()
     trial = nest_llama_layers() if os.environ.get(NESTED_ENV) == "1" else {}
+    if os.environ.get(ROWS_BEFORE_ENV) == "1":
+        from qlora_nb_utils.compile.patches import nf4_dequant
+
+        nf4_dequant.note_shapes = lambda model: 0
+        trial = {**trial, "nf4_rows": "the row threshold alone (no shape noted)"}
     from qlora_nb_utils import cli
 
     code = cli.main(["train", *argv])
@@ -197,7 +212,9 @@ def child_ours(side: str, argv: list[str]) -> int:
 
 
 def child_hf(args: argparse.Namespace) -> int:
-    """The HF recipe, eager, on the saved batches: the package's loop, the first step's end recorded."""
+    """The HF recipe, eager: the package's loop, the first step's end recorded. Its batches built here,
+    as a user of the recipe tokenizes before training (the package's builder, the same options as
+    ours, nothing cached), or with ``--batches`` read from the file the parent saved."""
     record: dict = {"launched_unix": _LAUNCHED}
     try:
         import torch
@@ -207,7 +224,19 @@ def child_hf(args: argparse.Namespace) -> int:
         from qlora_nb_utils.training.loop import TrainConfig, train
 
         t0 = time.perf_counter()
-        batches = torch.load(args.batches)
+        if args.batches:
+            batches = torch.load(args.batches)
+            record["data"] = "read from the parent's file"
+        else:
+            from qlora_nb_utils.training.finetune_batches import build_finetune_batches
+
+            tok = models.load_tokenizer(args.model)
+            batches, _, _ = build_finetune_batches(tok, data=None, batch_size=args.batch_size, seq_len=args.seq_len,
+                                                   seed=SEED, eval_size=8, log=lambda _: None, cache=False,
+                                                   packing={"auto": "auto", "on": True}[args.packing])
+            batches = batches[:args.steps]
+            record["data"] = "built in the process (build_finetune_batches, cache=False)"
+        record["data_s"] = round(time.perf_counter() - t0, 3)
         device, dtype = env.resolve_device_dtype(args.device, "auto")
         model, _ = models.load_model(args.model, quant="nf4", lora=True, lora_r=LORA_R, lora_alpha=LORA_ALPHA,
                                      dtype=dtype, device=device, prepare_kbit=True, seed=SEED)
@@ -256,7 +285,8 @@ def _env(dirs: Path, extra_site: str = "") -> dict:
 
     env = dict(os.environ)
     env.update(TORCHINDUCTOR_CACHE_DIR=str(dirs / "inductor"), TRITON_CACHE_DIR=str(dirs / "triton"),
-               UNSLOTH_COMPILE_LOCATION=str(dirs / "unsloth_compiled"), PYTHONUNBUFFERED="1")
+               UNSLOTH_COMPILE_LOCATION=str(dirs / "unsloth_compiled"), HF_DATASETS_CACHE=str(dirs / "datasets"),
+               PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = pythonpath_with_package(env.get("PYTHONPATH"), extra_site, str(Path(__file__).resolve().parents[3]))
     return env
 
@@ -337,9 +367,11 @@ def _run_peer(lib: str, shape: dict, work: Path, dirs: Path, batches: Path, devi
               timeout_s: float) -> dict:
     out = work / f"{lib}-{dirs.name}-{int(time.time())}.json"
     model_dir = shape["model_dir"]
-    if lib == "hf-eager":
-        cmd = [sys.executable, str(Path(__file__).resolve()), "child-hf", "--model", shape["model"],
-               "--batches", str(batches), "--steps", str(steps), "--device", device, "--out", str(out)]
+    if lib in HF:
+        data = (["--batches", str(batches)] if lib == "hf-eager-prebuilt" else
+                ["--batch-size", str(shape["batch_size"]), "--seq-len", str(shape["seq_len"]), "--packing", shape["packing"]])
+        cmd = [sys.executable, str(Path(__file__).resolve()), "child-hf", "--model", shape["model"], *data,
+               "--steps", str(steps), "--device", device, "--out", str(out)]
         env = _env(dirs)
     else:
         cmd = [sys.executable, "-m", "lab.peers.unsloth", "--model-dir", model_dir, "--batches", str(batches),
@@ -354,7 +386,8 @@ def _run_peer(lib: str, shape: dict, work: Path, dirs: Path, batches: Path, devi
     if r.get("error"):
         return {**rec, "error": r["error"]}
     rec.update(step_ms=r["step_ms"], first_step_end_unix=r.get("first_step_end_unix"), peak_mem_gib=r["peak_mem_gib"],
-               losses=r.get("losses"), load_s=r.get("load_s"), graph_breaks=None, compilations=None)
+               losses=r.get("losses"), load_s=r.get("load_s"), graph_breaks=None, compilations=None,
+               data=r.get("data", "read from the parent's file"), **({"data_s": r["data_s"]} if "data_s" in r else {}))
     return rec
 
 
@@ -481,10 +514,12 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
 
 
 #: The peers a comparison sets against ours (each its ratios' key prefix, ``-`` as ``_``).
-PEERS = ("unsloth", "hf-eager")
+PEERS = ("unsloth", "hf-eager", "hf-eager-prebuilt")
 #: Peers that compile nothing: what a compile cache holds does not change their run, so the one run of
 #: a call is set beside ours' cold and warm runs alike (its entry keeps the cache it was recorded under).
-NO_COMPILE = ("hf-eager",)
+NO_COMPILE = ("hf-eager", "hf-eager-prebuilt")
+#: The HF recipe's runs: its batches built in the process, or read from the parent's file.
+HF = ("hf-eager", "hf-eager-prebuilt")
 
 
 def comparisons(runs: list[dict]) -> list[dict]:
@@ -569,7 +604,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--conditions", default=None, help="what else the machine ran during these calls")
     h = sub.add_parser("child-hf")
     h.add_argument("--model", required=True)
-    h.add_argument("--batches", required=True)
+    h.add_argument("--batches", default=None, help="the parent's batches file (else built here)")
+    h.add_argument("--batch-size", type=int, default=4)
+    h.add_argument("--seq-len", type=int, default=128)
+    h.add_argument("--packing", default="auto", choices=("auto", "on"))
     h.add_argument("--steps", type=int, required=True)
     h.add_argument("--device", default="cuda")
     h.add_argument("--out", required=True)
