@@ -279,7 +279,7 @@ def test_what_it_does_not_handle_goes_to_bitsandbytes(monkeypatch):
     original = bnbF.dequantize_4bit
     x = torch.randn(4, 64)
     with nf4_dequant.patched() as handle:
-        assert handle.details["forward_min_rows"] == {"cuda": 1536, "cpu": 0, "by_shape": True}
+        assert handle.details["forward_min_rows"] == {"cuda": 1536, "cpu": 0}
         packed, state = quantize((64, 64), quant_type="fp4")
         assert not nf4_dequant.routable(packed, state) and nf4_dequant.routable(*quantize((64, 64)))
         with OpCounter() as count:
@@ -304,56 +304,6 @@ def test_what_it_does_not_handle_goes_to_bitsandbytes(monkeypatch):
             bnb.matmul_4bit(x.requires_grad_(), packed, state).sum().backward()
         assert count.theirs == 1 and count.ours == 1  # the backward's dequantize is still ours
     assert bnbF.dequantize_4bit is original
-
-
-class _Heuristic:
-    """bitsandbytes' CUDA ops module as the route reads it: a threshold and a fused-kernel heuristic
-    (shaped like bitsandbytes 0.50.2's on an H100: a short inner size fuses to 512 rows, else to 32)."""
-
-    _gemm_4bit_custom_max_m = 1536
-    asked: list = []
-
-    @staticmethod
-    def _gemm_4bit_use_custom_fn(index, dtype, m, n, k):
-        _Heuristic.asked.append((index, dtype, n, k))
-        return m <= (512 if k * 2 < n else 32)
-
-
-class _NoHeuristic:
-    _gemm_4bit_custom_max_m = 1536
-
-
-def test_fused_rows_read_from_bitsandbytes_heuristic(monkeypatch):
-    monkeypatch.setattr(nf4_dequant, "_cuda_ops", lambda: _Heuristic)
-    assert nf4_dequant.bnb_fused_rows(1536, 576, 64, torch.bfloat16, 0) == 512  # gate/up of a 576-wide model
-    assert nf4_dequant.bnb_fused_rows(576, 576, 64, torch.bfloat16, 0) == 32
-    assert nf4_dequant.bnb_fused_rows(576, 100, 64, torch.bfloat16, 0) == 0  # inner size off the blocks: never fused
-    assert {a[0] for a in _Heuristic.asked} == {0} and {a[2:] for a in _Heuristic.asked} == {(1536, 576), (576, 576)}
-    monkeypatch.setattr(nf4_dequant, "_cuda_ops", lambda: _NoHeuristic)  # no heuristic: every row to its threshold
-    assert nf4_dequant.bnb_fused_rows(576, 576, 64, torch.bfloat16, 0) == 1536
-    monkeypatch.setattr(nf4_dequant, "_cuda_ops", lambda: None)  # no CUDA build: bitsandbytes 0.50.2's threshold
-    assert nf4_dequant.bnb_fused_rows(576, 576, 64, torch.bfloat16, 0) == 1536
-
-
-def test_a_cuda_forward_stays_bitsandbytes_only_where_it_would_fuse(monkeypatch):
-    _, qs = quantize((64, 128))
-    key = (64, 128, qs.blocksize, qs.dtype)
-    monkeypatch.setitem(nf4_dequant._FUSED_ROWS, key, 32)
-    stays = nf4_dequant._bitsandbytes_fuses
-    by_shape = {"cuda": 1536, "cpu": 0, "by_shape": True}
-    assert stays(32, "cuda", qs, by_shape) and not stays(33, "cuda", qs, by_shape)
-    assert not stays(2000, "cuda", qs, by_shape)  # past the threshold: always dequantized
-    fixed = {"cuda": 1536, "cpu": 1536, "by_shape": False}  # forward_min_rows given: the threshold alone
-    assert stays(33, "cuda", qs, fixed) and stays(1536, "cuda", qs, fixed) and not stays(1537, "cuda", qs, fixed)
-    assert not stays(1, "cpu", qs, by_shape)  # on a CPU every forward is routed
-    _, other = quantize((128, 64))  # a shape not noted: the threshold alone
-    assert stays(100, "cuda", other, by_shape)
-
-
-def test_note_shapes_reads_cuda_weights_only(model):
-    before = dict(nf4_dequant._FUSED_ROWS)
-    assert nf4_dequant.note_shapes(model) == 0  # this model's NF4 weights are on the CPU: nothing asked
-    assert nf4_dequant._FUSED_ROWS == before
 
 
 def test_refuses_other_bitsandbytes_versions(monkeypatch):

@@ -142,9 +142,4 @@ def use_nf4_dequant(model: torch.nn.Module, plan: Any) -> list[PatchHandle]:
     if not plan.choices["nf4_dequant"]:
         return []
     handle = _apply_or_refuse("nf4_dequant", _acquire_nf4, plan.options.nf4_dequant, plan)
-    if handle is None:
-        return []
-    from .patches.nf4_dequant import note_shapes
-
-    note_shapes(model)  # which forwards bitsandbytes would fuse, read now: never while tracing
-    return [handle]
+    return [] if handle is None else [handle]

@@ -118,11 +118,6 @@ def test_the_hf_child_builds_its_batches_and_records_the_time(tmp_path, monkeypa
     assert not batch_cache.default_dir().exists() and not token_cache.default_dir().exists()  # nothing kept
 
 
-def test_the_rows_before_trial_routes_by_the_threshold_alone(tmp_path, monkeypatch):
-    assert cold_start.OURS["ours-rows-before"] == cold_start.OURS["ours"]
-    assert cold_start.OURS_ENV["ours-rows-before"] == {cold_start.ROWS_BEFORE_ENV: "1"}
-
-
 def test_the_rebatched_trial_shares_ours_caches_but_builds_its_batches(tmp_path, monkeypatch):
     """``ours-rebatched`` is a warm start of ours as before the batch cache: ours' compile caches, the
     token cache kept, the batch cache emptied."""

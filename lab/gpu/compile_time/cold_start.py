@@ -79,20 +79,15 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: cache emptied first (:data:`REBATCHED`): a warm start as it was before ``data.batch_cache``, the
 #: tokenized rows read back and the batches built from them, for a same-call A/B against ``ours``.
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
-        "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-rows-before": []}
+        "ours-nested": ["--scope", "whole"], "ours-rebatched": []}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
 CACHES_OF = {"ours-rebatched": "ours"}
 #: Trials whose start finds no batches kept (the batch cache emptied just before; the token cache kept).
 REBATCHED = ("ours-rebatched",)
 #: Set in a child of ours: the decoder layer class's forward wrapped in ``nested_compile_region`` first.
 NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
-#: Set in a child of ours: the NF4 forwards routed by the row threshold alone, as before the route asked
-#: bitsandbytes' own heuristic per weight shape (``nf4_dequant.note_shapes`` made to read nothing): the trial
-#: ``ours-rows-before``, a same-call A/B of that rule.
-ROWS_BEFORE_ENV = "QLORA_NB_LAB_NF4_ROWS_BEFORE"
 #: The environment a trial of ours adds (recorded in its row as ``env``).
-OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"},
-            "ours-rows-before": {ROWS_BEFORE_ENV: "1"}}
+OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"}}
 #: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
@@ -197,11 +192,6 @@ def child_ours(side: str, argv: list[str]) -> int:
         imports[name] = round(time.perf_counter() - t0, 3)
     imported_unix = time.time()
     trial = nest_llama_layers() if os.environ.get(NESTED_ENV) == "1" else {}
-    if os.environ.get(ROWS_BEFORE_ENV) == "1":
-        from qlora_nb_utils.compile.patches import nf4_dequant
-
-        nf4_dequant.note_shapes = lambda model: 0
-        trial = {**trial, "nf4_rows": "the row threshold alone (no shape noted)"}
     from qlora_nb_utils import cli
 
     code = cli.main(["train", *argv])

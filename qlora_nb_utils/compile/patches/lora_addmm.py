@@ -218,8 +218,7 @@ def apply(model: torch.nn.Module, in_place: bool = True, nf4_rows: dict[str, int
     is not met otherwise.
 
     ``nf4_rows``: layers over an NF4 weight run as one ``nf4_lora_linear`` past this many input
-    rows per device type, and on CUDA with ``by_shape`` wherever bitsandbytes would not run its fused
-    kernel (module docstring; the ``forward_min_rows`` of the ``nf4_dequant``
+    rows per device type (module docstring; the ``forward_min_rows`` of the ``nf4_dequant``
     patch's details). None: never.
 
     ``group``: with ``nf4_rows``, the :data:`GROUPS` run as one ``nf4_lora_linears`` each

@@ -6,9 +6,8 @@ Not a graph-break workaround: a speed patch. bitsandbytes 0.50's ``Linear4bit.fo
 * its forward calls the opaque op ``bitsandbytes::gemm_4bit``; on CUDA, past 1536 rows
   (``backends/cuda/ops.py``, ``_gemm_4bit_custom_max_m``), that op dequantizes the whole weight
   in two kernels (the double-quantized block scales to a float32 scratch tensor, then the NF4
-  codes) and calls ``F.linear``; below it, by a heuristic of its own on the device, the
-  weight's shape and the row count, either a fused 4-bit GEMM that never materialises the weight
-  or the same dequantize and ``F.linear`` (on an H100 most training shapes take the second);
+  codes) and calls ``F.linear``; below it, by a heuristic of its own on the device, the weight's
+  shape and the row count, either that or a fused 4-bit GEMM that never materialises the weight;
 * its backward calls ``bitsandbytes.functional.dequantize_4bit`` (the same two kernels, traced
   by Dynamo as ``dequantize_blockwise`` + add + ``dequantize_4bit``) and a matmul.
 
@@ -17,13 +16,9 @@ Not a graph-break workaround: a speed patch. bitsandbytes 0.50's ``Linear4bit.fo
 (what ``MatMul4Bit.backward``, PEFT's merge and everyone else call). Each replacement handles
 what :func:`routable` accepts and hands anything else, untouched, to the function it replaced:
 FP4, an ``out=`` tensor, a weight quantized in the deprecated [K, N] orientation, a CPU
-inference-packed weight, other dtypes or devices, an empty input, and (on CUDA) a forward that
-bitsandbytes would run as its fused kernel, which reads the packed weight directly: at most
-``forward_min_rows`` rows, and, by default, of a row count its own heuristic gives that kernel
-for the weight's shape (:func:`bnb_fused_rows`, read once per shape by :func:`note_shapes`
-outside any trace; a shape not noted keeps the row threshold alone). The forward it would
-dequantize anyway runs as one kernel inside the graph instead of two behind an opaque op, whose
-Python dispatch is much of a small model's step on the host. A routed ``matmul_4bit`` is an autograd function of ours (:class:`NF4Linear`) whose
+inference-packed weight, other dtypes or devices, an empty input, and (on CUDA) a forward of at
+most ``forward_min_rows`` rows, which bitsandbytes handles its own way (its fused kernel where its
+heuristic takes one). A routed ``matmul_4bit`` is an autograd function of ours (:class:`NF4Linear`) whose
 forward is ``F.linear(x, op(W))`` and whose backward dequantizes again
 (``grad @ op(W)``): the dequantized weight is never saved for the backward, as with
 bitsandbytes. The op is ``torch.ops.qlora_nb.dequantize_nf4_fused``
@@ -51,7 +46,7 @@ import torch
 from ...reversible import PatchHandle, check_signature, check_versions, set_attribute
 
 __all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routable", "holds_nf4", "make_lora_route",
-           "as_bytes", "bnb_fused_rows", "note_shapes"]
+           "as_bytes"]
 
 NAME = "nf4_dequant"
 
@@ -65,9 +60,6 @@ _MATMUL_PARAMS = ["A", "B", "quant_state", "out", "bias"]
 _DEQUANT_PARAMS = ["A", "quant_state", "absmax", "out", "blocksize", "quant_type"]
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BNB_CUDA_MAX_M = 1536  # bitsandbytes 0.50.2's own threshold, used when it cannot be read
-#: Per NF4 weight shape ``(out, in, blocksize, dtype)``: the most rows of a CUDA forward that bitsandbytes
-#: runs as its fused kernel (:func:`note_shapes` fills it outside any trace; the routes read it).
-_FUSED_ROWS: dict[tuple, int] = {}
 
 
 def _op() -> Any:
@@ -144,81 +136,23 @@ class NF4Linear(torch.autograd.Function):
         return (grad_x, None, grad_bias) + (None,) * 9
 
 
-def _cuda_ops() -> Any:
+def _cuda_rows() -> int:
+    """bitsandbytes' own CUDA threshold: past it ``gemm_4bit`` always dequantizes; below it, its heuristic
+    chooses between that and a fused 4-bit GEMM."""
     try:
         from bitsandbytes.backends.cuda import ops as cuda_ops
-    except Exception:  # no CUDA build here: the values only matter on CUDA
-        return None
-    return cuda_ops
+    except Exception:  # no CUDA build here: the value only matters on CUDA
+        return _BNB_CUDA_MAX_M
+    return int(getattr(cuda_ops, "_gemm_4bit_custom_max_m", _BNB_CUDA_MAX_M))
 
 
-def _cuda_rows() -> int:
-    """bitsandbytes' own CUDA threshold: past it ``gemm_4bit`` always dequantizes."""
-    return int(getattr(_cuda_ops(), "_gemm_4bit_custom_max_m", _BNB_CUDA_MAX_M))
-
-
-def bnb_fused_rows(out_features: int, in_features: int, blocksize: int, dtype: torch.dtype,
-                   device: torch.device | int | None = None) -> int:
-    """The most rows of a forward that bitsandbytes' CUDA ``gemm_4bit`` runs as its fused 4-bit kernel
-    for an ``[out_features, in_features]`` NF4 weight; above them (and where a smaller count would not
-    take the kernel either) it dequantizes the whole weight and calls ``F.linear``.
-
-    Read from bitsandbytes' own heuristic (``_gemm_4bit_use_custom_fn``, on the device's architecture
-    and SM count), asked for each row count up to its threshold; where bitsandbytes has no such
-    heuristic, its threshold (every forward below it stays bitsandbytes', as before the heuristic).
-    0 when the inner size is not a multiple of the block size (bitsandbytes then always dequantizes).
-    """
-    cuda_ops = _cuda_ops()
-    max_m = _cuda_rows()
-    use = getattr(cuda_ops, "_gemm_4bit_use_custom_fn", None)
-    if use is None:
-        return max_m
-    if in_features % blocksize:
-        return 0
-    index = device.index if isinstance(device, torch.device) else device
-    index = torch.cuda.current_device() if index is None else index
-    return max((m for m in range(1, max_m + 1) if use(index, dtype, m, out_features, in_features)), default=0)
-
-
-def _shape_key(qs: Any) -> tuple:
-    return (int(qs.shape[0]), int(qs.shape[1]), int(qs.blocksize), qs.dtype)
-
-
-def note_shapes(model: torch.nn.Module) -> int:
-    """Read :func:`bnb_fused_rows` for each NF4 weight shape of ``model`` on a CUDA device, for the
-    routes to look up while Dynamo traces them (bitsandbytes' heuristic itself is never traced).
-    Returns how many shapes were read now (facts about bitsandbytes, kept for the process)."""
-    read = 0
-    for layer in model.modules():
-        weight = getattr(layer, "weight", None)
-        qs = getattr(weight, "quant_state", None)
-        if not holds_nf4(layer) or weight.device.type != "cuda" or len(getattr(qs, "shape", ())) != 2:
-            continue
-        key = _shape_key(qs)
-        if key not in _FUSED_ROWS:
-            _FUSED_ROWS[key] = bnb_fused_rows(key[0], key[1], key[2], key[3], weight.device)
-            read += 1
-    return read
-
-
-def _bitsandbytes_fuses(rows: Any, device_type: str, qs: Any, limits: dict) -> bool:
-    """Whether a forward of ``rows`` rows stays bitsandbytes' (its fused kernel would run): at most the
-    device type's row threshold, and on CUDA by shape (``limits["by_shape"]``) at most the rows its
-    heuristic fuses for this weight."""
-    if rows > limits.get(device_type, 0):
-        return False
-    if device_type == "cuda" and limits.get("by_shape"):
-        return rows <= _FUSED_ROWS.get(_shape_key(qs), limits["cuda"])
-    return True
-
-
-def _make_matmul(original, op: Any, limits: dict):
+def _make_matmul(original, op: Any, cuda_rows: int, cpu_rows: int):
     # Everything the traced body reads is resolved here, at apply time (no import while tracing).
     def matmul_4bit(A, B, quant_state, out=None, bias=None):
         qs = quant_state
         if (out is None and routable(B, qs, op.HAS_TRITON) and len(qs.shape) == 2 and A.dim() >= 1
                 and A.numel() > 0 and A.shape[-1] == qs.shape[1] and A.dtype in _DTYPES and A.device == B.device
-                and not _bitsandbytes_fuses(A.numel() // A.shape[-1], A.device.type, qs, limits)):
+                and A.numel() // A.shape[-1] > (cuda_rows if A.device.type == "cuda" else cpu_rows)):
             args = op.op_args(as_bytes(B), qs)
             return NF4Linear.apply(A, args[0], bias, *args[1:9], qs.dtype)
         return original(A, B, quant_state, out, bias)
@@ -247,11 +181,9 @@ def make_lora_route(min_rows: dict[str, int]):
     else to do, else None.
 
     "Nothing else": an NF4 weight :func:`routable` accepts, no bias, ``x`` already in the weight's
-    dtype and the layer's compute dtype, on the weight's device, gradients on, and a row count that
-    bitsandbytes would not run as its fused 4-bit kernel: more than ``min_rows[device type]`` rows
-    (the ``forward_min_rows`` of :func:`apply`'s details), or on CUDA with ``min_rows["by_shape"]``
-    more than its heuristic fuses for the weight's shape (:func:`note_shapes`). Everything it reads
-    is resolved here or noted before, not while tracing.
+    dtype and the layer's compute dtype, on the weight's device, gradients on, and more than
+    ``min_rows[device type]`` rows (the ``forward_min_rows`` of :func:`apply`'s details: below it
+    bitsandbytes chooses its own kernels). Everything it reads is resolved here, not while tracing.
     """
     from bitsandbytes.nn import Linear4bit
 
@@ -266,8 +198,7 @@ def make_lora_route(min_rows: dict[str, int]):
             return None
         if x.dtype != qs.dtype or layer.compute_dtype not in (None, x.dtype) or x.device != weight.device:
             return None
-        if x.dim() < 2 or x.shape[-1] != qs.shape[1] or _bitsandbytes_fuses(x.numel() // x.shape[-1],
-                                                                              x.device.type, qs, min_rows):
+        if x.dim() < 2 or x.shape[-1] != qs.shape[1] or x.numel() // x.shape[-1] <= min_rows.get(x.device.type, 0):
             return None
         return op.op_args(as_bytes(weight), qs, x.dtype)
 
@@ -309,14 +240,12 @@ def apply(model: torch.nn.Module | None = None, *, forward: bool = True,
         model: Ignored (the patch is process-wide); accepted for the patches' common signature.
         forward: Also replace ``bitsandbytes.matmul_4bit`` (the forward's dequantize); False
             routes only ``dequantize_4bit`` (the backward's).
-        forward_min_rows: Route a forward only past this many input rows. None: bitsandbytes' own
-            choice on CUDA: its threshold (1536 in 0.50.2), and below it, for a weight shape
-            :func:`note_shapes` has read, the rows its heuristic gives the fused 4-bit GEMM; 0 on CPU.
+        forward_min_rows: Route a forward only past this many input rows. None: bitsandbytes'
+            own threshold on CUDA (1536 in 0.50.2; below it bitsandbytes chooses), 0 on CPU.
 
     Returns:
         A :class:`PatchHandle`; ``details`` says what was replaced and whether CUDA tensors are
-        routed (``cuda``: Triton importable); ``forward_min_rows`` the row thresholds by device type,
-        with ``by_shape`` whether CUDA also asks bitsandbytes' heuristic per shape.
+        routed (``cuda``: Triton importable).
 
     Raises:
         RuntimeError: Unsupported versions, or a target's signature or calls changed.
@@ -326,13 +255,12 @@ def apply(model: torch.nn.Module | None = None, *, forward: bool = True,
     import bitsandbytes.functional as bnbF
 
     op = _op()
-    limits = ({"cuda": _cuda_rows(), "cpu": 0, "by_shape": True} if forward_min_rows is None else
-              {"cuda": forward_min_rows, "cpu": forward_min_rows, "by_shape": False})
+    rows = (_cuda_rows(), 0) if forward_min_rows is None else (forward_min_rows, forward_min_rows)
     handle = PatchHandle(NAME, {"forward": forward, "backward": True, "cuda": op.HAS_TRITON,
-                                "forward_min_rows": dict(limits)})
+                                "forward_min_rows": {"cuda": rows[0], "cpu": rows[1]}})
     set_attribute(handle, bnbF, "dequantize_4bit", _make_dequantize(bnbF.dequantize_4bit, op))
     if forward:
-        set_attribute(handle, bitsandbytes, "matmul_4bit", _make_matmul(bitsandbytes.matmul_4bit, op, limits))
+        set_attribute(handle, bitsandbytes, "matmul_4bit", _make_matmul(bitsandbytes.matmul_4bit, op, *rows))
     return handle
 
 
