@@ -14,11 +14,8 @@ of its first optimizer step (the child's clock, ``first_step_end_unix``):
   steps, keeps its compiled artifacts);
 * ``ours-before``: the same with the choices of before forced through ``optimize()``'s options
   (``--scope whole --compile-cache off``: the whole model, no artifacts);
-* ``hf-eager``: the HF recipe (kbit prep + LoRA, eager), the package's loop, on batches it builds in
-  its own process from the same data and options (``build_finetune_batches``, nothing cached), as a
-  user of the recipe tokenizes before training; rows written before this rule read the parent's
-  batches from a file, and say so by having no ``data`` field. The trial ``hf-eager-prebuilt``
-  still does (``data``: "read from the parent's file");
+* ``hf-eager``: the HF recipe (kbit prep + LoRA, eager), the package's loop, on batches built in its
+  process as ours are (nothing cached); the trial ``hf-eager-prebuilt``, and rows with no ``data``, on the parent's;
 * ``unsloth``: ``lab.peers.unsloth`` (its own loop) on the parent's batches, padding-free packed.
 
 ``cold``: every compile cache empty (a fresh ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``,
@@ -37,8 +34,7 @@ ours-before warm. A run that does not fit the time left is listed under ``skippe
     python3 lab/gpu/compile_time/cold_start.py run SHAPE OUT_JSON BUDGET_S [--device cpu --model tiny --steps 4]
     python3 lab/gpu/compile_time/cold_start.py merge OUT_JSON IN_JSON... [--conditions TEXT]
     python3 lab/gpu/compile_time/cold_start.py child-ours SIDE_JSON -- QLORA_NB_TRAIN_ARGS...
-    python3 lab/gpu/compile_time/cold_start.py child-hf --model M (--batches F | --batch-size B --seq-len S
-        --packing P) --steps N --out J
+    python3 lab/gpu/compile_time/cold_start.py child-hf --model M (--batches F | --batch-size B --seq-len S ...)
 """
 
 from __future__ import annotations
@@ -69,15 +65,11 @@ ORDER = [("ours", "cold"), ("ours", "warm"), ("unsloth", "cold"), ("hf-eager", "
 #: What ours-before forces through optimize()'s options: the whole model, no artifacts.
 BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: Our runs, by library name: the options each adds to ``qlora-nb train``'s. Trials, run only when
-#: COLD_START_RUNS names them: ``ours-cudagraphs``, the regional scope with CUDA graphs asked for;
-#: ``ours-cpp-wrapper``, ours with Inductor's C++ wrapper (:data:`OURS_ENV`), which launches a graph's
-#: kernels from C++ instead of its Python ``call``: the host's share of a small model's step;
-#: ``ours-nested``, the whole model (CUDA graphs where ``optimize()`` takes them) with the decoder layer's
-#: forward marked ``torch.compiler.nested_compile_region`` in the child (:data:`NESTED_ENV`): whether
-#: torch traces and compiles the layer once inside the whole graph, which would give the whole
-#: graph's step at near a layer's compile; ``ours-rebatched``, ours on ours' caches with the batch
-#: cache emptied first (:data:`REBATCHED`): a warm start as it was before ``data.batch_cache``, the
-#: tokenized rows read back and the batches built from them, for a same-call A/B against ``ours``.
+#: COLD_START_RUNS names them: ``ours-cudagraphs`` (regional with CUDA graphs); ``ours-cpp-wrapper``
+#: (Inductor's C++ wrapper launches the kernels: the host's share of a small model's step);
+#: ``ours-nested`` (the whole model, the decoder layer a ``nested_compile_region``: traced once inside
+#: the whole graph?); ``ours-rebatched`` (ours' caches, the batch cache emptied: a warm start as before
+#: ``data.batch_cache``, for a same-call A/B).
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
         "ours-nested": ["--scope", "whole"], "ours-rebatched": []}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
@@ -202,9 +194,8 @@ def child_ours(side: str, argv: list[str]) -> int:
 
 
 def child_hf(args: argparse.Namespace) -> int:
-    """The HF recipe, eager: the package's loop, the first step's end recorded. Its batches built here,
-    as a user of the recipe tokenizes before training (the package's builder, the same options as
-    ours, nothing cached), or with ``--batches`` read from the file the parent saved."""
+    """The HF recipe, eager: the package's loop, the first step's end recorded. Its batches built here (a
+    user of the recipe tokenizes too; nothing cached), or read from ``--batches``."""
     record: dict = {"launched_unix": _LAUNCHED}
     try:
         import torch
@@ -221,10 +212,9 @@ def child_hf(args: argparse.Namespace) -> int:
             from qlora_nb_utils.training.finetune_batches import build_finetune_batches
 
             tok = models.load_tokenizer(args.model)
-            batches, _, _ = build_finetune_batches(tok, data=None, batch_size=args.batch_size, seq_len=args.seq_len,
-                                                   seed=SEED, eval_size=8, log=lambda _: None, cache=False,
-                                                   packing={"auto": "auto", "on": True}[args.packing])
-            batches = batches[:args.steps]
+            batches = build_finetune_batches(tok, data=None, batch_size=args.batch_size, seq_len=args.seq_len, seed=SEED,
+                                             eval_size=8, log=lambda _: None, cache=False,
+                                             packing={"auto": "auto", "on": True}[args.packing])[0][:args.steps]
             record["data"] = "built in the process (build_finetune_batches, cache=False)"
         record["data_s"] = round(time.perf_counter() - t0, 3)
         device, dtype = env.resolve_device_dtype(args.device, "auto")
@@ -507,9 +497,7 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
 PEERS = ("unsloth", "hf-eager", "hf-eager-prebuilt")
 #: Peers that compile nothing: what a compile cache holds does not change their run, so the one run of
 #: a call is set beside ours' cold and warm runs alike (its entry keeps the cache it was recorded under).
-NO_COMPILE = ("hf-eager", "hf-eager-prebuilt")
-#: The HF recipe's runs: its batches built in the process, or read from the parent's file.
-HF = ("hf-eager", "hf-eager-prebuilt")
+HF = NO_COMPILE = ("hf-eager", "hf-eager-prebuilt")  # the HF recipe: batches built in its process, or the parent's
 
 
 def comparisons(runs: list[dict]) -> list[dict]:
@@ -595,9 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     h = sub.add_parser("child-hf")
     h.add_argument("--model", required=True)
     h.add_argument("--batches", default=None, help="the parent's batches file (else built here)")
-    h.add_argument("--batch-size", type=int, default=4)
-    h.add_argument("--seq-len", type=int, default=128)
-    h.add_argument("--packing", default="auto", choices=("auto", "on"))
+    for name, kind, default in (("--batch-size", int, 4), ("--seq-len", int, 128), ("--packing", str, "auto")):
+        h.add_argument(name, type=kind, default=default)
     h.add_argument("--steps", type=int, required=True)
     h.add_argument("--device", default="cuda")
     h.add_argument("--out", required=True)
