@@ -193,9 +193,18 @@ def child_ours(side: str, argv: list[str]) -> int:
     return code
 
 
+def shape_batches(model: str, batch_size: int, seq_len: int, packing: str, cache: bool = True) -> list:
+    """The training batches ``qlora-nb train`` builds for these options (``packing``: a shape's "auto"/"on")."""
+    from qlora_nb_utils import models
+    from qlora_nb_utils.training.finetune_batches import build_finetune_batches
+
+    return build_finetune_batches(models.load_tokenizer(model), data=None, batch_size=batch_size, seq_len=seq_len,
+                                  seed=SEED, eval_size=8, log=lambda _: None, cache=cache,
+                                  packing={"auto": "auto", "on": True}[packing])[0]
+
+
 def child_hf(args: argparse.Namespace) -> int:
-    """The HF recipe, eager: the package's loop, the first step's end recorded. Its batches built here (a
-    user of the recipe tokenizes too; nothing cached), or read from ``--batches``."""
+    """The HF recipe, eager, the package's loop, on batches built here (nothing cached) or read from ``--batches``."""
     record: dict = {"launched_unix": _LAUNCHED}
     try:
         import torch
@@ -209,12 +218,7 @@ def child_hf(args: argparse.Namespace) -> int:
             batches = torch.load(args.batches)
             record["data"] = "read from the parent's file"
         else:
-            from qlora_nb_utils.training.finetune_batches import build_finetune_batches
-
-            tok = models.load_tokenizer(args.model)
-            batches = build_finetune_batches(tok, data=None, batch_size=args.batch_size, seq_len=args.seq_len, seed=SEED,
-                                             eval_size=8, log=lambda _: None, cache=False,
-                                             packing={"auto": "auto", "on": True}[args.packing])[0][:args.steps]
+            batches = shape_batches(args.model, args.batch_size, args.seq_len, args.packing, cache=False)[:args.steps]
             record["data"] = "built in the process (build_finetune_batches, cache=False)"
         record["data_s"] = round(time.perf_counter() - t0, 3)
         device, dtype = env.resolve_device_dtype(args.device, "auto")
@@ -422,7 +426,6 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
 
     from qlora_nb_utils import env, models
     from qlora_nb_utils.data import packing as qpacking
-    from qlora_nb_utils.training.finetune_batches import build_finetune_batches
 
     t0 = time.monotonic()
     shape = dict(SHAPES[shape_name])
@@ -453,10 +456,7 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
                              "the shape, the losses do not mean anything")
     res["build_s"] = round(time.monotonic() - t_build, 1)
     # the batches the peers train: what qlora-nb train builds from the same options
-    tok = models.load_tokenizer(shape["model"])
-    train_batches, _, _ = build_finetune_batches(tok, data=None, batch_size=shape["batch_size"],
-                                                 seq_len=shape["seq_len"], seed=SEED, eval_size=8, log=lambda _: None,
-                                                 packing={"auto": "auto", "on": True}[shape["packing"]])
+    train_batches = shape_batches(shape["model"], shape["batch_size"], shape["seq_len"], shape["packing"])
     shape["packed"] = "document_ids" in train_batches[0]
     batches_file = work / "batches.pt"
     torch.save(train_batches[:steps], batches_file)
