@@ -10,6 +10,7 @@ runs themselves are tested per layout (``test_fsdp*.py``, ``test_pipeline.py``,
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 import pytest
@@ -124,3 +125,18 @@ def test_every_rank_module_ends_through_exit_after_run():
     for name in ("big_model", "fsdp_train", "pipeline_train", "context_parallel", "nf4_probe"):
         tail = (folder / f"{name}.py").read_text().split('if __name__ == "__main__":')[1]
         assert "exit_after_run(main())" in tail, name
+
+
+def test_a_profile_says_where_a_step_went_per_rank(tmp_path):
+    info = argparse.Namespace(device=torch.device("cpu"), rank=1)
+    prof = runs.start_profiler(info)
+    x = torch.randn(64, 64)
+    for _ in range(4):
+        x = torch.tanh(x @ x)
+    rec = runs.write_profile(prof, tmp_path, info, steps=2)
+    text = (tmp_path / "profile_rank1.txt").read_text()
+    assert "# by CPU time" in text and "aten::mm" in text and "# by device time" not in text
+    saved = json.loads((tmp_path / "profile_rank1.json").read_text())
+    assert saved == rec and rec["rank"] == 1 and rec["steps"] == 2
+    assert rec["wall_s_per_step"] > 0
+    assert rec["device_s_per_step"] == 0 and rec["top_device_ops"] == []  # no device on a CPU

@@ -172,6 +172,8 @@ def test_layers_split_evenly_and_stages_sit_where_each_schedule_wants_them():
     (["--layers", "4"], "--build layerwise"),
     (["--optimize", "scope=whole"], "set by the pipeline layout"),
     (["--schedule", "zbv", "--backend", "eager"], "aot_eager or inductor"),
+    (["--steps", "4", "--timing-warmup", "3", "--profile", "2"], "need --steps >= 5"),
+    (["--profile", "-1"], "--profile -1"),
 ])
 def test_bad_options_are_refused_before_any_model_loads(extra, match):
     from qlora_nb_utils.distributed import pipeline_train

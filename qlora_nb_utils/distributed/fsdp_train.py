@@ -46,6 +46,8 @@ from .runs import (
     check_common,
     read_log,
     run_main,
+    start_profiler,
+    write_profile,
 )
 
 # the load-time rules (resolve_nf4_mode is imported from here too)
@@ -255,10 +257,10 @@ def run(args: argparse.Namespace) -> dict | None:
     profiler = None
     for step in range(start, args.steps):
         if args.profile and step == start + args.timing_warmup:
-            profiler = _start_profiler(info)
+            profiler = start_profiler(info)
         rec = _train_step(job, model, params, opt, sched, batches[step % len(batches)], fast)
         if profiler is not None and step == start + args.timing_warmup + args.profile - 1:
-            _write_profile(profiler, out, info)
+            write_profile(profiler, out, info, args.profile)
             profiler = None
         job.log({**rec, "step": step, "run_start": start})
         done = step + 1
@@ -315,27 +317,6 @@ def _summary(job: RankRun, records: list[dict], sharded, storage, start: int) ->
     summary.update(quant_storage=str(storage).replace("torch.", ""), nf4=sharded.nf4, resumed_from=start or None,
                    compile=sharded.compile_stats(), sharding=kinds)
     return summary
-
-
-def _start_profiler(info):
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
-    prof = profile(activities=acts)
-    prof.__enter__()
-    return prof
-
-
-def _write_profile(prof, out: Path, info) -> None:
-    """Two tables per rank: the ops by device time, by CPU time (collectives show as ``nccl:*``)."""
-    prof.__exit__(None, None, None)
-    table = prof.key_averages()
-    text = []
-    if info.device.type == "cuda":
-        text += ["# by device time", table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)]
-    text += ["# by CPU time", table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_rank{info.rank}.txt").write_text("\n".join(text) + "\n")
 
 
 def _fast_record(fast, info) -> dict:

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write each rank's LoRA gradients of the first step (OUT/grads_rank<R>.pt), for checks")
     p.add_argument("--permute-rows", type=int, default=None, metavar="SEED",
                    help="permute the rows of every global batch (the bf16 floor run, training/parity.py)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="profile this many steps after --timing-warmup (torch.profiler): where each rank's step "
+                        "time goes, in OUT/profile_rank<R>.txt and .json")
     return p
 
 
@@ -101,6 +104,9 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         raise ValueError("--layers N (>= 1) sets the layer count of a shape built with --build layerwise")
     if args.max_mem_gib is not None and args.max_mem_gib <= 0:
         raise ValueError(f"--max-mem-gib must be > 0; got {args.max_mem_gib}")
+    if args.profile < 0 or (args.profile and args.timing_warmup + args.profile > args.steps):
+        raise ValueError(f"--profile {args.profile} steps after --timing-warmup {args.timing_warmup} need "
+                         f"--steps >= {args.timing_warmup + max(args.profile, 0)}; got {args.steps}")
     args.micro_batch_size, args.micro_batches, args.stage_counts = micro, n_micro, counts
     return args
 
@@ -216,7 +222,7 @@ def run(args: argparse.Namespace) -> dict | None:
 
     from ..training.device import peak_mem_gib, reset_peak
     from .pipeline import SCHEDULES, build_pipeline, owned_layers, pipeline_clip_grad_norm, split_layers, stage_ids
-    from .runs import graph_break_total, max_over_ranks
+    from .runs import graph_break_total, max_over_ranks, start_profiler, write_profile
 
     job = RankRun(args, tag="pipeline", module="qlora_nb_utils.distributed.launch")
     info, out, dtype = job.info, job.out, job.dtype
@@ -238,9 +244,11 @@ def run(args: argparse.Namespace) -> dict | None:
     build_s = time.perf_counter() - t0
     opt, sched = job.optimizer(pipe.params)
     reset_peak(info.device)
-    records = []
+    records, profiler = [], None
     for step in range(args.steps):
         batch = batches[step]
+        if args.profile and step == args.timing_warmup:
+            profiler = start_profiler(info)
         t = job.clock()
         loss = pipe.step(batch, info.device)
         if args.dump_grads and step == 0:
@@ -249,6 +257,9 @@ def run(args: argparse.Namespace) -> dict | None:
         grad_norm, lr = job.optimizer_step(opt, sched, lambda max_norm: pipeline_clip_grad_norm(pipe.params, max_norm))
         value = float(loss)
         ms = (job.clock() - t) * 1e3
+        if profiler is not None and step == args.timing_warmup + args.profile - 1:
+            write_profile(profiler, out, info, args.profile)
+            profiler = None
         records.append(job.log({"step": step, "loss": value, "step_ms": ms, "grad_norm": grad_norm, "lr": lr,
                                 "tokens": _real_tokens(batch), "tokens_padded": int(batch["input_ids"].numel())}))
     eval_loss = None
