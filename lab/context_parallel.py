@@ -36,6 +36,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import resource
 import shlex
 import statistics
@@ -115,6 +116,7 @@ def try_run(args) -> dict:
                                        verify=True, **knobs)
         fast = cp.fast
     rec["choices"] = {k: str(v) for k, v in fast.opt.choices.items()}
+    rec["estimate_gib"] = _estimate_gib(fast.opt.reasons.get("ckpt_layers", ""))  # beside the peak measured
     named = [(n, p) for n, p in fast.root.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     grad_norms, kind_norms = [], []
@@ -163,6 +165,12 @@ def try_run(args) -> dict:
             rec["peak_mem_gib"], rec["reserved_gib"] = (_max(rec[k], info.device) for k in ("peak_mem_gib", "reserved_gib"))
     rec["device"], rec["versions"] = env.device_info(info.device), env.versions()
     return rec
+
+
+def _estimate_gib(reason: str) -> float | None:
+    """The plan's estimated peak, as optimize() says it in its checkpointing reason (None: not said)."""
+    found = re.search(r"estimated peak: ([0-9.]+) GiB", reason)
+    return float(found.group(1)) if found else None
 
 
 def _clip(params) -> float:
@@ -300,6 +308,12 @@ def merge(args) -> dict:
     names = sorted({p.name.split(".json")[0] for p in d.iterdir() if ".json" in p.name})  # NAME.json, NAME.json.rankR
     tries = {n: _read(d / f"{n}.json") for n in names if n.startswith(("cp2_", "one_", "plain_"))}
     tries = {k: v for k, v in tries.items() if v is not None}
+    if getattr(args, "keep", None):  # runs this call did not make, from an earlier results file, marked as such
+        kept = json.loads(Path(args.keep).read_text())
+        for name, rec in (kept.get("runs") or {}).items():
+            if name not in tries and rec is not None:
+                tries[name] = {**rec, "carried_from": {"file": Path(args.keep).name, "date": kept.get("date"),
+                                                       "command": kept.get("command")}}
     long = sorted((v for k, v in tries.items() if k.startswith("cp2_") and v.get("seq_len") != short),
                   key=lambda r: r["seq_len"])
     trained = [r for r in long + [tries.get(f"cp2_{short}") or {}] if r.get("ok")]
@@ -335,6 +349,11 @@ def merge(args) -> dict:
                        "what": "2-GPU context parallel against the same code on one GPU, every step; floor: the "
                                "one-GPU fast path as a user gets it (labels, its SDPA kernel) against that same code"},
         "peak_mem_gib_per_gpu": {str(r["seq_len"]): r.get("peak_mem_gib") for r in trained},
+        # the plan's estimate beside the peak measured (the estimate is meant as an upper bound)
+        "estimate_vs_peak": {str(r["seq_len"]): {"estimate_gib": r["estimate_gib"], "peak_gib": r.get("peak_mem_gib"),
+                                                 "upper_bound": r["estimate_gib"] >= (r.get("peak_mem_gib") or 0)}
+                             for r in trained if r.get("estimate_gib") is not None},
+        "carried_runs": sorted(k for k, v in tries.items() if v.get("carried_from")),
         "attention": json.loads((d / "attention.json").read_text()) if (d / "attention.json").is_file() else None,
         "runs": tries, "device": first.get("device"), "versions": first.get("versions"),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
@@ -373,6 +392,8 @@ def main(argv=None) -> int:
     m.add_argument("--cap-gib", type=float, default=None)
     m.add_argument("--model", default="llama-3.1-8b-shape")
     m.add_argument("--out", required=True)
+    m.add_argument("--keep", default=None, metavar="FILE",
+                   help="an earlier results file: its runs that this call did not make are merged in, marked carried")
     args = p.parse_args(argv)
     if args.cmd == "merge":
         merge(args)

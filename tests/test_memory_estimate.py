@@ -77,3 +77,102 @@ def test_a_target_no_plan_meets_is_refused_before_the_model_changes_with_the_lon
         assert "the plan's estimated peak:" in opt.reasons["ckpt_layers"]
     finally:
         opt.undo()
+
+
+def test_the_ring_counts_one_head_group_of_its_attention_in_place_of_the_whole_layers_workspace():
+    from qlora_nb_utils.compile.memory_estimate import ring_workspace
+    from qlora_nb_utils.distributed.ring_attention import head_groups
+
+    tokens = 139264  # one rank's share of a row of 278,528 on two GPUs
+    groups = head_groups(SHAPE.heads, SHAPE.kv_heads, tokens * SHAPE.heads * SHAPE.head_dim)
+    assert groups == 8  # whole K/V heads: one per group at this length
+    whole, ring = _terms(tokens), _terms(tokens, ring=(groups, 2))
+    per_token = (ring["attention_backward_gib"] - whole["attention_backward_gib"]) * 2**30 / tokens
+    flash_fp32 = 2 * SHAPE.heads * SHAPE.head_dim * 4 + SHAPE.heads * 4
+    assert per_token == pytest.approx(ring_workspace(SHAPE, groups, 2) - flash_fp32)
+    # one group: the ring's fp32 accumulators and flash's own, the group's copies and the K/V in flight
+    qg, kvg = SHAPE.heads * SHAPE.head_dim // groups, SHAPE.kv_heads * SHAPE.head_dim // groups
+    assert ring_workspace(SHAPE, groups, 2) == 16 * qg + 40 * kvg + 8 * SHAPE.heads // groups
+    assert peak_from_terms(ring, 32, offload=True, tile_rows=4096) < peak_from_terms(whole, 32, offload=True,
+                                                                                      tile_rows=4096)
+    # a whole layer's heads in one call counts more than one GPU's flash workspace, and more ranks gather more K/V
+    assert ring_workspace(SHAPE, 1, 2) > flash_fp32
+    assert ring_workspace(SHAPE, 8, 64) > ring_workspace(SHAPE, 8, 2)
+
+
+def test_sharded_weights_count_one_ranks_share_and_what_it_gathers():
+    from qlora_nb_utils.compile.checkpointing import decoder_layers
+    from qlora_nb_utils.compile.memory_estimate import current_layout, estimate_layout, model_shape
+
+    model, _ = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
+    one = model_shape(model)
+    layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in decoder_layers(model))
+    in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    outside = max(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_layers)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    with estimate_layout(weight_shards=2) as layout:
+        assert current_layout() is layout and layout.weight_shards == 2
+        two = model_shape(model)
+        with estimate_layout(ring_world=2):  # a block inside keeps what it does not change
+            assert current_layout().weight_shards == 2 and current_layout().ring_world == 2
+    assert current_layout().weight_shards == 1 and current_layout().ring_groups is None
+    assert two.static_bytes == -(-(one.static_bytes - buffers) // 2) + 2 * layer + outside + buffers
+    assert two.static_bytes < one.static_bytes or 2 * layer + outside >= (one.static_bytes - buffers) / 2
+    with pytest.raises(ValueError, match="unknown field"):
+        with estimate_layout(shards=2):
+            pass
+    with pytest.raises(ValueError, match=">= 1"):
+        with estimate_layout(weight_shards=0):
+            pass
+
+
+def test_context_parallel_plans_under_the_ring_and_the_shards_layout(monkeypatch):
+    import functools
+
+    from qlora_nb_utils.compile.memory_estimate import current_layout
+    from qlora_nb_utils.distributed import context_parallel, fast, ring_attention
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_optimize(model, **kwargs):
+        seen["layout"] = current_layout()
+        raise Stop
+
+    monkeypatch.setattr(fast, "optimize_sharded", fake_optimize)
+    monkeypatch.setattr("torch.distributed.get_rank", lambda group=None: 0)
+    monkeypatch.setattr("torch.distributed.get_world_size", lambda group=None: 2)
+    model, _ = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
+    ids = torch.randint(3, 1000, (1, 64))
+    with pytest.raises(Stop):
+        context_parallel.optimize_context_parallel(model, batches=[{"input_ids": ids, "labels": ids.clone()}],
+                                                   group=object())
+    layout = seen["layout"]
+    cfg = model.config
+    assert layout.ring_world == 2 and isinstance(layout.ring_groups, functools.partial)
+    n = 2**28
+    assert layout.ring_groups(n) == ring_attention.head_groups(cfg.num_attention_heads, cfg.num_key_value_heads, n)
+    assert current_layout().ring_groups is None  # back as it was
+
+
+@pytest.mark.parametrize("world, shards", [(2, 2), (1, 1)])
+def test_optimize_sharded_plans_for_one_ranks_share_of_the_weights(monkeypatch, world, shards):
+    import qlora_nb_utils.compile as compile_pkg
+    from qlora_nb_utils.compile.memory_estimate import current_layout
+    from qlora_nb_utils.distributed import fast
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_optimize(model, **kwargs):
+        seen["shards"] = current_layout().weight_shards
+        raise Stop
+
+    monkeypatch.setattr(compile_pkg, "optimize", fake_optimize)
+    with pytest.raises(Stop):
+        fast.optimize_sharded(torch.nn.Linear(2, 2), batches=[], world_size=world)
+    assert seen["shards"] == shards and current_layout().weight_shards == 1

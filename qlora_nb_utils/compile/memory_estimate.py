@@ -43,6 +43,18 @@ memory. A fixed allowance (:data:`OVERHEAD_GIB`: the CUDA libraries' workspaces,
 caching allocator holds, and its rounding of each block) and two dequantized copies of the largest
 group of NF4 weights (the recompute's and the backward's) complete it.
 
+Spread over several GPUs (:func:`estimate_layout`, which the distributed layouts enter around
+their ``optimize()``): with the weights sharded over ``N`` ranks (FSDP2) each rank holds ``1/N`` of
+every parameter and of the LoRA state, plus what it gathers while a unit runs (two decoder
+layers, the one in use and the one fetched ahead, and the largest weights outside the layers,
+the embedding or the LM head). Under ring attention (context parallelism) the attention's
+backward is the ring's over groups of whole key/value heads: one group's float32 accumulators
+(the query's, key's and value's gradients), the flash kernel's own float32 query-gradient
+workspace, its outputs, the contiguous copies of the group's inputs and the key/value blocks in
+flight between the ranks (sent and received, their gradients in float32); the ring's forward
+holds the group's keys and values gathered from every rank and its float32 output merge. Where a
+layer is recomputed, the larger of the two counts.
+
 The estimate is of the memory the allocator hands out (``torch.cuda.max_memory_allocated``); the
 allocator reserves somewhat more (blocks it cannot split), which the plan's headroom
 (:data:`.plan.MEMORY_HEADROOM`) leaves room for. The counts were checked against the lab's
@@ -52,15 +64,17 @@ against every measured peak of the lab's long-context runs: at or above each, an
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .checkpointing import decoder_layers
 
-__all__ = ["Shape", "model_shape", "terms_of", "estimate_terms", "peak_from_terms", "estimate_peak_gib",
-           "longest_fitting", "OVERHEAD_GIB", "config_of"]
+__all__ = ["Shape", "Layout", "estimate_layout", "current_layout", "model_shape", "terms_of", "estimate_terms",
+           "peak_from_terms", "estimate_peak_gib", "longest_fitting", "OVERHEAD_GIB", "config_of", "ring_workspace"]
 
 _GIB = 2**30
 #: The CUDA libraries' workspaces the caching allocator holds (cuBLAS, cuDNN), the step's small
@@ -73,6 +87,52 @@ _ACT_RECOMPUTED = (3, 1)
 _OFFLOAD_RELOADED = 2  # offloaded inputs back on the GPU at once: the one in use, the one prefetched
 _LOSS_HIDDEN = 4  # x h per token at the loss: the last hidden state, its norm, the gradient's pieces, their concatenation
 _INT_INPUTS = 4  # int64 values per token: input ids, labels, positions, the loss's targets
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a step is spread over GPUs, as far as one GPU's memory goes (:func:`estimate_layout`).
+
+    ``weight_shards``: the ranks every parameter and its LoRA state are sharded over (1: whole on
+    this GPU). ``ring_groups``: under ring attention, the number of head groups the ring runs a
+    call in for a query of that many elements (:func:`.distributed.ring_attention.head_groups`),
+    None without the ring; ``ring_world``: the ranks of the ring."""
+
+    weight_shards: int = 1
+    ring_groups: Callable[[int], int] | None = None
+    ring_world: int = 1
+
+
+_ONE_GPU = Layout()
+_LAYOUT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("qlora_nb_estimate_layout", default=None)
+
+
+def current_layout() -> Layout:
+    """The :class:`Layout` the estimates are counted for now (one GPU, nothing sharded, by default)."""
+    return _LAYOUT.get() or _ONE_GPU
+
+
+@contextlib.contextmanager
+def estimate_layout(**changes: Any) -> Iterator[Layout]:
+    """Count the estimates inside the block for a step spread over GPUs: ``changes`` are
+    :class:`Layout`'s fields, laid over the layout already in force (a block inside another keeps
+    what it does not change); the layout before is back when the block ends.
+
+    Raises:
+        ValueError: a field that is not :class:`Layout`'s, or fewer than one shard or ring rank.
+    """
+    names = {f.name for f in dataclasses.fields(Layout)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise ValueError(f"estimate_layout: unknown field(s) {unknown}; known: {sorted(names)}")
+    layout = dataclasses.replace(current_layout(), **changes)
+    if layout.weight_shards < 1 or layout.ring_world < 1:
+        raise ValueError(f"estimate_layout: weight_shards and ring_world must be >= 1; got {layout}")
+    token = _LAYOUT.set(layout)
+    try:
+        yield layout
+    finally:
+        _LAYOUT.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,31 +170,57 @@ def _text_config(config: Any) -> Any:
 
 def model_shape(model: torch.nn.Module, cast_dtype: torch.dtype | None = None) -> Shape:
     """:class:`Shape` of ``model`` (the PEFT model, as handed to ``optimize()``); ``cast_dtype``: the
-    dtype the recipe casts the non-LoRA float weights to (None: as they are)."""
+    dtype the recipe casts the non-LoRA float weights to (None: as they are). Under a layout with
+    the weights sharded (:func:`estimate_layout`), ``static_bytes`` is one rank's share and what it
+    gathers (module docstring)."""
     config = _text_config(config_of(model))
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
     heads = int(getattr(config, "num_attention_heads", 0) or 1)
     kv = int(getattr(config, "num_key_value_heads", 0) or heads)
     head_dim = int(getattr(config, "head_dim", 0) or (hidden // heads if hidden else 0))
-    static = 0
+    layers = decoder_layers(model)
+    in_layer = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
+    static, layer_bytes, outside = 0, [0] * len(layers), []
     for name, p in model.named_parameters():
         size = p.element_size()
         if cast_dtype is not None and p.is_floating_point() and "lora_" not in name:
             size = torch.finfo(cast_dtype).bits // 8
         static += p.numel() * size
-    static += sum(b.numel() * b.element_size() for b in model.buffers())
+        if id(p) in in_layer:
+            layer_bytes[in_layer[id(p)]] += p.numel() * size
+        else:
+            outside.append(p.numel() * size)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     static += trainable * 12  # fp32 grad + AdamW moments
-    return Shape(grad_bytes=trainable * 4, layers=len(decoder_layers(model)), hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv,
+    shards = current_layout().weight_shards
+    if shards > 1:  # one rank's share, and what it gathers: two layers and the largest weight outside them
+        static = -(-static // shards) + 2 * max(layer_bytes, default=0) + max(outside, default=0)
+    static += sum(b.numel() * b.element_size() for b in model.buffers())
+    return Shape(grad_bytes=trainable * 4, layers=len(layers), hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv,
                  head_dim=head_dim, vocab=int(getattr(config, "vocab_size", 0) or 0), static_bytes=static,
                  group_weight_elems=max(2 * inter * hidden, (heads + 2 * kv) * head_dim * hidden))
 
 
+def ring_workspace(shape: Shape, groups: int, world: int, act_bytes: int = 2) -> int:
+    """Bytes per token of the ring attention's transient at one layer (module docstring): the larger
+    of its backward's and its forward's, for one of ``groups`` head groups over ``world`` ranks."""
+    g = max(1, groups)
+    qg, kvg, hg = shape.heads * shape.head_dim / g, shape.kv_heads * shape.head_dim / g, shape.heads / g
+    b = act_bytes
+    # backward: fp32 accumulators (dq; dk, dv), flash's fp32 dq workspace and its outputs, the group's
+    # contiguous inputs (grad_out, query, out; key, value), K/V sent and received, their fp32 gradients both ways
+    backward = (4 + 4 + b + 3 * b) * qg + (8 + 2 * b + 2 * b + 4 * b + 16) * kvg + 8 * hg
+    # forward: the group's K/V from every rank, the fp32 output merge and one block's output, the log-sum-exps
+    forward = (2 * b * world) * kvg + (4 + b + b) * qg + 12 * hg
+    return int(max(backward, forward))
+
+
 def terms_of(shape: Shape, batch_size: int, seq_len: int, *, ce_chunks: int = 4, act_bytes: int = 2,
              head_rows: int | None = None, recompute: bool = False, lora_in_place: bool = False,
-             compiled_loss: bool = True) -> dict[str, Any]:
-    """The estimate's terms in GiB for ``shape`` at ``batch_size x seq_len`` (see :func:`estimate_terms`)."""
+             compiled_loss: bool = True, ring: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The estimate's terms in GiB for ``shape`` at ``batch_size x seq_len`` (see :func:`estimate_terms`);
+    ``ring``: ``(head groups, ranks)`` of ring attention (None: the device's own attention kernel)."""
     b, tokens = act_bytes, batch_size * seq_len
     h, i = shape.hidden * b, shape.intermediate * b
     q, kv = shape.heads * shape.head_dim * b, shape.kv_heads * shape.head_dim * b
@@ -144,6 +230,8 @@ def terms_of(shape: Shape, batch_size: int, seq_len: int, *, ce_chunks: int = 4,
     if not recompute:  # both norms' outputs and the attention output token-major; the SwiGLU product
         saved_layer += _ACT_RECOMPUTED[0] * h + _ACT_RECOMPUTED[1] * i
     workspace = 2 * shape.heads * shape.head_dim * 4 + lse  # the attention backward's fp32 buffers
+    if ring is not None:  # the ring's, one head group at a time
+        workspace = ring_workspace(shape, ring[0], ring[1], b)
     attention_backward = 2 * h + q + (q + 2 * kv) + workspace
     rows = tokens if head_rows is None else min(head_rows, tokens)
     logit_bytes = 2 * b + 8 if compiled_loss else b + 16
@@ -188,10 +276,16 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
         lora_in_place: the LoRA updates are added into the base outputs in place
             (``optimize(lora_addmm=...)``): one more intermediate-sized tensor in the MLP's backward.
         compiled_loss: the loss's arithmetic is compiled (Inductor); False: eager (more fp32 copies).
+
+    Counted for the :func:`current_layout` (weights sharded, ring attention).
     """
-    return terms_of(model_shape(model, cast_dtype), batch_size, seq_len, ce_chunks=ce_chunks, act_bytes=act_bytes,
+    shape = model_shape(model, cast_dtype)
+    layout, ring = current_layout(), None
+    if layout.ring_groups is not None:
+        ring = (layout.ring_groups(batch_size * seq_len * shape.heads * shape.head_dim), layout.ring_world)
+    return terms_of(shape, batch_size, seq_len, ce_chunks=ce_chunks, act_bytes=act_bytes,
                     head_rows=head_rows, recompute=recompute, lora_in_place=lora_in_place,
-                    compiled_loss=compiled_loss)
+                    compiled_loss=compiled_loss, ring=ring)
 
 
 def peak_from_terms(terms: dict[str, Any], ckpt_layers: int, offload: bool = False,

@@ -31,9 +31,9 @@ What every rank does, and why it gives the one-process loss:
   runs every decoder layer on its own positions.
 * **Memory as on one GPU.** ``optimize`` sees the shard (``1 x L/N`` positions) and makes the
   choices it makes for that length on one GPU under ``max_memory_gib``: checkpointed layers, their
-  inputs offloaded to host memory, the MLP in pieces. The ring adds the gathered keys and values
-  of the whole row and float32 merges of the attention output per layer call, which the estimate
-  does not count.
+  inputs offloaded to host memory, the MLP in pieces. The estimate counts one rank's share of
+  the sharded weights and the ring's attention (the whole row's keys and values of one head group,
+  float32 merges and gradients) in place of one GPU's (``compile.memory_estimate.estimate_layout``).
 
 Rows of one causal sequence each (padded on the right, or packed without per-document masks): the
 ring applies no padding mask, document mask or sliding window, and refuses a model that needs one.
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -203,8 +204,9 @@ def optimize_context_parallel(model: torch.nn.Module, *, batches: Sequence[dict]
     """
     import torch.distributed as dist
 
+    from ..compile.memory_estimate import estimate_layout
     from .fast import optimize_sharded
-    from .ring_attention import use_ring_attention
+    from .ring_attention import head_groups, use_ring_attention
 
     for key in ("world_size", "one_scope", "vocab_head", "keep_attention", "sdpa_kernel"):
         if key in kwargs:  # the ring runs the flash kernel and keeps nothing for a recompute
@@ -218,8 +220,14 @@ def optimize_context_parallel(model: torch.nn.Module, *, batches: Sequence[dict]
     pad_id = int(getattr(cfg, "pad_token_id", None) or 0)
     sample = [shard_batch(b, rank, world, load_balance=load_balance, pad_multiple=pad_multiple, pad_id=pad_id)
               for b in batches]
-    fast = optimize_sharded(model, batches=sample, world_size=world, one_scope="regional", keep_attention=False,
-                            sdpa_kernel="default", **kwargs)
+    layout = {}
+    if world > 1:  # the estimate counts the ring's attention, in the head groups it will run
+        heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+        layout = {"ring_groups": functools.partial(head_groups, heads, int(getattr(cfg, "num_key_value_heads", 0)
+                                                                           or heads)), "ring_world": world}
+    with estimate_layout(**layout):
+        fast = optimize_sharded(model, batches=sample, world_size=world, one_scope="regional", keep_attention=False,
+                                sdpa_kernel="default", **kwargs)
     ring = None
     if world > 1:
         try:

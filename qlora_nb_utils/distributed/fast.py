@@ -140,6 +140,7 @@ def optimize_sharded(model: nn.Module, *, batches: Iterable[dict], world_size: i
         A :class:`FastSharded`.
     """
     from ..compile import decoder_layers, optimize
+    from ..compile.memory_estimate import estimate_layout
     from .fsdp import apply_fsdp2
 
     for key in ("scope", "cast"):
@@ -147,8 +148,9 @@ def optimize_sharded(model: nn.Module, *, batches: Iterable[dict], world_size: i
             raise ValueError(f"optimize_sharded sets {key!r} itself (module docstring)")
     sharding = world_size > 1 or shard_one
     sample = [step_batch(b) for b in batches]
-    opt = optimize(model, batches=sample, scope="regional" if sharding else one_scope, cast=False,
-                   grad_ckpt=grad_ckpt, backend=backend, **optimize_kwargs)
+    with estimate_layout(weight_shards=world_size if sharding else 1):  # a memory target is one rank's
+        opt = optimize(model, batches=sample, scope="regional" if sharding else one_scope, cast=False,
+                       grad_ckpt=grad_ckpt, backend=backend, **optimize_kwargs)
     root = opt.module
     if not sharding:
         return FastSharded(opt=opt, root=root, peft=model, sharded=None, layers=decoder_layers(model))

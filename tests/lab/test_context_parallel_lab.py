@@ -40,3 +40,27 @@ def test_merge_without_a_longer_failure_says_the_edge_lies_further(tmp_path):
                                           out=str(tmp_path / "r.json")))
     assert rec["max_seq_len"] == 64 and not rec["edge_found"]
     assert rec["loss_check"]["within_floor"] is None  # no one-GPU run: no verdict
+
+
+def test_merge_carries_an_earlier_calls_short_runs_and_sets_each_estimate_beside_its_peak(tmp_path):
+    base = {"ok": True, "graph_breaks": 0, "compile": {"compilations": 1}, "device": {"name": "gpu"}, "versions": {}}
+    earlier = {"date": "2026-01-01", "command": "an earlier call",
+               "runs": {"cp2_64": {"seq_len": 64, "losses": [2.0], "tokens_per_s": 300.0, **base},
+                        "one_64": {"seq_len": 64, "losses": [2.001], "tokens_per_s": 200.0, **base},
+                        "cp2_256": {"seq_len": 256, "losses": [9.0], **base}}}
+    keep = tmp_path / "earlier.json"
+    keep.write_text(json.dumps(earlier))
+    calls = tmp_path / "call"
+    calls.mkdir()
+    _write(calls, "cp2_256", seq_len=256, losses=[2.0, 1.9], tokens_per_s=100.0, peak_mem_gib=3.0,
+           estimate_gib=3.5, **base)
+    rec = lab_cp.merge(argparse.Namespace(dir=str(calls), short=64, cap_gib=22.0, model="m",
+                                          out=str(tmp_path / "r.json"), keep=str(keep)))
+    assert rec["max_seq_len"] == 256 and rec["runs"]["cp2_256"]["losses"] == [2.0, 1.9]  # this call's, not kept
+    assert rec["carried_runs"] == ["cp2_64", "one_64"]
+    assert rec["runs"]["cp2_64"]["carried_from"] == {"file": "earlier.json", "date": "2026-01-01",
+                                                     "command": "an earlier call"}
+    assert rec["tokens_per_s_65536"] == 300.0 and rec["one_gpu_tokens_per_s_65536"] == 200.0
+    assert rec["estimate_vs_peak"] == {"256": {"estimate_gib": 3.5, "peak_gib": 3.0, "upper_bound": True}}
+    assert lab_cp._estimate_gib("32/32 layers; the plan's estimated peak: 17.81 GiB") == 17.81
+    assert lab_cp._estimate_gib("no target") is None

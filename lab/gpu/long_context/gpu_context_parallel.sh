@@ -15,7 +15,8 @@
 # env: OUT (required), DEADLINE_S (540), CAP (22.0 GiB), SHORT (65536), ABOVE (286720),
 #   LONG ("278528 262144 229376 196608": the first that trains is the edge found),
 #   STEPS_SHORT (3), STEPS_LONG (2), MODEL (llama-3.1-8b-shape), DRY (1: CPU, tiny, gloo), D0/D1 (the two GPUs: 0, 1),
-#   CP_OPT (optimize() options for the three SHORT tries: one plan on 1 and 2 GPUs; LONG="" ABOVE="": no long tries).
+#   CP_OPT (optimize() options for the three SHORT tries: one plan on 1 and 2 GPUs; LONG="" ABOVE="": no long tries),
+#   SHORT_RUNS (0: no SHORT tries this call), KEEP (an earlier results file whose runs this call did not make are merged in).
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 DEADLINE_S=${DEADLINE_S:-540}
@@ -28,7 +29,7 @@ if [ "${DRY:-0}" = 1 ]; then  # the same steps on the CPU: tiny model, short row
 fi
 source "$(dirname "$0")/../gpu_env.sh"
 long_context_call context_parallel_log.txt
-export QLORA_NB_CP_CMD="OUT=\$OUT DEADLINE_S=$DEADLINE_S bash lab/gpu/long_context/gpu_context_parallel.sh"
+export QLORA_NB_CP_CMD="OUT=\$OUT DEADLINE_S=$DEADLINE_S SHORT_RUNS=${SHORT_RUNS:-1} LONG='$LONG' ABOVE='$ABOVE' KEEP=${KEEP:-} bash lab/gpu/long_context/gpu_context_parallel.sh"
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$(( $(nproc) / 2 ))}
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
 cap_args=(); [ -n "$CAP" ] && cap_args=(--cap-gib "$CAP")
@@ -46,12 +47,14 @@ run() {  # NAME NPROC DEVICES NEED_S ARGS...: one torchrun job if NEED_S seconds
 }
 run attention 2 $D0,$D1 30 attention --seq-len "$([ "${DRY:-0}" = 1 ] && echo 64 || echo 32768)" \
   $([ "${DRY:-0}" = 1 ] && echo "--heads 4 --kv-heads 2 --head-dim 16")
+if [ "${SHORT_RUNS:-1}" = 1 ]; then
 run "cp2_$SHORT" 2 $D0,$D1 90 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}" "${CP_OPT[@]}"
 # the floor run on GPU 1 beside the one-GPU baseline on GPU 0: each alone on its GPU, sharing only the host
 run "plain_$SHORT" 1 $D1 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" --plain "${cap_args[@]}" "${CP_OPT[@]}" &
 floor_pid=$!
 run "one_$SHORT" 1 $D0 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}" "${CP_OPT[@]}"
 wait "$floor_pid"
+fi
 trained=""
 for L in $LONG; do
   if run "cp2_$L" 2 $D0,$D1 150 try --seq-len "$L" --steps "$STEPS_LONG" --model "$MODEL" "${cap_args[@]}"; then trained=$L; break; fi
@@ -61,5 +64,5 @@ if [ -n "$ABOVE" ] && [ "$trained" = "${LONG%% *}" ]; then
 fi
 gpu=$([ "${DRY:-0}" = 1 ] && echo cpu || python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())")
 python3 -m lab.context_parallel merge "$OUT" --short "$SHORT" --model "$MODEL" ${CAP:+--cap-gib "$CAP"} \
-  --out "$OUT/context_parallel_${gpu}.json"
+  ${KEEP:+--keep "$KEEP"} --out "$OUT/context_parallel_${gpu}.json"
 echo "[gpu_context_parallel] done at $(elapsed) s"
