@@ -92,7 +92,7 @@ def test_the_ring_counts_one_head_group_of_its_attention_in_place_of_the_whole_l
     assert per_token == pytest.approx(ring_workspace(SHAPE, groups, 2) - flash_fp32)
     # one group: the ring's fp32 accumulators and flash's own, the group's copies and the K/V in flight
     qg, kvg = SHAPE.heads * SHAPE.head_dim // groups, SHAPE.kv_heads * SHAPE.head_dim // groups
-    assert ring_workspace(SHAPE, groups, 2) == 16 * qg + 40 * kvg + 8 * SHAPE.heads // groups
+    assert ring_workspace(SHAPE, groups, 2) == (16 + 6 + 2) * qg + (40 + 12 + 4) * kvg + 8 * SHAPE.heads // groups
     assert peak_from_terms(ring, 32, offload=True, tile_rows=4096) < peak_from_terms(whole, 32, offload=True,
                                                                                       tile_rows=4096)
     # a whole layer's heads in one call counts more than one GPU's flash workspace, and more ranks gather more K/V

@@ -49,9 +49,10 @@ every parameter and of the LoRA state, plus what it gathers while a unit runs (t
 layers, the one in use and the one fetched ahead, and the largest weights outside the layers,
 the embedding or the LM head). Under ring attention (context parallelism) the attention's
 backward is the ring's over groups of whole key/value heads: one group's float32 accumulators
-(the query's, key's and value's gradients), the flash kernel's own float32 query-gradient
-workspace, its outputs, the contiguous copies of the group's inputs and the key/value blocks in
-flight between the ranks (sent and received, their gradients in float32); the ring's forward
+(the query's, key's and value's gradients) and the new ones each update makes beside them, the
+flash kernel's own float32 query-gradient workspace, its outputs, the contiguous copies of the
+group's inputs, the key/value blocks in flight between the ranks (sent and received, their
+gradients in float32) and the group's gradients cast back to the compute dtype; the ring's forward
 holds the group's keys and values gathered from every rank and its float32 output merge. Where a
 layer is recomputed, the larger of the two counts.
 
@@ -209,8 +210,11 @@ def ring_workspace(shape: Shape, groups: int, world: int, act_bytes: int = 2) ->
     qg, kvg, hg = shape.heads * shape.head_dim / g, shape.kv_heads * shape.head_dim / g, shape.heads / g
     b = act_bytes
     # backward: fp32 accumulators (dq; dk, dv), flash's fp32 dq workspace and its outputs, the group's
-    # contiguous inputs (grad_out, query, out; key, value), K/V sent and received, their fp32 gradients both ways
-    backward = (4 + 4 + b + 3 * b) * qg + (8 + 2 * b + 2 * b + 4 * b + 16) * kvg + 8 * hg
+    # contiguous inputs (grad_out, query, out; key, value), K/V sent and received, their fp32 gradients both
+    # ways; each accumulator's update makes a new one beside the old (the whole and the half added: 1.5x),
+    # and the group's gradients are cast back to the compute dtype before they are copied out
+    backward = ((4 + 4 + b + 3 * b) * qg + (8 + 2 * b + 2 * b + 4 * b + 16) * kvg + 8 * hg
+                + 6 * qg + 12 * kvg + b * (qg + 2 * kvg))
     # forward: the group's K/V from every rank, the fp32 output merge and one block's output, the log-sum-exps
     forward = (2 * b * world) * kvg + (4 + b + b) * qg + 12 * hg
     return int(max(backward, forward))

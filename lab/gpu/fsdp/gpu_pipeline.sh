@@ -16,7 +16,8 @@
 # BUDGET (s, default 540) bounds the whole; a run that no longer fits is skipped (its .status says so).
 # ONLY="big_70b pp_zbv" runs those alone; KEEP=<earlier results file> merges in the runs this call did not
 # finish, each with its own date and command (pipeline_results.py --keep). PHASE=8b or big: one half.
-# BIG_EXTRA: launcher options appended to the 70B run's (e.g. "--profile 1 --global-batch-size 16").
+# BIG_EXTRA: launcher options appended to the 70B run's (e.g. "--profile 1 --global-batch-size 16");
+# BIG_ALLOC_CONF: its PYTORCH_CUDA_ALLOC_CONF (default expandable_segments:True).
 # DRY=1: the tiny shape with 4 layers on the CPU over gloo, 2 steps, zbv with aot_eager (about 3 minutes
 # on 2 idle cores).
 set -uo pipefail
@@ -83,7 +84,7 @@ trun() {  # trun NAME LIMIT_S GPUS NPROC ARGS...: one torchrun of the launcher, 
 cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
 read -r -a BIG_EXTRA <<< "${BIG_EXTRA:-}"  # more launcher options for the 70B run, last (e.g. --profile 1)
 big() {  # big SEQ LIMIT: the 70B shape, every weight on its GPU, under the cap
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True trun big_70b "$2" "$G01" 2 --layout pipeline "${BIG[@]}" \
+  PYTORCH_CUDA_ALLOC_CONF=${BIG_ALLOC_CONF:-expandable_segments:True} trun big_70b "$2" "$G01" 2 --layout pipeline "${BIG[@]}" \
     --seq-len "$1" "${PP[@]}" "${BIG_OPT[@]}" --schedule 1f1b --layers-per-stage "$BIG_SPLIT" \
     --steps "${BIG_STEPS:-4}" --timing-warmup 1 --max-mem-gib "$CAP" "${BIG_EXTRA[@]}" --out "$RUNS/big_70b"
 }
