@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> dict | None:
                           seq_len=args.seq_len, device=info.device, batches=batches[:4], dtype=dtype,
                           backend=args.backend, **args.optimize_knobs)
     build_s = time.perf_counter() - t0
-    opt, sched = job.optimizer(pipe.params)
+    opt, sched = job.optimizer(pipe.params, fused=True)
     reset_peak(info.device)
     records, profiler = [], None
     for step in range(args.steps):
@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> dict | None:
             write_profile(profiler, out, info, args.profile)
             profiler = None
         records.append(job.log({"step": step, "loss": value, "step_ms": ms, "grad_norm": grad_norm, "lr": lr,
-                                "tokens": _real_tokens(batch), "tokens_padded": int(batch["input_ids"].numel())}))
+                                "tokens": _real_tokens(batch), "tokens_padded": int(batch["input_ids"].numel()),
+                                **_allocator_retries(info.device)}))
     eval_loss = None
     if args.eval:
         eval_loss = float(pipe.step(batches[0], info.device))
@@ -278,6 +279,15 @@ def run(args: argparse.Namespace) -> dict | None:
     summary = _pipeline_summary(job, records, ranks, build_peak, build_s, eval_loss) if info.is_main else None
     job.finish(summary, schedule=args.schedule)
     return summary
+
+
+def _allocator_retries(device) -> dict:
+    """How often, so far, this rank's CUDA allocator found no room for a block and released its cache
+    to try again (each time it waits for the GPU): a step under a memory cap that does this often
+    spends its time there, not in its kernels. Nothing off CUDA."""
+    if device.type != "cuda":
+        return {}
+    return {"alloc_retries": int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))}
 
 
 def save_pipeline_adapter(peft, folder: Path, info) -> None:
