@@ -141,12 +141,3 @@ def test_a_profile_says_where_a_step_went_per_rank(tmp_path):
     assert rec["wall_s_per_step"] > 0
     assert rec["device_s_per_step"] == 0 and rec["top_device_ops"] == []  # no device on a CPU
 
-
-def test_the_optimizer_is_fused_only_where_asked_and_every_parameter_is_a_plain_cuda_tensor(tmp_path):
-    job = runs.RankRun.__new__(runs.RankRun)
-    job.args = argparse.Namespace(lr=1e-3, warmup=0)
-    params = [torch.nn.Parameter(torch.zeros(3))]
-    for fused in (False, True):  # on a CPU: torch's default form either way
-        opt, _ = job.optimizer(params, fused=fused)
-        assert isinstance(opt, torch.optim.AdamW) and not opt.defaults["fused"]
-        assert opt.defaults["lr"] == 1e-3 and opt.defaults["weight_decay"] == 0.0

@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> dict | None:
                           seq_len=args.seq_len, device=info.device, batches=batches[:4], dtype=dtype,
                           backend=args.backend, **args.optimize_knobs)
     build_s = time.perf_counter() - t0
-    opt, sched = job.optimizer(pipe.params, fused=True)
+    opt, sched = job.optimizer(pipe.params)
     reset_peak(info.device)
     records, profiler = [], None
     for step in range(args.steps):

@@ -444,18 +444,11 @@ class RankRun:
         elif not start:
             self.log_path.unlink(missing_ok=True)
 
-    def optimizer(self, params, fused: bool = False):
-        """AdamW over ``params`` (no weight decay) and its linear warm-up over ``--warmup`` steps.
-
-        ``fused``: torch's fused AdamW where every parameter is a plain CUDA tensor (the pipeline's
-        stages): one kernel per group of tensors and no temporaries the size of the LoRA state (the
-        multi-tensor form makes a few), which a GPU near its memory cap would have to find room for
-        at every step, releasing its cached blocks to do so."""
+    def optimizer(self, params):
+        """AdamW over ``params`` (no weight decay) and its linear warm-up over ``--warmup`` steps."""
         import torch
 
-        params = list(params)
-        fused = fused and bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)
-        opt = torch.optim.AdamW(params, lr=self.args.lr, weight_decay=0.0, fused=fused or None)
+        opt = torch.optim.AdamW(params, lr=self.args.lr, weight_decay=0.0)
         warm = max(self.args.warmup, 1)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
 
