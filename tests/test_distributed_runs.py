@@ -141,3 +141,35 @@ def test_a_profile_says_where_a_step_went_per_rank(tmp_path):
     assert rec["wall_s_per_step"] > 0
     assert rec["device_s_per_step"] == 0 and rec["top_device_ops"] == []  # no device on a CPU
 
+
+
+def test_the_8bit_optimizer_keeps_8bit_moments_for_large_tensors_and_unknown_names_are_refused():
+    big, small = torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(8))
+    opt = runs.make_optimizer("adamw8bit", [big, small], 1e-2)
+    before = big.detach().clone()
+    big.grad, small.grad = torch.randn_like(big), torch.randn_like(small)
+    opt.step()
+    assert not torch.equal(before, big.detach())
+    assert opt.state[big]["state1"].dtype == torch.uint8 and opt.state[small]["state1"].dtype == torch.float32
+    assert isinstance(runs.make_optimizer("adamw", [big], 1e-3), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="unknown optimizer 'sgd'; choose from adamw, adamw8bit"):
+        runs.make_optimizer("sgd", [big], 1e-3)
+
+
+@pytest.mark.parametrize("name", runs.OPTIMIZERS)
+def test_an_optimizer_split_over_stages_updates_each_tensor_as_one_over_all_of_them(name):
+    torch.manual_seed(0)
+    start = [torch.randn(64, 128), torch.randn(96, 64), torch.randn(16)]
+    joined = [torch.nn.Parameter(t.clone()) for t in start]
+    split = [torch.nn.Parameter(t.clone()) for t in start]
+    one = runs.make_optimizer(name, joined, 1e-2)
+    stages = [runs.make_optimizer(name, split[:1], 1e-2), runs.make_optimizer(name, split[1:], 1e-2)]
+    for step in range(3):
+        grads = [torch.randn_like(t) for t in start]
+        for p, q, g in zip(joined, split, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        one.step()
+        for opt in stages:
+            opt.step()
+    for p, q, t in zip(joined, split, start):
+        assert torch.equal(p.detach(), q.detach()) and not torch.equal(p.detach(), t)

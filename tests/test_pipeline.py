@@ -28,7 +28,9 @@ COMMON = ["--model", "tiny", "--steps", "2", "--global-batch-size", "4", "--micr
 RUNS = {
     "1f1b": ["--schedule", "1f1b", "--eval"],
     # aot_eager: the weight pass runs each compiled layer's backward again, which eager's Functions refuse
-    "zbv": ["--schedule", "zbv", "--build", "layerwise", "--layers", "4", "--no-adapter", "--backend", "aot_eager"],
+    # with bitsandbytes' 8-bit AdamW, as the one process below (its state per tensor: tests/test_distributed_runs.py)
+    "zbv": ["--schedule", "zbv", "--build", "layerwise", "--layers", "4", "--no-adapter", "--backend", "aot_eager",
+            "--optim", "adamw8bit"],
 }
 #: the runs launched as two nodes over a c10d rendezvous (the others: ``torchrun --standalone``)
 TWO_NODES = {"1f1b"}
@@ -84,13 +86,14 @@ def _one_process(args) -> tuple[list[float], dict]:
     """The same training in this process: losses per step and the first step's LoRA gradients."""
     from qlora_nb_utils import models
     from qlora_nb_utils.distributed import pipeline_train
+    from qlora_nb_utils.distributed.runs import make_optimizer
 
     n = models.model_config(args.model).num_hidden_layers if args.layers is None else args.layers
     model, tok = pipeline_train.load_stage_model(args, torch.device("cpu"), torch.float32, set(range(n)))
     model.train()
     batches = pipeline_train.make_batches(tok, args)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    opt = make_optimizer(args.optim, params, args.lr)
     losses, grads = [], {}
     for step, batch in enumerate(batches):
         targets = int((batch["labels"][:, 1:] != -100).sum())
@@ -115,6 +118,8 @@ def test_the_pipeline_gives_one_process_losses_and_lora_gradients(runs, name):
     assert summary["world_size"] == 2 and summary["schedule"] == name and summary["layout"] == "pipeline"
     assert summary["backend"] == "gloo"
     assert summary["graph_breaks"]["total"] == 0 and summary["graph_breaks"]["fullgraph"]
+    want = "AdamW8bit" if "adamw8bit" in RUNS[name] else "AdamW"
+    assert summary["optimizer"] == {"0": want, "1": want}  # --optim reached every stage
     losses, grads = _one_process(_args(name, runs[name]))
     assert max(abs(a - b) for a, b in zip(losses, summary["losses"])) < LOSS_TOL, (losses, summary["losses"])
     piped = {}

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from .runs import RankRun, add_common_arguments, check_common, run_main
+from .runs import OPTIMIZERS, RankRun, add_common_arguments, check_common, run_main
 
 __all__ = ["build_parser", "validate", "run", "main", "load_stage_model", "make_batches", "save_pipeline_adapter"]
 
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write each rank's LoRA gradients of the first step (OUT/grads_rank<R>.pt), for checks")
     p.add_argument("--permute-rows", type=int, default=None, metavar="SEED",
                    help="permute the rows of every global batch (the bf16 floor run, training/parity.py)")
+    p.add_argument("--optim", default="adamw", choices=OPTIMIZERS,
+                   help="adamw (torch, fp32 moments) or adamw8bit (bitsandbytes, 8-bit moments: a smaller LoRA "
+                        "state on each stage, room for the allocator where the weights fill the GPU)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="profile this many steps after --timing-warmup (torch.profiler): where each rank's step "
                         "time goes, in OUT/profile_rank<R>.txt and .json")
@@ -275,6 +278,7 @@ def run(args: argparse.Namespace) -> dict | None:
                                    "layers": [list(ranges[s]) for s in mine],
                                    "compile": pipe.compile_stats(),
                                    "graph_breaks": breaks_after - job.breaks_before if breaks_after >= 0 else None,
+                                   "optimizer": type(opt).__name__,
                                    "choices": {k: str(v) for k, v in pipe.opt.choices.items()}})
     summary = _pipeline_summary(job, records, ranks, build_peak, build_s, eval_loss) if info.is_main else None
     job.finish(summary, schedule=args.schedule)
@@ -317,7 +321,8 @@ def _pipeline_summary(job: RankRun, records, ranks, build_peak, build_s, eval_lo
     summary.update(schedule=args.schedule, micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                    stages={str(r["rank"]): {"stages": r["stages"], "layers": r["layers"]} for r in ranks},
                    build_peak_mem_gib_per_gpu=build_peak, build_s=build_s, eval_loss=eval_loss,
-                   compile={str(r["rank"]): r["compile"] for r in ranks}, choices=ranks[0]["choices"])
+                   compile={str(r["rank"]): r["compile"] for r in ranks}, choices=ranks[0]["choices"],
+                   optimizer={str(r["rank"]): r["optimizer"] for r in ranks})
     return summary
 
 

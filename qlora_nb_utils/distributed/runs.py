@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .._paths import pythonpath_with_package
 from ..startup import defer_sklearn
 
-__all__ = ["start_profiler", "write_profile", "exit_after_run", "launch", "read_log", "compare_runs", "DTYPE_CHOICES", "add_common_arguments", "add_sharding_arguments",
+__all__ = ["OPTIMIZERS", "make_optimizer", "start_profiler", "write_profile", "exit_after_run", "launch", "read_log", "compare_runs", "DTYPE_CHOICES", "add_common_arguments", "add_sharding_arguments",
            "check_common", "optimize_knobs", "world_size_from_env", "run_main", "compute_dtype", "max_over_ranks",
            "graph_break_total", "timed_records", "command_line", "summary_fields", "RankRun"]
 
@@ -445,10 +445,11 @@ class RankRun:
             self.log_path.unlink(missing_ok=True)
 
     def optimizer(self, params):
-        """AdamW over ``params`` (no weight decay) and its linear warm-up over ``--warmup`` steps."""
+        """The optimizer ``--optim`` names (:func:`make_optimizer`; AdamW where a layout has no such
+        option) over ``params``, and its linear warm-up over ``--warmup`` steps."""
         import torch
 
-        opt = torch.optim.AdamW(params, lr=self.args.lr, weight_decay=0.0)
+        opt = make_optimizer(getattr(self.args, "optim", "adamw"), params, self.args.lr)
         warm = max(self.args.warmup, 1)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
 
@@ -509,6 +510,31 @@ class RankRun:
 
         dist.barrier()
         dist.destroy_process_group()
+
+
+#: What ``--optim`` takes where a layout offers it: torch's AdamW (its two moments in fp32, 8 bytes per
+#: LoRA weight) or bitsandbytes' 8-bit AdamW (its moments in 8 bits, blockwise scaled: 2 bytes per weight;
+#: tensors under 4,096 elements keep fp32 moments), the QLoRA recipe's own way to shrink the LoRA state.
+OPTIMIZERS = ("adamw", "adamw8bit")
+
+
+def make_optimizer(name: str, params, lr: float):
+    """AdamW without weight decay over ``params``: torch's (``"adamw"``) or bitsandbytes' 8-bit one
+    (``"adamw8bit"``), each tensor's state its own (so split over the stages of a pipeline, it is the
+    one-process optimizer's).
+
+    Raises:
+        ValueError: a name not in :data:`OPTIMIZERS`.
+    """
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if name == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=0.0)
+    raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
 
 
 def start_profiler(info):
