@@ -164,7 +164,7 @@ def test_an_optimizer_split_over_stages_updates_each_tensor_as_one_over_all_of_t
     split = [torch.nn.Parameter(t.clone()) for t in start]
     one = runs.make_optimizer(name, joined, 1e-2)
     stages = [runs.make_optimizer(name, split[:1], 1e-2), runs.make_optimizer(name, split[1:], 1e-2)]
-    for step in range(3):
+    for _ in range(3):
         grads = [torch.randn_like(t) for t in start]
         for p, q, g in zip(joined, split, grads):
             p.grad, q.grad = g.clone(), g.clone()
