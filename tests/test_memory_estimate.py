@@ -127,8 +127,6 @@ def test_sharded_weights_count_one_ranks_share_and_what_it_gathers():
 
 
 def test_context_parallel_plans_under_the_ring_and_the_shards_layout(monkeypatch):
-    import functools
-
     from qlora_nb_utils.compile.memory_estimate import current_layout
     from qlora_nb_utils.distributed import context_parallel, fast, ring_attention
 
@@ -150,10 +148,7 @@ def test_context_parallel_plans_under_the_ring_and_the_shards_layout(monkeypatch
         context_parallel.optimize_context_parallel(model, batches=[{"input_ids": ids, "labels": ids.clone()}],
                                                    group=object())
     layout = seen["layout"]
-    cfg = model.config
-    assert layout.ring_world == 2 and isinstance(layout.ring_groups, functools.partial)
-    n = 2**28
-    assert layout.ring_groups(n) == ring_attention.head_groups(cfg.num_attention_heads, cfg.num_key_value_heads, n)
+    assert layout.ring_world == 2 and layout.ring_groups is ring_attention.head_groups
     assert current_layout().ring_groups is None  # back as it was
 
 
@@ -176,3 +171,22 @@ def test_optimize_sharded_plans_for_one_ranks_share_of_the_weights(monkeypatch, 
     with pytest.raises(Stop):
         fast.optimize_sharded(torch.nn.Linear(2, 2), batches=[], world_size=world)
     assert seen["shards"] == shards and current_layout().weight_shards == 1
+
+
+def test_estimate_terms_under_the_ring_layout_count_the_ring_in_the_groups_it_runs():
+    from qlora_nb_utils.compile.memory_estimate import estimate_layout, estimate_terms, model_shape
+    from qlora_nb_utils.distributed.ring_attention import head_groups
+
+    model, _ = models.load_model("tiny", quant="nf4", dtype="float32", device="cpu")
+    shape, length = model_shape(model), 2**16
+    groups = head_groups(shape.heads, shape.kv_heads, length * shape.heads * shape.head_dim, 2**20)
+    asked = []
+
+    def groups_of(heads, kv_heads, elements):
+        asked.append((heads, kv_heads, elements))
+        return groups
+
+    with estimate_layout(ring_groups=groups_of, ring_world=2):
+        ringed = estimate_terms(model, 1, length)
+    assert asked == [(shape.heads, shape.kv_heads, length * shape.heads * shape.head_dim)]
+    assert ringed == terms_of(shape, 1, length, ring=(groups, 2)) != estimate_terms(model, 1, length)

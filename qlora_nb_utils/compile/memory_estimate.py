@@ -95,12 +95,12 @@ class Layout:
     """How a step is spread over GPUs, as far as one GPU's memory goes (:func:`estimate_layout`).
 
     ``weight_shards``: the ranks every parameter and its LoRA state are sharded over (1: whole on
-    this GPU). ``ring_groups``: under ring attention, the number of head groups the ring runs a
-    call in for a query of that many elements (:func:`.distributed.ring_attention.head_groups`),
+    this GPU). ``ring_groups``: under ring attention, ``ring_groups(heads, kv_heads, query_elements)``
+    is the number of head groups the ring runs a call in (:func:`.distributed.ring_attention.head_groups`),
     None without the ring; ``ring_world``: the ranks of the ring."""
 
     weight_shards: int = 1
-    ring_groups: Callable[[int], int] | None = None
+    ring_groups: Callable[[int, int, int], int] | None = None
     ring_world: int = 1
 
 
@@ -286,7 +286,8 @@ def estimate_terms(model: torch.nn.Module, batch_size: int, seq_len: int, *, ce_
     shape = model_shape(model, cast_dtype)
     layout, ring = current_layout(), None
     if layout.ring_groups is not None:
-        ring = (layout.ring_groups(batch_size * seq_len * shape.heads * shape.head_dim), layout.ring_world)
+        elements = batch_size * seq_len * shape.heads * shape.head_dim
+        ring = (layout.ring_groups(shape.heads, shape.kv_heads, elements), layout.ring_world)
     return terms_of(shape, batch_size, seq_len, ce_chunks=ce_chunks, act_bytes=act_bytes,
                     head_rows=head_rows, recompute=recompute, lora_in_place=lora_in_place,
                     compiled_loss=compiled_loss, ring=ring)

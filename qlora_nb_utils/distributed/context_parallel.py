@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import torch
@@ -220,11 +219,8 @@ def optimize_context_parallel(model: torch.nn.Module, *, batches: Sequence[dict]
     pad_id = int(getattr(cfg, "pad_token_id", None) or 0)
     sample = [shard_batch(b, rank, world, load_balance=load_balance, pad_multiple=pad_multiple, pad_id=pad_id)
               for b in batches]
-    layout = {}
-    if world > 1:  # the estimate counts the ring's attention, in the head groups it will run
-        heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-        layout = {"ring_groups": functools.partial(head_groups, heads, int(getattr(cfg, "num_key_value_heads", 0)
-                                                                           or heads)), "ring_world": world}
+    # the estimate counts the ring's attention, in the head groups it will run
+    layout = {"ring_groups": head_groups, "ring_world": world} if world > 1 else {}
     with estimate_layout(**layout):
         fast = optimize_sharded(model, batches=sample, world_size=world, one_scope="regional", keep_attention=False,
                                 sdpa_kernel="default", **kwargs)
