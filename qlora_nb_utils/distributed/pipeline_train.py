@@ -286,12 +286,21 @@ def run(args: argparse.Namespace) -> dict | None:
 
 
 def _allocator_retries(device) -> dict:
-    """How often, so far, this rank's CUDA allocator found no room for a block and released its cache
-    to try again (each time it waits for the GPU): a step under a memory cap that does this often
-    spends its time there, not in its kernels. Nothing off CUDA."""
+    """Each rank's count, so far, of the times its CUDA allocator found no room for a block and released
+    its cache to try again (each time it waits for the GPU), and each rank's peak so far: a step under a
+    memory cap that does this often spends its time there, not in its kernels, and the ranks' peaks say
+    which stage is the tight one. Every rank calls this together. Nothing off CUDA."""
     if device.type != "cuda":
         return {}
-    return {"alloc_retries": int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))}
+    import torch.distributed as dist
+
+    from ..training.device import peak_mem_gib
+
+    mine = torch.tensor([float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)),
+                         peak_mem_gib(device)], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return {"alloc_retries": [int(t[0]) for t in every], "peak_mem_gib_per_rank": [float(t[1]) for t in every]}
 
 
 def save_pipeline_adapter(peft, folder: Path, info) -> None:

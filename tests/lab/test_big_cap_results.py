@@ -42,6 +42,15 @@ def test_rows_read_each_run_its_retries_and_its_profile(tmp_path):
     assert "alloc_retries_per_step" not in b and b["profile"] == [{"rank": 0, "wall_s_per_step": 8.0,
                                                                     "device_s_per_step": 7.5}]
     assert rec["date"] == "2026-01-02" and rec["device"] == {"name": "H200"}
+    # a run's own log, with every rank's running count and peak, is read before the printed lines
+    _run(tmp_path / "call3_a", 22.0, 1700.0, "2026-01-03")
+    steps = [{"step": i, "step_ms": ms, "alloc_retries": [r0, r1], "peak_mem_gib_per_rank": [20.0, p1]}
+             for i, ms, r0, r1, p1 in [(0, 30000.0, 0, 1, 19.0), (1, 9000.0, 0, 40, 19.5), (2, 9500.0, 2, 90, 19.6)]]
+    (tmp_path / "call3_a" / "log.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (tmp_path / "call3_stdout.txt").write_text("a 0 1 1 1.0\n")
+    c = mod.merge(tmp_path)["runs"][2]
+    assert c["step_ms_each"] == [30000.0, 9000.0, 9500.0] and c["alloc_retries_per_step_rank"] == [[0, 2], [39, 50]]
+    assert c["peak_mem_gib_per_rank"] == [20.0, 19.6] and "alloc_retries_per_step" not in c
     empty = tmp_path / "none"
     empty.mkdir()
     with pytest.raises(SystemExit, match="no run folder"):

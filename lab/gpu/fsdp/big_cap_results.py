@@ -9,9 +9,10 @@ the cap, the plan (``--optimize``), tokens/s, each step's time, the allocator's 
 them, and the device and kernel time per step where the run was profiled.
 
 RUNS holds one folder per run (``call<N>_<v>/``: ``pipeline_h200.json`` from ``gpu_pipeline.sh``, and
-``summary.json``, ``profile_rank<R>.json`` where they came back, ``commit.txt``: the commit of the call's
-snapshot) and ``call<N>_stdout.txt``, each step's
-``<v> <step> <step_ms> <alloc_retries so far> <peak GiB>`` as the call printed them from the run's log.
+``summary.json``, ``profile_rank<R>.json``, ``log.jsonl`` where they came back, ``commit.txt``: the commit of the
+call's snapshot) and ``call<N>_stdout.txt``, each step's
+``<v> <step> <step_ms> <alloc_retries so far> <peak GiB>`` as the call printed them from the run's log. A run's own
+``log.jsonl``, where there is one, is read first: its steps carry every rank's retries and peak.
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ def _steps_printed(runs: Path) -> dict[tuple[str, str], list[dict]]:
     return found
 
 
+def _retries(steps: list[dict]) -> dict:
+    """The allocator's retries in each step after the first, from the running counts the steps logged
+    (one count, rank 0's, or one per rank), and each rank's peak where the steps logged it."""
+    if "alloc_retries" not in steps[0]:
+        return {}
+    counts = [s["alloc_retries"] if isinstance(s["alloc_retries"], list) else [s["alloc_retries"]] for s in steps]
+    per_rank = [[b[r] - a[r] for a, b in zip(counts, counts[1:])] for r in range(len(counts[0]))]
+    out = {"alloc_retries_per_step": per_rank[0]} if len(per_rank) == 1 else {"alloc_retries_per_step_rank": per_rank}
+    if "peak_mem_gib_per_rank" in steps[-1]:
+        out["peak_mem_gib_per_rank"] = steps[-1]["peak_mem_gib_per_rank"]
+    return out
+
+
 def merge(runs: Path) -> dict:
     """The rows of every run folder under ``runs`` (module docstring)."""
     printed = _steps_printed(runs)
@@ -55,12 +69,12 @@ def merge(runs: Path) -> dict:
                "step_ms_each": summary.get("step_ms"), "date": big["date"], "command": big["command"]}
         if (folder / "commit.txt").is_file():  # the commit the call's snapshot was made from
             row["commit"] = (folder / "commit.txt").read_text().strip()
-        steps = printed.get((call, variant))
+        logged = folder / "log.jsonl"
+        steps = ([json.loads(line) for line in logged.read_text().splitlines() if line.strip()]
+                 if logged.is_file() else printed.get((call, variant)))
         if steps:
             row["step_ms_each"] = [s["step_ms"] for s in steps]
-            # the count so far after each step: the retries of each timed step are the differences
-            counts = [s["alloc_retries"] for s in steps]
-            row["alloc_retries_per_step"] = [b - a for a, b in zip(counts, counts[1:])]
+            row.update(_retries(steps))
         profiled = sorted(folder.glob("profile_rank*.json"))
         if profiled:
             row["profile"] = [{k: p[k] for k in ("rank", "wall_s_per_step", "device_s_per_step")}
@@ -86,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     for r in record["runs"]:
         print(f"{r['run']}: cap {r['cap_gib']:g} GiB, {r['tokens_per_s']:.0f} tokens/s, "
-              f"retries {r.get('alloc_retries_per_step')}")
+              f"retries {r.get('alloc_retries_per_step', r.get('alloc_retries_per_step_rank'))}, "
+              f"peaks {r.get('peak_mem_gib_per_rank')}")
     return 0
 
 
