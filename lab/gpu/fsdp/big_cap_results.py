@@ -67,6 +67,9 @@ def merge(runs: Path) -> dict:
                "tokens_per_s": big["tokens_per_s"], "median_step_ms": big["median_step_ms"],
                "peak_mem_gib_per_gpu": big["peak_mem_gib_per_gpu"], "graph_breaks": big["graph_breaks"],
                "step_ms_each": summary.get("step_ms"), "date": big["date"], "command": big["command"]}
+        if summary:  # the split and each rank's optimizer, where the run's summary came back
+            row["layers_per_stage"] = summary.get("options", {}).get("layers_per_stage")
+            row["optimizer"] = summary.get("optimizer")
         if (folder / "commit.txt").is_file():  # the commit the call's snapshot was made from
             row["commit"] = (folder / "commit.txt").read_text().strip()
         logged = folder / "log.jsonl"

@@ -115,7 +115,7 @@ def _big_row(big: dict, cap: float) -> dict:
             "peak_mem_gib_per_gpu": big["peak_mem_gib_per_gpu"],
             "build_peak_mem_gib_per_gpu": big["build_peak_mem_gib_per_gpu"],
             "tokens_per_s": big["tokens_per_s"], "median_step_ms": big["median_step_ms"],
-            "graph_breaks": big["graph_breaks"]["total"], "build_s": big["build_s"],
+            "optimizer": big.get("optimizer"), "graph_breaks": big["graph_breaks"]["total"], "build_s": big["build_s"],
             "losses_note": "random weights: the loss is not meaningful", "date": big.get("date"),
             "command": big["command"]}
 
