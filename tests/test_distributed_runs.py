@@ -173,3 +173,24 @@ def test_an_optimizer_split_over_stages_updates_each_tensor_as_one_over_all_of_t
             opt.step()
     for p, q, t in zip(joined, split, start):
         assert torch.equal(p.detach(), q.detach()) and not torch.equal(p.detach(), t)
+
+
+def test_launch_runs_the_layout_asked_for_and_refuses_an_unknown_one(monkeypatch, capsys):
+    import subprocess
+
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="[pipeline] world_size=2 steps=2\nnoise\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    runs.launch(2, ["--out", "x"], layout="pipeline")
+    runs.launch(1, ["--out", "y"])
+    assert seen[0][-5:] == ["qlora_nb_utils.distributed.launch", "--layout", "pipeline", "--out", "x"]
+    assert seen[1][-3:] == ["qlora_nb_utils.distributed.fsdp_train", "--out", "y"]
+    assert "--nproc-per-node=2" in seen[0] and "--nproc-per-node=1" in seen[1]
+    assert capsys.readouterr().out.count("[pipeline] world_size=2") == 2  # the run's report, not the rest
+    with pytest.raises(ValueError, match="layout must be one of fsdp, pipeline, context"):
+        runs.launch(2, ["--out", "z"], layout="tensor")
+    assert len(seen) == 2

@@ -37,27 +37,37 @@ __all__ = ["OPTIMIZERS", "make_optimizer", "start_profiler", "write_profile", "e
 
 
 # ----------------------------------------------------------------------------- driving runs
-def launch(nproc: int, args: Sequence[str], *, timeout: float | None = None, echo: bool = True):
-    """Run ``torchrun --standalone --nproc-per-node nproc -m qlora_nb_utils.distributed.fsdp_train args``.
+def launch(nproc: int, args: Sequence[str], *, timeout: float | None = None, echo: bool = True,
+           layout: str | None = None):
+    """Run ``torchrun --standalone --nproc-per-node nproc -m qlora_nb_utils.distributed.fsdp_train args``,
+    or, with ``layout``, ``-m qlora_nb_utils.distributed.launch --layout LAYOUT args``.
 
     What the notebook and the repository's FSDP2 scripts call. ``OMP_NUM_THREADS`` is left to torchrun
-    (1 per process when nproc > 1) unless already set.
+    (1 per process when nproc > 1) unless already set. With ``echo``, the run's one-line reports
+    (``[fsdp_train]``, ``[pipeline]``, ``[context_parallel]``) are printed.
 
     Returns:
         The ``subprocess.CompletedProcess`` (stdout and stderr captured as text).
 
     Raises:
+        ValueError: ``layout`` is not one of the launcher's (before anything runs).
         RuntimeError: the run failed; the message holds the tail of its output.
     """
     import subprocess
 
+    from .launch import LAYOUTS
+
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    entry = (["qlora_nb_utils.distributed.fsdp_train"] if layout is None
+             else ["qlora_nb_utils.distributed.launch", "--layout", layout])
     env = {**os.environ, "PYTHONPATH": pythonpath_with_package(os.environ.get("PYTHONPATH"))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "qlora_nb_utils.distributed.fsdp_train", *map(str, args)]
+           "-m", *entry, *map(str, args)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if echo:
         for line in result.stdout.splitlines():
-            if line.startswith("[fsdp_train]"):
+            if line.startswith(("[fsdp_train]", "[pipeline]", "[context_parallel]")):
                 print(line, flush=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed with exit code {result.returncode}:\n"
