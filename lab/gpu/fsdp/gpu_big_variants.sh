@@ -6,9 +6,9 @@
 # Rerun: OUT=$OUT VARIANTS="a:40,40:--optim adamw8bit b:39,41:" bash lab/gpu/fsdp/gpu_big_variants.sh
 #   (nvidia-h200-x2, from the repository root; carry .whl .gpucache)
 # The 70B shape on the pipeline layout under the 22 GiB cap (gpu_pipeline.sh's big_70b run, PHASE=big), once per
-# variant, one after the other in one call: VARIANTS is a space-separated list of NAME:SPLIT:EXTRA, NAME one
-# letter, SPLIT the layers per stage (--layers-per-stage), EXTRA launcher options with commas for spaces
-# ("--optim,adamw8bit"). Each variant gets at most PER_RUN seconds (200) and is skipped when the call's
+# variant, one after the other in one call: VARIANTS is a space-separated list of NAME:SPLIT:EXTRA[:CAP[:STEPS]],
+# NAME one letter, SPLIT the layers per stage (--layers-per-stage), EXTRA launcher options with commas for spaces
+# ("--optim,adamw8bit"), CAP the GiB each process may use (default $CAP, 22), STEPS the steps (default $BIG_STEPS, 4). Each variant gets at most PER_RUN seconds (200) and is skipped when the call's
 # BUDGET (560 s) no longer holds it.
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -18,11 +18,11 @@ WORK=$PWD/out/big_variants
 mkdir -p "$OUT"
 rm -rf "$WORK"; mkdir -p "$WORK"
 for v in ${VARIANTS:?set VARIANTS}; do
-  IFS=: read -r name split extra <<< "$v"
+  IFS=: read -r name split extra vcap vsteps <<< "$v"
   left=$(( BUDGET - ($(date +%s) - T0) ))
   if [ "$left" -lt 120 ]; then echo "[big_variants] skip $name: ${left} s left"; continue; fi
-  echo "[big_variants] $name: split $split, extra '${extra//,/ }' ($(( $(date +%s) - T0 )) s elapsed)"
-  OUT=$WORK/$name PHASE=big ONLY=big_70b BUDGET=$(( left < PER_RUN ? left : PER_RUN )) CAP=${CAP:-22} BIG_STEPS=${BIG_STEPS:-4} \
+  echo "[big_variants] $name: split $split, extra '${extra//,/ }', cap ${vcap:-${CAP:-22}} GiB, ${vsteps:-${BIG_STEPS:-4}} steps ($(( $(date +%s) - T0 )) s elapsed)"
+  OUT=$WORK/$name PHASE=big ONLY=big_70b BUDGET=$(( left < PER_RUN ? left : PER_RUN )) CAP=${vcap:-${CAP:-22}} BIG_STEPS=${vsteps:-${BIG_STEPS:-4}} \
     BIG_SPLIT=$split BIG_EXTRA="${extra//,/ }" BIG_RETRY_MIN_S=9999 bash lab/gpu/fsdp/gpu_pipeline.sh > "$WORK/$name.stdout" 2>&1
   grep "^\[pipeline\]" "$WORK/$name.stdout" | tail -2
   keep=$WORK/keep/$name; mkdir -p "$keep"
