@@ -1,6 +1,7 @@
 """How far the ring's bf16 attention is from the exact result, beside the whole-row kernel's own distance.
 
-Wrote: lab/results/long_context/ring_precision_cpu.json
+Wrote: lab/results/long_context/ring_precision_cpu.json (2 CPU processes, the defaults), ring_precision_h200.json
+  (2 x H200: --seq-len 8192 --heads 8 --kv-heads 2 --head-dim 128)
 Rerun: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m lab.ring_precision
   --out lab/results/long_context/ring_precision_cpu.json   (gloo on a CPU; NCCL where there are GPUs)
 
@@ -67,8 +68,9 @@ def measure(seq_len: int, heads: int, kv_heads: int, head_dim: int, seed: int = 
     errs = t.tolist()
     whole_row, ring_err = dict(zip(NAMES, errs[:4])), dict(zip(NAMES, errs[4:]))
     return {"seq_len": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "world_size": world,
-            "dtype": "bfloat16", "whole_row_vs_float64": whole_row, "ring_vs_float64": ring_err,
-            "ring_over_whole_row": {n: ring_err[n] / whole_row[n] if whole_row[n] else None for n in NAMES}}
+            "dtype": "bfloat16", "whole_row_vs_float64": {f"{n}_diff": e for n, e in whole_row.items()},
+            "ring_vs_float64": {f"{n}_diff": e for n, e in ring_err.items()},
+            "ring_over_whole_row": {f"{n}_ratio": ring_err[n] / whole_row[n] if whole_row[n] else None for n in NAMES}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         rec = {"what": __doc__.split("\n\n")[0], "rows": rows,
-               "ring_over_whole_row_max": {n: max(r["ring_over_whole_row"][n] for r in rows) for n in NAMES},
+               "ring_over_whole_row_max": {f"{n}_ratio": max(r["ring_over_whole_row"][f"{n}_ratio"] for r in rows)
+                                            for n in NAMES},
                "device": env.device_info(device), "versions": env.versions(),
                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
                "command": "torchrun --standalone --nproc-per-node 2 -m lab.ring_precision " + " ".join(
@@ -106,4 +109,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from qlora_nb_utils.distributed.runs import exit_after_run
+
+    exit_after_run(main())  # gloo's threads may abort a finished run's exit (runs.exit_after_run says why)
