@@ -30,9 +30,10 @@ import importlib
 import sys
 from typing import Sequence
 
+from .runs import LAYOUTS  # named there, below the launcher: a run is driven without importing this module
+
 __all__ = ["LAYOUTS", "main", "context_module"]
 
-LAYOUTS = ("fsdp", "pipeline", "context")
 CONTEXT_MODULE = "qlora_nb_utils.distributed.context_parallel"
 
 

@@ -31,9 +31,14 @@ from typing import Any, Callable, Mapping, Sequence
 from .._paths import pythonpath_with_package
 from ..startup import defer_sklearn
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "start_profiler", "write_profile", "exit_after_run", "launch", "read_log", "compare_runs", "DTYPE_CHOICES", "add_common_arguments", "add_sharding_arguments",
+__all__ = ["LAYOUTS", "OPTIMIZERS", "make_optimizer", "start_profiler", "write_profile", "exit_after_run", "launch", "read_log", "compare_runs", "DTYPE_CHOICES", "add_common_arguments", "add_sharding_arguments",
            "check_common", "optimize_knobs", "world_size_from_env", "run_main", "compute_dtype", "max_over_ranks",
            "graph_break_total", "timed_records", "command_line", "summary_fields", "RankRun"]
+
+
+#: the parallel layouts of the one launcher (``qlora_nb_utils.distributed.launch --layout``), named here, below
+#: the launcher, so that driving a run needs no import of it
+LAYOUTS = ("fsdp", "pipeline", "context")
 
 
 # ----------------------------------------------------------------------------- driving runs
@@ -54,8 +59,6 @@ def launch(nproc: int, args: Sequence[str], *, timeout: float | None = None, ech
         RuntimeError: the run failed; the message holds the tail of its output.
     """
     import subprocess
-
-    from .launch import LAYOUTS
 
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
