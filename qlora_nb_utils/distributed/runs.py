@@ -544,9 +544,9 @@ def make_optimizer(name: str, params, lr: float):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     if name == "adamw8bit":
-        import bitsandbytes as bnb
+        from ..env import import_bitsandbytes
 
-        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=0.0)
+        return import_bitsandbytes().optim.AdamW8bit(params, lr=lr, weight_decay=0.0)
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
 
 
