@@ -18,7 +18,9 @@ one, and whether its loss is one GPU's. Three subcommands, each run under ``torc
   named shape built layer by layer with random NF4 weights, ``optimize_context_parallel(max_memory_gib=
   cap)`` (FSDP2 over the ranks, the ring); on one process the same code (nothing sharded, plain
   attention), or with ``--plain`` the one-GPU fast path as a user gets it (labels, SDPA's kernel by
-  ``--sdpa-kernel``). Rank 0 writes the record; a rank that fails (out of memory) writes its own and
+  ``--sdpa-kernel``). A cap is a memory target, so the allocator is set as the launcher sets it for one
+  (expandable segments unless a setting was made: ``alloc_conf`` in the record; records without it ran
+  on the allocator's fixed segments). Rank 0 writes the record; a rank that fails (out of memory) writes its own and
   exits, and torchrun stops the others.
 * ``merge``: the call's files into the results file: the longest row that trained, tokens/s at the
   short length on 2 GPUs and on one, the losses of the two at that length and the floor (the plain
@@ -86,10 +88,13 @@ def try_run(args) -> dict:
     from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
     from qlora_nb_utils.distributed.setup import init_distributed
 
+    # a cap is a memory target (optimize() is given it): the allocator as the launcher sets it for one, before CUDA
+    allocator = env.prefer_expandable_segments()[1] if args.cap_gib else "no memory target: left as it is"
     info = init_distributed("auto")
     rec = {"seq_len": args.seq_len, "world_size": info.world_size, "cap_gib": args.cap_gib, "plain": args.plain,
            "sdpa_kernel": args.sdpa_kernel if args.plain else "flash (under the ring)", "model": args.model,
-           "steps": args.steps, "ok": False, "rank": info.rank}
+           "steps": args.steps, "ok": False, "rank": info.rank,
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default", "allocator": allocator}
     rec["cap"] = _cap(args.cap_gib, info.device)
     dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
     mp, storage = sharded_nf4_precision(dtype, "auto")

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 
 import pytest
 import torch
 
-from qlora_nb_utils.distributed import launch, runs
+from qlora_nb_utils.distributed import launch, profiling, runs
 
 LAYOUT_FLAGS = {"fsdp": ["--fast-path"], "pipeline": [], "context": []}
 SHARED = ("model", "build", "data", "out", "steps", "global_batch_size", "micro_batch_size", "seq_len", "pack",
@@ -129,11 +130,11 @@ def test_every_rank_module_ends_through_exit_after_run():
 
 def test_a_profile_says_where_a_step_went_per_rank(tmp_path):
     info = argparse.Namespace(device=torch.device("cpu"), rank=1)
-    prof = runs.start_profiler(info)
+    prof = profiling.start_profiler(info)
     x = torch.randn(64, 64)
     for _ in range(4):
         x = torch.tanh(x @ x)
-    rec = runs.write_profile(prof, tmp_path, info, steps=2)
+    rec = profiling.write_profile(prof, tmp_path, info, steps=2)
     text = (tmp_path / "profile_rank1.txt").read_text()
     assert "# by CPU time" in text and "aten::mm" in text and "# by device time" not in text
     saved = json.loads((tmp_path / "profile_rank1.json").read_text())
@@ -194,3 +195,37 @@ def test_launch_runs_the_layout_asked_for_and_refuses_an_unknown_one(monkeypatch
     with pytest.raises(ValueError, match="layout must be one of fsdp, pipeline, context"):
         runs.launch(2, ["--out", "z"], layout="tensor")
     assert len(seen) == 2
+
+
+MEMORY_TARGETS = {"fsdp": ["--fast-path", "--optimize", "max_memory_gib=22"], "pipeline": ["--max-mem-gib", "22"],
+                  "context": ["--max-memory-gib", "22"]}
+
+
+@pytest.mark.parametrize("layout", launch.LAYOUTS)
+def test_a_memory_target_asks_for_expandable_segments_before_the_run_as_train_does(layout, monkeypatch, capsys,
+                                                                                    tmp_path):
+    import importlib
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # set, then removed: put back as it was after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    module = importlib.import_module({"fsdp": "qlora_nb_utils.distributed.fsdp_train",
+                                      "pipeline": "qlora_nb_utils.distributed.pipeline_train",
+                                      "context": "qlora_nb_utils.distributed.context_parallel"}[layout])
+    seen = []
+    runner = "_run_or_trainer" if layout == "fsdp" else "run"
+    monkeypatch.setattr(module, runner, lambda args: seen.append((runs.memory_target_gib(args),
+                                                                  os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))))
+    base = ["--layout", layout, "--out", str(tmp_path / "run")]
+    assert launch.main(base + MEMORY_TARGETS[layout]) == 0
+    assert seen[-1] == (22.0, "expandable_segments:True")
+    assert "launch: allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in capsys.readouterr().err
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert launch.main(base + (["--fast-path"] if layout == "fsdp" else [])) == 0  # no target: left alone
+    assert seen[-1] == (None, None)
+    assert launch.main(base + MEMORY_TARGETS[layout] + ["--device", "cpu"]) == 0  # a CPU run: nothing to set
+    assert seen[-1] == (22.0, None) and "allocator" not in capsys.readouterr().err
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")  # the user's own setting is kept
+    assert launch.main(base + MEMORY_TARGETS[layout]) == 0
+    assert seen[-1] == (22.0, "max_split_size_mb:128")

@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 from .global_batches import local_micro_batches, loss_sum, make_global_batches, target_count
+from .profiling import start_profiler, write_profile
 from .runs import (
     DTYPE_CHOICES,
     RankRun,
@@ -46,8 +47,6 @@ from .runs import (
     check_common,
     read_log,
     run_main,
-    start_profiler,
-    write_profile,
 )
 
 # the load-time rules (resolve_nf4_mode is imported from here too)

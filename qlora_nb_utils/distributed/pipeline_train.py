@@ -225,7 +225,8 @@ def run(args: argparse.Namespace) -> dict | None:
 
     from ..training.device import peak_mem_gib, reset_peak
     from .pipeline import SCHEDULES, build_pipeline, owned_layers, pipeline_clip_grad_norm, split_layers, stage_ids
-    from .runs import graph_break_total, max_over_ranks, start_profiler, write_profile
+    from .profiling import start_profiler, write_profile
+    from .runs import graph_break_total, max_over_ranks
 
     job = RankRun(args, tag="pipeline", module="qlora_nb_utils.distributed.launch")
     info, out, dtype = job.info, job.out, job.dtype

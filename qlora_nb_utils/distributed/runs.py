@@ -31,8 +31,8 @@ from typing import Any, Callable, Mapping, Sequence
 from .._paths import pythonpath_with_package
 from ..startup import defer_sklearn
 
-__all__ = ["LAYOUTS", "OPTIMIZERS", "make_optimizer", "start_profiler", "write_profile", "exit_after_run", "launch", "read_log", "compare_runs", "DTYPE_CHOICES", "add_common_arguments", "add_sharding_arguments",
-           "check_common", "optimize_knobs", "world_size_from_env", "run_main", "compute_dtype", "max_over_ranks",
+__all__ = ["LAYOUTS", "OPTIMIZERS", "make_optimizer", "exit_after_run", "launch", "read_log", "compare_runs", "DTYPE_CHOICES", "add_common_arguments", "add_sharding_arguments",
+           "check_common", "optimize_knobs", "world_size_from_env", "run_main", "memory_target_gib", "compute_dtype", "max_over_ranks",
            "graph_break_total", "timed_records", "command_line", "summary_fields", "RankRun"]
 
 
@@ -303,9 +303,33 @@ def run_main(parser: argparse.ArgumentParser, validate: Callable, run: Callable,
         args = validate(args, world_size_from_env())
     except ValueError as exc:
         parser.error(str(exc))
+    if memory_target_gib(args) is not None and getattr(args, "device", "auto") != "cpu":
+        # before CUDA starts (the allocator reads its settings once), as qlora-nb train does
+        from ..env import prefer_expandable_segments
+
+        _, why = prefer_expandable_segments()
+        if os.environ.get("RANK", "0") == "0":
+            print(f"launch: allocator: {why}", file=sys.stderr, flush=True)
     defer_sklearn()  # as qlora-nb train does, in every rank: transformers loads next
     run(args)
     return 0
+
+
+def memory_target_gib(args: argparse.Namespace) -> float | None:
+    """The memory a run was told to stay under, in GiB: ``--max-memory-gib`` (context), the pipeline's
+    cap ``--max-mem-gib``, or ``--optimize max_memory_gib=...``; None without one.
+
+    Why it matters beyond the plan: a plan that fits its target in allocated memory can still run out
+    under the card's (or the cap's) limit when the allocator's free memory is cut into fixed segments
+    that the next large block does not fit. A run with a target therefore asks for expandable
+    segments (:func:`qlora_nb_utils.env.prefer_expandable_segments`), as ``qlora-nb train`` does.
+    """
+    for name in ("max_memory_gib", "max_mem_gib"):
+        value = getattr(args, name, None)
+        if value is not None:
+            return float(value)
+    value = (getattr(args, "optimize_knobs", None) or {}).get("max_memory_gib")
+    return float(value) if value is not None else None
 
 
 def exit_after_run(code: int) -> None:
@@ -548,43 +572,3 @@ def make_optimizer(name: str, params, lr: float):
 
         return import_bitsandbytes().optim.AdamW8bit(params, lr=lr, weight_decay=0.0)
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
-
-
-def start_profiler(info):
-    """A torch.profiler over CPU (and CUDA) activity, entered now; :func:`write_profile` ends it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
-    prof = profile(activities=acts)
-    prof.__enter__()
-    prof.qlora_t0 = time.perf_counter()
-    return prof
-
-
-def write_profile(prof, out: Path, info, steps: int = 1) -> dict:
-    """End ``prof`` and write where this rank's time went: two tables (the ops by device time, by CPU
-    time; collectives show as ``nccl:*``) in ``OUT/profile_rank<R>.txt``, and in
-    ``OUT/profile_rank<R>.json`` the wall time per step beside the device time its kernels took
-    (their sum over streams; a device time well under the wall means the GPU waited, on the host
-    or on another rank) and the ops that took the most device time. Returns the JSON record."""
-    wall = time.perf_counter() - getattr(prof, "qlora_t0", time.perf_counter())
-    prof.__exit__(None, None, None)
-    table = prof.key_averages()
-    text = []
-    if info.device.type == "cuda":
-        text += ["# by device time", table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)]
-    text += ["# by CPU time", table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_rank{info.rank}.txt").write_text("\n".join(text) + "\n")
-    from torch.autograd import DeviceType
-
-    # the device's own events (kernels, copies): an op's row would count its kernels a second time
-    ops = sorted(((e.key, e.self_device_time_total / 1e6, e.count) for e in table
-                  if getattr(e, "device_type", None) == DeviceType.CUDA), key=lambda x: -x[1])
-    steps = max(1, steps)
-    record = {"rank": info.rank, "steps": steps, "wall_s_per_step": wall / steps,
-              "device_s_per_step": sum(s for _, s, _ in ops) / steps,
-              "top_device_ops": [{"op": k[:120], "s_per_step": s / steps, "calls_per_step": n / steps}
-                                 for k, s, n in ops[:25]]}
-    (out / f"profile_rank{info.rank}.json").write_text(json.dumps(record, indent=1) + "\n")
-    return record
