@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 
 _GIB = 2**30
+#: the steps a long row must train to count as trained (what "the longest row that trains" means here)
+STEPS_LONG = 2
 
 
 def _cap(cap_gib: float | None, device) -> dict:
@@ -280,7 +282,8 @@ def _run_rank(fn, args) -> int:
         text = f"{type(exc).__name__}: {exc}"
         rec = {"seq_len": getattr(args, "seq_len", None), "ok": False, "rank": rank, "error": text[:1500],
                "oom": "out of memory" in text.lower() or type(exc).__name__ == "OutOfMemoryError",
-               "traceback_tail": traceback.format_exc()[-2000:]}
+               "traceback_tail": traceback.format_exc()[-2000:], "steps": getattr(args, "steps", None),
+               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"}
         code = 1
     rec["wall_s"] = time.perf_counter() - t0
     rec["cpu_ram_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -321,10 +324,18 @@ def merge(args) -> dict:
                                                        "command": kept.get("command")}}
     long = sorted((v for k, v in tries.items() if k.startswith("cp2_") and v.get("seq_len") != short),
                   key=lambda r: r["seq_len"])
-    trained = [r for r in long + [tries.get(f"cp2_{short}") or {}] if r.get("ok")]
+    need = getattr(args, "steps_long", None) or STEPS_LONG
+    # a long row counts as trained after the steps asked of the longest; fewer (a probe of memory) do not
+    trained = [r for r in long if r.get("ok") and r.get("steps", need) >= need]
+    trained += [r for r in [tries.get(f"cp2_{short}") or {}] if r.get("ok")]
+    probes = [{"seq_len": r["seq_len"], "steps": r.get("steps")} for r in long
+              if r.get("ok") and r.get("steps", need) < need]
     best = max(trained, key=lambda r: r["seq_len"], default=None)
-    # out of memory above the longest that trained: the edge; a try the deadline stopped says nothing of memory
-    failed_above = [r["seq_len"] for r in long if r.get("oom") and best and r["seq_len"] > best["seq_len"]]
+    # out of memory above the longest that trained, under the same allocator setting: the edge (a probe's
+    # failure counts: fewer steps than asked need no more memory); a try the deadline stopped says nothing
+    alloc = (best or {}).get("alloc_conf", "default")
+    failed_above = [r["seq_len"] for r in long if r.get("oom") and best and r["seq_len"] > best["seq_len"]
+                    and r.get("alloc_conf", "default") == alloc]
     stopped = [{"seq_len": r["seq_len"], "steps_done": r.get("steps_done", 0)} for r in long
                if not r.get("ok") and not r.get("oom")]
     cp2, one, plain = tries.get(f"cp2_{short}"), tries.get(f"one_{short}"), tries.get(f"plain_{short}")
@@ -341,7 +352,8 @@ def merge(args) -> dict:
         "max_seq_len": best["seq_len"] if best else None, "edge_found": bool(failed_above),
         "edge_note": ("a longer row ran out of memory" if failed_above else
                       "no longer row was tried or failed in this call: the edge lies further"),
-        "failed_above": failed_above, "not_finished": stopped,
+        "failed_above": failed_above, "not_finished": stopped, "probes": probes, "steps_long": need,
+        "alloc_conf": alloc,
         "graph_breaks": max((r.get("graph_breaks") or 0) for r in trained) if trained else None,
         "compilations": [r["compile"].get("compilations") for r in trained if r.get("compile")],
         "tokens_per_s_65536": cp2.get("tokens_per_s") if ok(cp2) else None,
@@ -397,6 +409,8 @@ def main(argv=None) -> int:
     m.add_argument("--cap-gib", type=float, default=None)
     m.add_argument("--model", default="llama-3.1-8b-shape")
     m.add_argument("--out", required=True)
+    m.add_argument("--steps-long", type=int, default=STEPS_LONG,
+                   help="the steps a long row must train to count (a try with fewer is a probe of memory)")
     m.add_argument("--keep", default=None, metavar="FILE",
                    help="an earlier results file: its runs that this call did not make are merged in, marked carried")
     args = p.parse_args(argv)

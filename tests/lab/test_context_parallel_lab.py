@@ -64,3 +64,22 @@ def test_merge_carries_an_earlier_calls_short_runs_and_sets_each_estimate_beside
     assert rec["estimate_vs_peak"] == {"256": {"estimate_gib": 3.5, "peak_gib": 3.0, "upper_bound": True}}
     assert lab_cp._estimate_gib("32/32 layers; the plan's estimated peak: 17.81 GiB") == 17.81
     assert lab_cp._estimate_gib("no target") is None
+
+
+def test_merge_counts_a_probe_only_when_it_fails_and_an_edge_only_under_the_same_allocator(tmp_path):
+    base = {"ok": True, "graph_breaks": 0, "compile": {"compilations": 1}, "device": {"name": "gpu"}, "versions": {}}
+    expandable = "expandable_segments:True"
+    _write(tmp_path, "cp2_64", seq_len=64, steps=3, losses=[1.0], tokens_per_s=1.0, **base)
+    _write(tmp_path, "cp2_256", seq_len=256, steps=2, losses=[2.0, 1.9], alloc_conf=expandable, **base)
+    _write(tmp_path, "cp2_384", seq_len=384, steps=1, losses=[2.0], alloc_conf=expandable, **base)  # a probe passed
+    # out of memory on the allocator's fixed segments: says nothing of the expandable ones the longest ran on
+    _write(tmp_path, "cp2_512", seq_len=512, ok=False, oom=True)
+    args = argparse.Namespace(dir=str(tmp_path), short=64, cap_gib=22.0, model="m", out=str(tmp_path / "r.json"),
+                              steps_long=2)
+    rec = lab_cp.merge(args)
+    assert rec["max_seq_len"] == 256 and rec["probes"] == [{"seq_len": 384, "steps": 1}]
+    assert not rec["edge_found"] and rec["alloc_conf"] == expandable
+    # a probe that ran out of memory under the same allocator finds the edge
+    _write(tmp_path, "cp2_448", seq_len=448, steps=1, ok=False, oom=True, alloc_conf=expandable)
+    rec = lab_cp.merge(args)
+    assert rec["edge_found"] and rec["failed_above"] == [448] and rec["max_seq_len"] == 256

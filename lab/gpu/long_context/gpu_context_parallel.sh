@@ -14,7 +14,8 @@
 #   then merge.
 # env: OUT (required), DEADLINE_S (540), CAP (22.0 GiB), SHORT (65536), ABOVE (286720),
 #   LONG ("278528 262144 229376 196608": the first that trains is the edge found),
-#   STEPS_SHORT (3), STEPS_LONG (2), MODEL (llama-3.1-8b-shape), DRY (1: CPU, tiny, gloo), D0/D1 (the two GPUs: 0, 1),
+#   STEPS_SHORT (3), STEPS_LONG (2; fewer make the long tries probes of memory, which count only when they fail:
+#   STEPS_NEEDED, 2, is what a long row must train), MODEL (llama-3.1-8b-shape), DRY (1: CPU, tiny, gloo), D0/D1 (the two GPUs: 0, 1),
 #   CP_OPT (optimize() options for the three SHORT tries: one plan on 1 and 2 GPUs; LONG="" ABOVE="": no long tries),
 #   SHORT_RUNS (0: no SHORT tries this call), KEEP (an earlier results file whose runs this call did not make are merged in).
 set -uo pipefail
@@ -64,5 +65,6 @@ if [ -n "$ABOVE" ] && [ "$trained" = "${LONG%% *}" ]; then
 fi
 gpu=$([ "${DRY:-0}" = 1 ] && echo cpu || python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())")
 python3 -m lab.context_parallel merge "$OUT" --short "$SHORT" --model "$MODEL" ${CAP:+--cap-gib "$CAP"} \
+  --steps-long "${STEPS_NEEDED:-2}" \
   ${KEEP:+--keep "$KEEP"} --out "$OUT/context_parallel_${gpu}.json"
 echo "[gpu_context_parallel] done at $(elapsed) s"
