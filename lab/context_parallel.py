@@ -369,7 +369,8 @@ def merge(args) -> dict:
         # the plan's estimate beside the peak measured (the estimate is meant as an upper bound)
         "estimate_vs_peak": {str(r["seq_len"]): {"estimate_gib": r["estimate_gib"], "peak_gib": r.get("peak_mem_gib"),
                                                  "upper_bound": r["estimate_gib"] >= (r.get("peak_mem_gib") or 0)}
-                             for r in trained if r.get("estimate_gib") is not None},
+                             for r in trained + [r for r in long if r.get("ok") and r.get("steps", need) < need]
+                             if r.get("estimate_gib") is not None},  # a probe's peak is measured too
         "carried_runs": sorted(k for k, v in tries.items() if v.get("carried_from")),
         "attention": json.loads((d / "attention.json").read_text()) if (d / "attention.json").is_file() else None,
         "runs": tries, "device": first.get("device"), "versions": first.get("versions"),

@@ -30,7 +30,7 @@ if [ "${DRY:-0}" = 1 ]; then  # the same steps on the CPU: tiny model, short row
 fi
 source "$(dirname "$0")/../gpu_env.sh"
 long_context_call context_parallel_log.txt
-export QLORA_NB_CP_CMD="OUT=\$OUT DEADLINE_S=$DEADLINE_S SHORT_RUNS=${SHORT_RUNS:-1} LONG='$LONG' ABOVE='$ABOVE' KEEP=${KEEP:-} bash lab/gpu/long_context/gpu_context_parallel.sh"
+export QLORA_NB_CP_CMD="OUT=\$OUT DEADLINE_S=$DEADLINE_S SHORT_RUNS=${SHORT_RUNS:-1} LONG='$LONG' STEPS_LONG=$STEPS_LONG ABOVE='$ABOVE' KEEP=${KEEP:-} bash lab/gpu/long_context/gpu_context_parallel.sh"
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$(( $(nproc) / 2 ))}
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
 cap_args=(); [ -n "$CAP" ] && cap_args=(--cap-gib "$CAP")
