@@ -22,7 +22,9 @@ one, and whether its loss is one GPU's. Three subcommands, each run under ``torc
   (expandable segments unless a setting was made: ``alloc_conf`` in the record; records without it ran
   on the allocator's fixed segments). Rank 0 writes the record; a rank that fails (out of memory) writes its own and
   exits, and torchrun stops the others.
-* ``merge``: the call's files into the results file: the longest row that trained, tokens/s at the
+* ``merge``: the call's files into the results file: the longest row that trained its ``--steps-long``
+  steps (a long try run with fewer is a probe of memory: listed under ``probes``, counted only when it
+  runs out of memory, and only under the allocator setting the longest ran on), tokens/s at the
   short length on 2 GPUs and on one, the losses of the two at that length and the floor (the plain
   one-GPU path against the same code on one GPU: what a change of attention kernel and label path
   alone moves).

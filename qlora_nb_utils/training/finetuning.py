@@ -562,9 +562,10 @@ class Run:
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
         tps = metrics["tokens_per_s"]
         first_step = f", the first step {metrics['first_step_s']:.1f} s" if "first_step_s" in metrics else ""
-        self.log(f"==> done: {metrics['steps_done']} steps in {metrics['wall_s']:.0f} s (compiling "
-                 f"{metrics['compile_s']:.1f} s{first_step}); train loss {first:.3f} -> {last:.3f} (mean of {k} "
-                 f"steps), held-out loss {ev[0]['loss']:.3f} (step {ev[0]['step']}) -> {ev[-1]['loss']:.3f} "
+        steps = lambda n: f"{n} step" + ("" if n == 1 else "s")  # noqa: E731
+        self.log(f"==> done: {steps(metrics['steps_done'])} in {metrics['wall_s']:.0f} s (compiling "
+                 f"{metrics['compile_s']:.1f} s{first_step}); train loss {first:.3f} -> {last:.3f} (mean of "
+                 f"{steps(k)}), held-out loss {ev[0]['loss']:.3f} (step {ev[0]['step']}) -> {ev[-1]['loss']:.3f} "
                  f"(step {ev[-1]['step']})")
         speed = ("real tokens/s: not measured (only the compiling first step ran; run more steps)" if tps is None
                  else f"{tps:.0f} real tokens/s (median, the compiling first step left out)")
