@@ -69,8 +69,7 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: (Inductor's C++ wrapper launches the kernels: the host's share of a small model's step);
 #: ``ours-nested`` (the whole model, the decoder layer a ``nested_compile_region``: traced once inside
 #: the whole graph?); ``ours-rebatched`` (ours' caches, the batch cache emptied: a warm start as before
-#: ``data.batch_cache``, for a same-call A/B); ``ours-eager`` (the same recipe, nothing compiled: what a
-#: short small job would get if ``optimize()`` declined to compile it).
+#: ``data.batch_cache``, for a same-call A/B); ``ours-eager`` (the recipe, nothing compiled).
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
         "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-eager": ["--backend", "eager"]}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
