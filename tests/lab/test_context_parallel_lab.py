@@ -83,3 +83,16 @@ def test_merge_counts_a_probe_only_when_it_fails_and_an_edge_only_under_the_same
     _write(tmp_path, "cp2_448", seq_len=448, steps=1, ok=False, oom=True, alloc_conf=expandable)
     rec = lab_cp.merge(args)
     assert rec["edge_found"] and rec["failed_above"] == [448] and rec["max_seq_len"] == 256
+
+
+def test_merge_sets_a_second_floor_pair_beside_the_first_when_one_gpu_ran_again(tmp_path):
+    base = {"ok": True, "graph_breaks": 0, "compile": {"compilations": 1}, "device": {"name": "gpu"}, "versions": {}}
+    _write(tmp_path, "cp2_64", seq_len=64, losses=[2.0, 1.5], **base)
+    _write(tmp_path, "one_64", seq_len=64, losses=[2.0, 1.502], **base)
+    _write(tmp_path, "plain_64", seq_len=64, losses=[2.004, 1.499], **base)
+    args = argparse.Namespace(dir=str(tmp_path), short=64, cap_gib=None, model="m", out=str(tmp_path / "r.json"))
+    assert lab_cp.merge(args)["loss_check"]["floor_pairs"]["one_vs_one_again"] is None  # not run: no pair
+    _write(tmp_path, "one_64_again", seq_len=64, losses=[2.0, 1.5015], **base)
+    check = lab_cp.merge(args)["loss_check"]
+    assert abs(check["floor_pairs"]["one_vs_one_again"] - 0.0005) < 1e-9
+    assert check["floor_pairs"]["plain_vs_one"] == check["floor_max"] and check["within_floor"]

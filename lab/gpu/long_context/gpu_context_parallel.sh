@@ -17,7 +17,7 @@
 #   STEPS_SHORT (3), STEPS_LONG (2; fewer make the long tries probes of memory, which count only when they fail:
 #   STEPS_NEEDED, 2, is what a long row must train), MODEL (llama-3.1-8b-shape), DRY (1: CPU, tiny, gloo), D0/D1 (the two GPUs: 0, 1),
 #   CP_OPT (optimize() options for the three SHORT tries: one plan on 1 and 2 GPUs; LONG="" ABOVE="": no long tries),
-#   SHORT_RUNS (0: no SHORT tries this call), KEEP (an earlier results file whose runs this call did not make are merged in).
+#   SHORT_RUNS (0: no SHORT tries this call), REPEAT_ONE (1: the one-GPU SHORT try run twice, a second floor pair), KEEP (an earlier results file whose runs this call did not make are merged in).
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 DEADLINE_S=${DEADLINE_S:-540}
@@ -30,7 +30,7 @@ if [ "${DRY:-0}" = 1 ]; then  # the same steps on the CPU: tiny model, short row
 fi
 source "$(dirname "$0")/../gpu_env.sh"
 long_context_call context_parallel_log.txt
-export QLORA_NB_CP_CMD="OUT=\$OUT DEADLINE_S=$DEADLINE_S SHORT_RUNS=${SHORT_RUNS:-1} LONG='$LONG' STEPS_LONG=$STEPS_LONG ABOVE='$ABOVE' KEEP=${KEEP:-} bash lab/gpu/long_context/gpu_context_parallel.sh"
+export QLORA_NB_CP_CMD="OUT=\$OUT DEADLINE_S=$DEADLINE_S SHORT_RUNS=${SHORT_RUNS:-1} REPEAT_ONE=${REPEAT_ONE:-0} LONG='$LONG' STEPS_LONG=$STEPS_LONG ABOVE='$ABOVE' KEEP=${KEEP:-} bash lab/gpu/long_context/gpu_context_parallel.sh"
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$(( $(nproc) / 2 ))}
 [ "${DRY:-0}" = 1 ] || nvidia-smi -L
 cap_args=(); [ -n "$CAP" ] && cap_args=(--cap-gib "$CAP")
@@ -55,6 +55,9 @@ run "plain_$SHORT" 1 $D1 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --mode
 floor_pid=$!
 run "one_$SHORT" 1 $D0 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" --model "$MODEL" "${cap_args[@]}" "${CP_OPT[@]}"
 wait "$floor_pid"
+# the same one-GPU code once more (REPEAT_ONE=1): a second floor pair that differs only in nondeterminism
+[ "${REPEAT_ONE:-0}" = 1 ] && run "one_${SHORT}_again" 1 $D0 80 try --seq-len "$SHORT" --steps "$STEPS_SHORT" \
+  --model "$MODEL" "${cap_args[@]}" "${CP_OPT[@]}"
 fi
 trained=""
 for L in $LONG; do
