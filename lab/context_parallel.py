@@ -330,8 +330,8 @@ def merge(args) -> dict:
     # a long row counts as trained after the steps asked of the longest; fewer (a probe of memory) do not
     trained = [r for r in long if r.get("ok") and r.get("steps", need) >= need]
     trained += [r for r in [tries.get(f"cp2_{short}") or {}] if r.get("ok")]
-    probes = [{"seq_len": r["seq_len"], "steps": r.get("steps")} for r in long
-              if r.get("ok") and r.get("steps", need) < need]
+    probe_runs = [r for r in long if r.get("ok") and r.get("steps", need) < need]
+    probes = [{"seq_len": r["seq_len"], "steps": r.get("steps")} for r in probe_runs]
     best = max(trained, key=lambda r: r["seq_len"], default=None)
     # out of memory above the longest that trained, under the same allocator setting: the edge (a probe's
     # failure counts: fewer steps than asked need no more memory); a try the deadline stopped says nothing
@@ -342,13 +342,12 @@ def merge(args) -> dict:
                if not r.get("ok") and not r.get("oom")]
     cp2, one, plain = tries.get(f"cp2_{short}"), tries.get(f"one_{short}"), tries.get(f"plain_{short}")
     ok = lambda r: r is not None and r.get("ok")  # noqa: E731
-    diff = (max(abs(a - b) for a, b in zip(cp2["losses"], one["losses"])) if ok(cp2) and ok(one) else None)
-    floor = (max(abs(a - b) for a, b in zip(plain["losses"], one["losses"])) if ok(plain) and ok(one) else None)
+    # the largest step difference of two runs' losses; None unless both trained
+    apart = lambda a, b: (max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))  # noqa: E731
+                          if ok(a) and ok(b) else None)
+    diff, floor = apart(cp2, one), apart(plain, one)
     # a second pair where the call ran one again (REPEAT_ONE=1): the same code twice, only nondeterminism apart
-    again = tries.get(f"one_{short}_again")
-    pairs = {"plain_vs_one": floor,
-             "one_vs_one_again": (max(abs(a - b) for a, b in zip(again["losses"], one["losses"]))
-                                  if ok(again) and ok(one) else None)}
+    pairs = {"plain_vs_one": floor, "one_vs_one_again": apart(tries.get(f"one_{short}_again"), one)}
     grads = ({"cp2": cp2.get("grad_norms_by_kind"), "one": one.get("grad_norms_by_kind"),
               "plain": plain.get("grad_norms_by_kind") if ok(plain) else None,
               "cp2_total": cp2.get("grad_norms"), "one_total": one.get("grad_norms")}
@@ -377,8 +376,7 @@ def merge(args) -> dict:
         # the plan's estimate beside the peak measured (the estimate is meant as an upper bound)
         "estimate_vs_peak": {str(r["seq_len"]): {"estimate_gib": r["estimate_gib"], "peak_gib": r.get("peak_mem_gib"),
                                                  "upper_bound": r["estimate_gib"] >= (r.get("peak_mem_gib") or 0)}
-                             for r in trained + [r for r in long if r.get("ok") and r.get("steps", need) < need]
-                             if r.get("estimate_gib") is not None},  # a probe's peak is measured too
+                             for r in trained + probe_runs if r.get("estimate_gib") is not None},  # probes too
         "carried_runs": sorted(k for k, v in tries.items() if v.get("carried_from")),
         "attention": json.loads((d / "attention.json").read_text()) if (d / "attention.json").is_file() else None,
         "runs": tries, "device": first.get("device"), "versions": first.get("versions"),
