@@ -29,11 +29,13 @@ try() {  # NAME DEVICE ARGS...
   echo "[plan_knobs] $name: exit $? at $(elapsed) s"
 }
 try "plain_tile0_ce$CHUNKS_A" 0 --plain --optimize tile_mlp=false --optimize ce_chunks=$CHUNKS_A &
+pid=$!
 try "plain_tile${TILE}_ce$CHUNKS_A" 1 --plain --optimize tile_mlp=$TILE --optimize ce_chunks=$CHUNKS_A
-wait
+wait "$pid"  # not a bare wait: it would wait for the log's tee too
 try "plain_tile0_ce$CHUNKS_B" 0 --plain --optimize tile_mlp=false --optimize ce_chunks=$CHUNKS_B &
+pid=$!
 try "one_tile0_ce$CHUNKS_A" 1 --optimize tile_mlp=false --optimize ce_chunks=$CHUNKS_A
-wait
+wait "$pid"
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
