@@ -1,0 +1,113 @@
+"""The MLP in pieces, checked against the model's own forward with every LoRA weight non-zero.
+
+Wrote: lab/results/long_context/tile_check_<gpu>.json
+Rerun: python -m lab.tile_check --out $OUT/tile_check_<gpu>.json   (one GPU; --model tiny runs on a CPU)
+
+Why: the one-GPU fast path at 65,536 tokens on the 8B shape, with the MLP in pieces (``tile_mlp``),
+reached a loss after its first AdamW step 0.063 above the same path with the MLP whole, while the
+first step's gradients of the two agreed as closely as two attention kernels do
+(``lab/tile_grads.py``). At that first step every LoRA B is zero, so the LoRA path adds nothing; after
+it, it does. Here every B is non-zero from the start (as after training), and the loss and the
+gradients' norm of one batch are taken with the model's own forward (transformers' eager attention,
+under the autocast the fast path uses: the reference) and with ``optimize()`` in several settings,
+each undone before the next: the MLP whole, in pieces, and in pieces with one of the LoRA routes the
+plan chose switched off in turn, so that the setting that departs from the reference names itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lab.tile_check")
+    p.add_argument("--model", default="llama-3.2-1b-shape")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--tile", type=int, default=1024)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from lab.long_context import make_row
+    from qlora_nb_utils import env, models, optimize
+    from qlora_nb_utils.distributed.big_model import build_named_qlora
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, lora_r=16, lora_alpha=32, seed=0)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    with torch.no_grad():  # every B non-zero: the LoRA path adds to every projection, as after training
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    row = {k: v.to(device) for k, v in make_row(args.seq_len, min(models.model_config(args.model).vocab_size, 49152)).items()}
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def measure(fwd) -> dict:
+        model.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        loss = fwd()
+        loss.backward()
+        norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None))
+        return {"loss": float(loss.detach()), "grad_norm": float(norm), "seconds": round(time.perf_counter() - t, 2)}
+
+    base = {"scope": "regional", "grad_ckpt": True, "offload": cuda, "ce_chunks": 8}
+    settings = {
+        "whole": {"tile_mlp": False},
+        "whole, other attention kernel": {"tile_mlp": False, "sdpa_kernel": "cudnn" if cuda else "auto"},
+        "pieces": {"tile_mlp": args.tile},
+        "pieces, LoRA groups narrow": {"tile_mlp": args.tile, "lora_addmm": "narrow"},
+        "pieces, LoRA ungrouped": {"tile_mlp": args.tile, "lora_addmm": "ungrouped"},
+        "pieces, LoRA unfused": {"tile_mlp": args.tile, "lora_addmm": "unfused"},
+        "pieces, no NF4 dequant patch": {"tile_mlp": args.tile, "nf4_dequant": False},
+        "pieces, not offloaded": {"tile_mlp": args.tile, "offload": False},
+        "pieces, no autocast": {"tile_mlp": args.tile, "autocast": False},
+    }
+    rec = {"what": __doc__.split("\n\n")[2].replace("\n", " "), "model": args.model, "seq_len": args.seq_len,
+           "tile": args.tile, "runs": {}}
+    configs = list({id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values())
+    old = [cfg._attn_implementation for cfg in configs]
+    for cfg in configs:
+        cfg._attn_implementation = "eager"
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    with amp:
+        rec["runs"]["reference"] = {**measure(lambda: model(**row).loss), "settings": "the model's own forward, eager attention"}
+    for cfg, impl in zip(configs, old):
+        cfg._attn_implementation = impl
+    print(f"[tile_check] reference: {rec['runs']['reference']}", flush=True)
+    for name, knobs in settings.items():
+        try:
+            opt = optimize(model, batches=[row], **{**base, **knobs})
+        except ValueError as exc:  # a setting this device refuses: said, not run
+            rec["runs"][name] = {"refused": str(exc), "settings": knobs}
+            print(f"[tile_check] {name}: refused: {exc}", flush=True)
+            continue
+        try:
+            run = measure(lambda opt=opt: opt.forward(**row).loss)
+            run["choices"] = {k: str(opt.choices[k]) for k in ("tile_mlp", "nf4_lora_linear", "lora_groups", "lora_wide",
+                                                               "nf4_dequant", "autocast", "offload", "sdpa_kernel")
+                              if k in opt.choices}
+        finally:
+            opt.undo()
+            torch.compiler.reset()  # each setting compiles the layer anew, none counted against the next
+        run["settings"] = knobs
+        run["loss_minus_reference"] = run["loss"] - rec["runs"]["reference"]["loss"]
+        rec["runs"][name] = run
+        print(f"[tile_check] {name}: loss {run['loss']:.6f} ({run['loss_minus_reference']:+.2e} from the reference), "
+              f"grad norm {run['grad_norm']:.6f}; {run['choices']}", flush=True)
+    rec.update(device=env.device_info(device), versions=env.versions(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join(["python -m lab.tile_check", *(argv if argv is not None else sys.argv[1:])]))
+    Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
