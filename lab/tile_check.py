@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="llama-3.2-1b-shape")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--tile", type=int, default=1024)
+    p.add_argument("--lora-r", type=int, default=32)
+    p.add_argument("--only", default=None, help="run only the settings whose name starts with this")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, lora_r=16, lora_alpha=32, seed=0)
+    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, lora_r=args.lora_r, lora_alpha=2 * args.lora_r, seed=0)
     gen = torch.Generator(device="cpu").manual_seed(1)
     with torch.no_grad():  # every B non-zero: the LoRA path adds to every projection, as after training
         for name, param in model.named_parameters():
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
         "pieces, no autocast": {"tile_mlp": args.tile, "autocast": False},
     }
     rec = {"what": __doc__.split("\n\n")[2].replace("\n", " "), "model": args.model, "seq_len": args.seq_len,
-           "tile": args.tile, "runs": {}}
+           "tile": args.tile, "lora_r": args.lora_r, "runs": {}}
     configs = list({id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values())
     old = [cfg._attn_implementation for cfg in configs]
     for cfg in configs:
@@ -84,6 +86,8 @@ def main(argv=None) -> int:
         cfg._attn_implementation = impl
     print(f"[tile_check] reference: {rec['runs']['reference']}", flush=True)
     for name, knobs in settings.items():
+        if args.only and not name.startswith(args.only):
+            continue
         try:
             opt = optimize(model, batches=[row], **{**base, **knobs})
         except ValueError as exc:  # a setting this device refuses: said, not run
