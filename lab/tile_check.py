@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--tile", type=int, default=1024)
     p.add_argument("--lora-r", type=int, default=32)
-    p.add_argument("--only", default=None, help="run only the settings whose name starts with this")
+    p.add_argument("--only", default=None, help="run only this setting (each in a fresh process is what counts: a setting's cast of the weights stays)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -51,19 +51,21 @@ def main(argv=None) -> int:
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
     row = {k: v.to(device) for k, v in make_row(args.seq_len, min(models.model_config(args.model).vocab_size, 49152)).items()}
-    params = [p for p in model.parameters() if p.requires_grad]
 
     def measure(fwd) -> dict:
         model.zero_grad(set_to_none=True)
         t = time.perf_counter()
         loss = fwd()
         loss.backward()
-        norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None))
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]  # read now: a
+        norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads))  # setting may have replaced parameters
         return {"loss": float(loss.detach()), "grad_norm": float(norm), "seconds": round(time.perf_counter() - t, 2)}
 
     base = {"scope": "regional", "grad_ckpt": True, "offload": cuda, "ce_chunks": 8}
     settings = {
         "whole": {"tile_mlp": False},
+        "whole, not offloaded": {"tile_mlp": False, "offload": False},
+        "whole, not checkpointed": {"tile_mlp": False, "grad_ckpt": False, "offload": False},
         "whole, other attention kernel": {"tile_mlp": False, "sdpa_kernel": "cudnn" if cuda else "auto"},
         "pieces": {"tile_mlp": args.tile},
         "pieces, LoRA groups narrow": {"tile_mlp": args.tile, "lora_addmm": "narrow"},
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
         cfg._attn_implementation = impl
     print(f"[tile_check] reference: {rec['runs']['reference']}", flush=True)
     for name, knobs in settings.items():
-        if args.only and not name.startswith(args.only):
+        if args.only and name != args.only:
             continue
         try:
             opt = optimize(model, batches=[row], **{**base, **knobs})
