@@ -57,9 +57,11 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         loss = fwd()
         loss.backward()
-        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]  # read now: a
-        norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads))  # setting may have replaced parameters
-        return {"loss": float(loss.detach()), "grad_norm": float(norm), "seconds": round(time.perf_counter() - t, 2)}
+        by_name = {n: float(p.grad.float().norm()) for n, p in model.named_parameters()  # read now: a setting
+                   if p.requires_grad and p.grad is not None}  # may have replaced parameters
+        norm = sum(v * v for v in by_name.values()) ** 0.5
+        return {"loss": float(loss.detach()), "grad_norm": norm, "seconds": round(time.perf_counter() - t, 2),
+                "grad_norms": by_name}
 
     base = {"scope": "regional", "grad_ckpt": True, "offload": cuda, "ce_chunks": 8}
     settings = {
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
         rec["runs"]["reference"] = {**measure(lambda: model(**row).loss), "settings": "the model's own forward, eager attention"}
     for cfg, impl in zip(configs, old):
         cfg._attn_implementation = impl
-    print(f"[tile_check] reference: {rec['runs']['reference']}", flush=True)
+    print(f"[tile_check] reference: loss {rec['runs']['reference']['loss']:.6f}, grad norm "
+          f"{rec['runs']['reference']['grad_norm']:.6f}", flush=True)
     for name, knobs in settings.items():
         if args.only and name != args.only:
             continue
@@ -106,9 +109,14 @@ def main(argv=None) -> int:
             torch.compiler.reset()  # each setting compiles the layer anew, none counted against the next
         run["settings"] = knobs
         run["loss_minus_reference"] = run["loss"] - rec["runs"]["reference"]["loss"]
+        ref = rec["runs"]["reference"]["grad_norms"]
+        ratios = sorted(((v / ref[n] if ref.get(n) else float("inf"), n) for n, v in run["grad_norms"].items()), reverse=True)
+        run["largest_over_reference"] = [[n, r] for r, n in ratios[:8]]
+        run["names_not_in_reference"] = sorted(set(run["grad_norms"]) - set(ref))[:20]
         rec["runs"][name] = run
         print(f"[tile_check] {name}: loss {run['loss']:.6f} ({run['loss_minus_reference']:+.2e} from the reference), "
-              f"grad norm {run['grad_norm']:.6f}; {run['choices']}", flush=True)
+              f"grad norm {run['grad_norm']:.6f}; largest over the reference {run['largest_over_reference'][:3]}; "
+              f"not in it {run['names_not_in_reference'][:3]}; {run['choices']}", flush=True)
     rec.update(device=env.device_info(device), versions=env.versions(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                command=" ".join(["python -m lab.tile_check", *(argv if argv is not None else sys.argv[1:])]))
     Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")

@@ -2,22 +2,22 @@
 # Wrote: lab/results/long_context/tile_check_<gpu>/ (one record per setting, each in a fresh process beside its own
 #   reference: $OUT/<n>.json and .log)
 # Rerun: OUT=$OUT bash lab/gpu/long_context/gpu_tile_check.sh   (one GPU; carry .whl .gpucache)
-# lab/tile_check.py says why. Three processes at a time on the one GPU (the 1B shape at 4,096 tokens is small).
+# lab/tile_check.py says why. env: SETTINGS (';'-separated names), PAR (1), R16 (1: also r=16, 'whole').
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 source "$(dirname "$0")/../gpu_env.sh"
 models_outside_tree
 mkdir -p "$OUT"
-settings=("whole" "whole, not offloaded" "whole, not checkpointed" "whole, other attention kernel" "pieces"
-          "pieces, not offloaded" "pieces, LoRA unfused" "pieces, no autocast")
+IFS=';' read -r -a settings <<< "${SETTINGS:-whole;whole, not offloaded;whole, not checkpointed}"
+PAR=${PAR:-1}  # processes at a time: the reference's eager attention at 4,096 positions holds ~45 GiB
 python3 -c "from lab.long_context import make_row" || exit 1
 i=0; pids=()
 for s in "${settings[@]}"; do
   timeout 240 python3 -m lab.tile_check --only "$s" --out "$OUT/$i.json" > "$OUT/$i.log" 2>&1 &
   pids+=($!); i=$((i + 1))
-  if [ ${#pids[@]} -ge 3 ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+  if [ ${#pids[@]} -ge "$PAR" ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
 done
 for p in "${pids[@]}"; do wait "$p"; done
-timeout 120 python3 -m lab.tile_check --lora-r 16 --only whole --out "$OUT/r16.json" > "$OUT/r16.log" 2>&1
-grep -h "^\[tile_check\]" "$OUT"/*.log | cut -c1-220
+[ "${R16:-0}" = 1 ] && timeout 120 python3 -m lab.tile_check --lora-r 16 --only whole --out "$OUT/r16.json" > "$OUT/r16.log" 2>&1
+grep -h "^\[tile_check\]" "$OUT"/*.log | cut -c1-700
 grep -h "Error" "$OUT"/*.log | sort | uniq -c | head
