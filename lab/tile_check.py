@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--tile", type=int, default=1024)
     p.add_argument("--lora-r", type=int, default=32)
+    p.add_argument("--storage", default="try", choices=("try", "builder"),
+                   help="the NF4 words' storage: as lab.context_parallel's tries build it, or the builder's default")
     p.add_argument("--only", default=None, help="run only this setting (each in a fresh process is what counts: a setting's cast of the weights stays)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -40,11 +42,14 @@ def main(argv=None) -> int:
     from lab.long_context import make_row
     from qlora_nb_utils import env, models, optimize
     from qlora_nb_utils.distributed.big_model import build_named_qlora
+    from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, lora_r=args.lora_r, lora_alpha=2 * args.lora_r, seed=0)
+    storage = sharded_nf4_precision(dtype, "auto")[1] if args.storage == "try" else None
+    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, lora_r=args.lora_r, lora_alpha=2 * args.lora_r,
+                                 seed=0, **({"quant_storage": storage} if storage is not None else {}))
     gen = torch.Generator(device="cpu").manual_seed(1)
     with torch.no_grad():  # every B non-zero: the LoRA path adds to every projection, as after training
         for name, param in model.named_parameters():
@@ -78,7 +83,7 @@ def main(argv=None) -> int:
         "pieces, no autocast": {"tile_mlp": args.tile, "autocast": False},
     }
     rec = {"what": __doc__.split("\n\n")[2].replace("\n", " "), "model": args.model, "seq_len": args.seq_len,
-           "tile": args.tile, "lora_r": args.lora_r, "runs": {}}
+           "tile": args.tile, "lora_r": args.lora_r, "storage": args.storage, "runs": {}}
     configs = list({id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values())
     old = [cfg._attn_implementation for cfg in configs]
     for cfg in configs:
