@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--storage", default="try", choices=("try", "builder"),
                    help="the NF4 words' storage: as lab.context_parallel's tries build it, or the builder's default")
     p.add_argument("--only", default=None, help="run only this setting (each in a fresh process is what counts: a setting's cast of the weights stays)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the model's own forward (its value from another process is the reference then)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -90,7 +92,9 @@ def main(argv=None) -> int:
         cfg._attn_implementation = "eager"
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with amp:
-        rec["runs"]["reference"] = {**measure(lambda: model(**row).loss), "settings": "the model's own forward, eager attention"}
+        rec["runs"]["reference"] = ({"loss": float("nan"), "grad_norm": float("nan"), "grad_norms": {}, "settings": "not run"}
+                                    if args.no_reference else
+                                    {**measure(lambda: model(**row).loss), "settings": "the model's own forward, eager attention"})
     for cfg, impl in zip(configs, old):
         cfg._attn_implementation = impl
     print(f"[tile_check] reference: loss {rec['runs']['reference']['loss']:.6f}, grad norm "

@@ -13,7 +13,7 @@ PAR=${PAR:-1}  # processes at a time: the reference's eager attention at 4,096 p
 python3 -c "from lab.long_context import make_row" || exit 1
 i=0; pids=()
 for s in "${settings[@]}"; do
-  timeout 240 python3 -m lab.tile_check ${STORAGE:+--storage "$STORAGE"} --only "$s" --out "$OUT/$i.json" > "$OUT/$i.log" 2>&1 &
+  timeout 240 python3 -m lab.tile_check ${STORAGE:+--storage "$STORAGE"} ${NO_REF:+--no-reference} --only "$s" --out "$OUT/$i.json" > "$OUT/$i.log" 2>&1 &
   pids+=($!); i=$((i + 1))
   if [ ${#pids[@]} -ge "$PAR" ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
 done
