@@ -1,0 +1,41 @@
+"""lab.tile_grads' element-wise comparison on made-up gradients, and lab.tile_check on a CPU with the tiny
+model: every setting of the fast path, the MLP whole and in pieces, gives the model's own loss and gradient
+norm with every LoRA B non-zero (fp32, so to rounding)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from lab import tile_check, tile_grads
+
+
+def test_pair_reads_relative_error_and_the_l1_mass_whose_sign_flips():
+    a = {"model.layers.0.mlp.up_proj.lora_B.default.weight": torch.tensor([3.0, -1.0, 0.5, 0.0]),
+         "model.layers.1.self_attn.q_proj.lora_B.default.weight": torch.tensor([2.0, 2.0])}
+    b = {k: v.clone() for k, v in a.items()}
+    b["model.layers.0.mlp.up_proj.lora_B.default.weight"][2] = -0.5  # one sign flipped: 0.5 of 4.5 there
+    out = tile_grads._pair(a, b)
+    assert out["up_proj.lora_B"]["sign_mass"] == pytest.approx(0.5 / 4.5)
+    assert out["up_proj.lora_B"]["rel_l2"] == pytest.approx(1.0 / math.sqrt(9 + 1 + 0.25))
+    assert out["q_proj.lora_B"] == {"rel_l2": 0.0, "sign_mass": 0.0, "norm_ratio": 1.0, "zero_a": 0, "zero_b": 0,
+                                    "elements": 2}
+    assert out["all"]["sign_mass"] == pytest.approx(0.5 / 8.5)
+    assert out["layer 0"]["zero_a"] == 1 and "layer 1" in out
+
+
+@pytest.mark.parametrize("setting", ["whole", "pieces"])
+def test_tile_check_on_the_tiny_model_matches_the_models_own_forward(tmp_path, setting):
+    out = tmp_path / "check.json"
+    assert tile_check.main(["--model", "tiny", "--seq-len", "128", "--tile", "48", "--only", setting,
+                            "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    ref, run = rec["runs"]["reference"], rec["runs"][setting]
+    assert run["choices"]["tile_mlp"] == ("48" if setting == "pieces" else "0")
+    assert abs(run["loss_minus_reference"]) < 1e-5
+    assert run["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    assert all(r == pytest.approx(1.0, rel=1e-3) for _, r in run["largest_over_reference"])
+    assert not run["names_not_in_reference"] and len(ref["grad_norms"]) > 8
