@@ -28,6 +28,29 @@ def test_cast_non_lora_leaves_lora_and_packed_weights_alone(folder):
     assert recipe.cast_non_lora(model, torch.bfloat16) == 0  # nothing left to cast
 
 
+def test_cast_non_lora_leaves_packed_nf4_words_in_a_float_storage_alone(folder):
+    """``bnb_4bit_quant_storage`` a float dtype (how FSDP loads QLoRA): the 4-bit codes are packed in float
+    words. A numeric cast would rewrite the bytes and halve how many there are; the model keeps its loss."""
+    model = build(folder, quant=True, how=None)
+    packed = [p for p in model.parameters() if recipe.is_quantized_weight(p)]
+    assert len(packed) == 14  # 7 projections x 2 layers
+    for p in packed:
+        p.data = p.data.reshape(-1).view(torch.float32).reshape(-1, 1)  # the same bytes in float32 words, as a float storage holds them
+    raw = [p.data.view(torch.uint8).clone() for p in packed]
+    b = batch()
+    with torch.no_grad():
+        expected = model(**b).loss
+    others = [n for n, p in model.named_parameters()
+              if p.is_floating_point() and "lora_" not in n and not recipe.is_quantized_weight(p)]
+    assert recipe.cast_non_lora(model, torch.bfloat16) == len(others) > 0
+    for p, before in zip(packed, raw):
+        assert p.dtype == torch.float32 and torch.equal(p.data.view(torch.uint8), before)
+    assert recipe.cast_non_lora(model, torch.float32) == len(others)  # back: the packed words never moved
+    with torch.no_grad():
+        got = model(**b).loss
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)  # only the bf16 round trip of the other weights
+
+
 def test_prepare_fast_gives_the_model_loss_checkpoints_the_first_layers_and_undoes(folder):
     model = build(folder, quant=True, how="kbit")
     b = batch()

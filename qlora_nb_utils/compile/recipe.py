@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FastPrepared",
     "cast_non_lora",
+    "is_quantized_weight",
     "checkpoint_first_layers",
     "autocast_forward",
     "activation_memory_budget",
@@ -84,18 +85,28 @@ __all__ = [
 ]
 
 
+def is_quantized_weight(param: torch.Tensor) -> bool:
+    """True for a bitsandbytes quantized weight (``Params4bit``, ``Int8Params``): its data are packed codes
+    in whatever storage dtype was asked for, not values (by type name: bitsandbytes is not imported)."""
+    kind = type(param)
+    return kind.__name__ in ("Params4bit", "Int8Params") and kind.__module__.startswith("bitsandbytes")
+
+
 def cast_non_lora(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Cast every floating, non-LoRA parameter to ``dtype`` (undoing kbit-prep's fp32 upcast).
 
-    LoRA weights (names with ``lora_``) keep their dtype (PEFT keeps them fp32), 4-bit packed
-    weights (integer storage) are untouched, and nothing changes ``requires_grad``.
+    LoRA weights (names with ``lora_``) keep their dtype (PEFT keeps them fp32), and nothing
+    changes ``requires_grad``. bitsandbytes' quantized weights are untouched whatever their
+    storage: with ``bnb_4bit_quant_storage`` a float dtype (as FSDP loads them) the packed 4-bit
+    codes sit in float words, and a numeric cast would rewrite those bytes (and change how many
+    there are), leaving the dequantization to read codes that are no longer there.
 
     Returns:
         How many parameters were cast.
     """
     cast = 0
     for name, param in model.named_parameters():
-        if "lora_" in name or not param.is_floating_point() or param.dtype == dtype:
+        if "lora_" in name or not param.is_floating_point() or param.dtype == dtype or is_quantized_weight(param):
             continue
         param.data = param.data.to(dtype)
         cast += 1
