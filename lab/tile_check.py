@@ -12,6 +12,13 @@ gradients' norm of one batch are taken with the model's own forward (transformer
 under the autocast the fast path uses: the reference) and with ``optimize()`` in several settings,
 each undone before the next: the MLP whole, in pieces, and in pieces with one of the LoRA routes the
 plan chose switched off in turn, so that the setting that departs from the reference names itself.
+
+What its first GPU calls read (``lab/results/long_context/tile_check_h200/``) was not the MLP's pieces:
+the model is built with its packed 4-bit words in float32 storage (as the layer-by-layer builder stores
+them for FSDP2), and plain ``optimize()`` casts the non-LoRA float weights to the compute dtype, which
+then included those words (gradient norms of 1e5 to 4e7 against the reference's 1.65, illegal memory
+accesses). The cast now leaves bitsandbytes' quantized weights alone (``compile.recipe.is_quantized_weight``);
+a run after that fix is the first that compares the pieces.
 """
 
 from __future__ import annotations
