@@ -39,3 +39,25 @@ def test_tile_check_on_the_tiny_model_matches_the_models_own_forward(tmp_path, s
     assert run["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
     assert all(r == pytest.approx(1.0, rel=1e-3) for _, r in run["largest_over_reference"])
     assert not run["names_not_in_reference"] and len(ref["grad_norms"]) > 8
+
+
+def test_loss_pairs_across_calls_judges_each_pair_against_the_records_floors(tmp_path):
+    from lab import loss_pairs
+
+    def write(name, **rec):
+        (tmp_path / f"{name}.json").write_text(json.dumps(rec))
+        return str(tmp_path / f"{name}.json")
+
+    cp2 = write("cp2", losses=[2.0, 1.5001, 1.2], world_size=2, choices={"tile_mlp": "0"})
+    one = write("one", losses=[2.0, 1.5, 1.2002], world_size=1, choices={"tile_mlp": "0"})
+    pieces = write("pieces", losses=[2.0, 1.56, 1.25], world_size=1, choices={"tile_mlp": "64"})
+    merged = write("merged", loss_check={"floor_pairs": {"plain_vs_one": 3e-4, "one_vs_one_again": None}})
+    out = tmp_path / "pairs.json"
+    assert loss_pairs.main(["--run", f"cp2={cp2}", "--run", f"one={one}", "--run", f"pieces={pieces}",
+                            "--pair", "cp2:one", "--pair", "one:pieces", "--floors-from", merged, "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["floor_max"] == 3e-4 and list(rec["floors"]) == ["plain_vs_one"]
+    assert rec["pairs"]["cp2_vs_one"]["max_abs_loss_diff"] == pytest.approx(2e-4)
+    assert rec["pairs"]["cp2_vs_one"]["within_floor"] and not rec["pairs"]["one_vs_pieces"]["within_floor"]
+    with pytest.raises(ValueError, match="no loss_check.floor_pairs"):
+        loss_pairs.main(["--run", f"one={one}", "--pair", "one:one", "--floors-from", one, "--out", str(out)])
