@@ -20,6 +20,7 @@ gave the same losses to 5e-5 here). Floors are read from a merged record's floor
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import sys
 from pathlib import Path
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
     first = next(iter(runs.values()))
     rec = {"what": __doc__.split("\n\n")[2].replace("\n", " "), "runs": runs, "pairs": pairs, "floors": floors,
            "floor_max": floor_max, "device": first["device"], "versions": first["versions"],
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python -m lab.loss_pairs", *(argv if argv is not None else sys.argv[1:])])}
     Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")
     for name, pair in pairs.items():
