@@ -207,3 +207,36 @@ def test_an_mlp_frozen_after_the_tiles_keeps_its_input_gradient(tiny_dir):
             mlp.requires_grad_(False)
         got = loss_and_grads(model, model, b)
     assert_same(got, loss_and_grads(model, model, b))
+
+
+def test_tiled_and_whole_mlp_train_the_same_adamw_steps_from_zero_lora_b(tiny_dir):
+    """From PEFT's start (every LoRA B zero: the first step's forward sees no LoRA term) through AdamW
+    steps that make B non-zero, the MLP in pieces and whole give the same losses, on the fused NF4
+    route with its groups and wide GEMMs: the pieces read the weights the optimizer wrote, not a copy
+    taken before (fp32 on a CPU, so to rounding)."""
+    b = batch(seq=64)
+    curves = {}
+    for tile in (False, 16):
+        torch.manual_seed(0)
+        model = build(tiny_dir, quant=True, how="kbit")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.zero_()
+        opt = optimize(model, batches=[b], backend="aot_eager", scope="regional", nf4_dequant=True, grad_ckpt=True,
+                       tile_mlp=tile)
+        try:
+            assert int(opt.choices["lora_groups"]) > 0 and opt.choices["lora_wide"], opt.choices
+            assert opt.choices["tile_mlp"] == tile
+            adam = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+            curves[tile] = []
+            for _ in range(4):
+                loss = opt.forward(**b).loss
+                loss.backward()
+                adam.step()
+                adam.zero_grad(set_to_none=True)
+                curves[tile].append(float(loss))
+        finally:
+            opt.undo()
+    assert curves[16][0] - curves[16][-1] > 1e-3  # B moved: the later steps see the LoRA term
+    torch.testing.assert_close(curves[16], curves[False], rtol=0, atol=1e-5)
