@@ -48,6 +48,8 @@ import sys
 import time
 from pathlib import Path
 
+from lab import loss_pairs
+
 _GIB = 2**30
 #: the steps a long row must train to count as trained (what "the longest row that trains" means here)
 STEPS_LONG = 2
@@ -343,8 +345,7 @@ def merge(args) -> dict:
     cp2, one, plain = tries.get(f"cp2_{short}"), tries.get(f"one_{short}"), tries.get(f"plain_{short}")
     ok = lambda r: r is not None and r.get("ok")  # noqa: E731
     # the largest step difference of two runs' losses; None unless both trained
-    apart = lambda a, b: (max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))  # noqa: E731
-                          if ok(a) and ok(b) else None)
+    apart = lambda a, b: loss_pairs.apart(a["losses"], b["losses"]) if ok(a) and ok(b) else None  # noqa: E731
     diff, floor = apart(cp2, one), apart(plain, one)
     # a second pair where the call ran one again (REPEAT_ONE=1): the same code twice, only nondeterminism apart
     pairs = {"plain_vs_one": floor, "one_vs_one_again": apart(tries.get(f"one_{short}_again"), one)}
