@@ -32,6 +32,24 @@ import time
 from pathlib import Path
 
 
+def settings_for(tile: int, cuda: bool) -> dict:
+    """Each setting's ``optimize()`` options over the shared base: the MLP whole, in pieces, and in pieces
+    with one LoRA route (or the autocast, the offload, the NF4 patch) switched off in turn."""
+    return {
+        "whole": {"tile_mlp": False},
+        "whole, not offloaded": {"tile_mlp": False, "offload": False},
+        "whole, not checkpointed": {"tile_mlp": False, "grad_ckpt": False, "offload": False},
+        "whole, other attention kernel": {"tile_mlp": False, "sdpa_kernel": "cudnn" if cuda else "auto"},
+        "pieces": {"tile_mlp": tile},
+        "pieces, LoRA groups narrow": {"tile_mlp": tile, "lora_addmm": "narrow"},
+        "pieces, LoRA ungrouped": {"tile_mlp": tile, "lora_addmm": "ungrouped"},
+        "pieces, LoRA unfused": {"tile_mlp": tile, "lora_addmm": "unfused"},
+        "pieces, no NF4 dequant patch": {"tile_mlp": tile, "nf4_dequant": False},
+        "pieces, not offloaded": {"tile_mlp": tile, "offload": False},
+        "pieces, no autocast": {"tile_mlp": tile, "autocast": False},
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.tile_check")
     p.add_argument("--model", default="llama-3.2-1b-shape")
@@ -43,8 +61,12 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="run only this setting (each in a fresh process is what counts: a setting's cast of the weights stays)")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the model's own forward (its value from another process is the reference then)")
+    p.add_argument("--list", action="store_true", help="print the settings' names, ';'-separated, and stop")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.list:
+        print(";".join(settings_for(args.tile, cuda=False)))
+        return 0
 
     import torch
 
@@ -78,19 +100,7 @@ def main(argv=None) -> int:
                 "grad_norms": by_name}
 
     base = {"scope": "regional", "grad_ckpt": True, "offload": cuda, "ce_chunks": 8}
-    settings = {
-        "whole": {"tile_mlp": False},
-        "whole, not offloaded": {"tile_mlp": False, "offload": False},
-        "whole, not checkpointed": {"tile_mlp": False, "grad_ckpt": False, "offload": False},
-        "whole, other attention kernel": {"tile_mlp": False, "sdpa_kernel": "cudnn" if cuda else "auto"},
-        "pieces": {"tile_mlp": args.tile},
-        "pieces, LoRA groups narrow": {"tile_mlp": args.tile, "lora_addmm": "narrow"},
-        "pieces, LoRA ungrouped": {"tile_mlp": args.tile, "lora_addmm": "ungrouped"},
-        "pieces, LoRA unfused": {"tile_mlp": args.tile, "lora_addmm": "unfused"},
-        "pieces, no NF4 dequant patch": {"tile_mlp": args.tile, "nf4_dequant": False},
-        "pieces, not offloaded": {"tile_mlp": args.tile, "offload": False},
-        "pieces, no autocast": {"tile_mlp": args.tile, "autocast": False},
-    }
+    settings = settings_for(args.tile, cuda)
     rec = {"what": __doc__.split("\n\n")[2].replace("\n", " "), "model": args.model, "seq_len": args.seq_len,
            "tile": args.tile, "lora_r": args.lora_r, "storage": args.storage, "runs": {}}
     configs = list({id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values())

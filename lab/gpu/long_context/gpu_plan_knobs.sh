@@ -8,11 +8,11 @@
 # the one-GPU code with each knob set one way and the other, every other choice held (every layer checkpointed
 # and offloaded), two at a time (one per GPU, no cap): which knob moves the trajectory, and whether the
 # one-GPU code with the 2-GPU plan lands where the 2-GPU run did.
-# env: OUT (required), SEQ (65536), STEPS (3), MODEL (llama-3.1-8b-shape), DEADLINE_S (540), DRY (1: CPU, tiny)
+# env: OUT (required), SEQ (65536), STEPS (3), MODEL (llama-3.1-8b-shape), TILE (4096), DEADLINE_S (540), DRY (1: CPU, tiny)
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 DEADLINE_S=${DEADLINE_S:-540}; SEQ=${SEQ:-65536}; STEPS=${STEPS:-3}; MODEL=${MODEL:-llama-3.1-8b-shape}
-TILE=4096; CHUNKS_A=32; CHUNKS_B=64
+TILE=${TILE:-4096}; CHUNKS_A=32; CHUNKS_B=64
 if [ "${DRY:-0}" = 1 ]; then
   SEQ=256; MODEL=tiny; STEPS=2; TILE=64; CHUNKS_A=2; CHUNKS_B=4
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=""
