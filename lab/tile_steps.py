@@ -1,0 +1,142 @@
+"""The MLP in pieces against the MLP whole over AdamW steps, in one process, with the model's own forward
+at the weights each first step wrote.
+
+Wrote: lab/results/long_context/tile_steps_<gpu>.json
+Rerun: python -m lab.tile_steps --out $OUT/tile_steps_<gpu>.json   (one GPU, carry .whl .gpucache;
+  --model tiny --seq-len 256 --tile 64 runs on a CPU)
+
+Why: the one-GPU fast path with the MLP in pieces (``tile_mlp``) took a loss after its first AdamW step
+0.063 above the same path with the MLP whole at 65,536 tokens on the 8B shape, and 0.033 above it at
+16,384 tokens on the 1B shape (pieces of 2,048), while the first step's gradients of the two agree as
+closely as two attention kernels make them (``lab/tile_grads.py``) and, from a fresh compile, the pieces'
+forward and gradients at non-zero LoRA weights agree with the model's own (``lab/tile_check.py``). Either
+the first step writes other weights in the two runs, or the pieces' forward after a step does not see the
+weights the step wrote. Here both runs start from the same weights, in one process (each compiled anew,
+undone after), every step as ``lab.context_parallel``'s one-GPU try takes it (the gradients clipped to
+norm 1, AdamW); the weights after the first step are kept, compared element by element, and the model's
+own forward (the patches undone, SDPA attention, under the same autocast) is taken at each run's weights:
+``loss_at_step1`` (the fast path's second loss) against ``own_loss_at_step1`` says whether the run's
+forward saw its weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def _kind(name: str) -> str:
+    proj = re.search(r"\.(\w+_proj)\.", name)
+    ab = "lora_A" if "lora_A" in name else "lora_B" if "lora_B" in name else "other"
+    return f"{proj.group(1) if proj else 'other'}.{ab}"
+
+
+def weights_apart(a: dict, b: dict, lr: float) -> dict:
+    """By kind of weight: the largest difference of two runs' weights after one step, and the share of
+    elements that moved apart by more than the learning rate (an AdamW first step moved them opposite ways)."""
+    out: dict = {}
+    for name in a:
+        d = (a[name].float() - b[name].float()).abs()
+        k = out.setdefault(_kind(name), {"max_abs": 0.0, "apart": 0, "elements": 0})
+        k["max_abs"] = max(k["max_abs"], float(d.max()))
+        k["apart"] += int((d > lr).sum())
+        k["elements"] += d.numel()
+    for k in out.values():
+        k["share_apart"] = k["apart"] / k["elements"]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lab.tile_steps")
+    p.add_argument("--model", default="llama-3.2-1b-shape")
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--tile", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--ce-chunks", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--optimize", action="append", default=[], metavar="KEY=VALUE",
+                   help="an optimize() option for both runs (repeatable), e.g. lora_addmm=narrow")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from lab.long_context import make_row
+    from qlora_nb_utils import env, models
+    from qlora_nb_utils.distributed.big_model import build_named_qlora
+    from qlora_nb_utils.distributed.fast import optimize_options, optimize_sharded
+    from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    _, storage = sharded_nf4_precision(dtype, "auto")
+    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, quant_storage=storage, lora_r=32,
+                                 lora_alpha=64, seed=0)
+    row = {k: v.to(device) for k, v in make_row(args.seq_len, min(models.model_config(args.model).vocab_size,
+                                                                  49152)).items()}
+    trainable = {n: q for n, q in model.named_parameters() if q.requires_grad}
+    start = {n: q.detach().clone() for n, q in trainable.items()}
+    extra = optimize_options(args.optimize)
+    rec = {"what": __doc__.split("\n\n")[2].replace("\n", " "), "model": args.model, "seq_len": args.seq_len,
+           "tile": args.tile, "steps": args.steps, "lr": args.lr, "optimize": args.optimize, "runs": {}}
+    after_first: dict = {}
+
+    def own_loss(weights: dict) -> float:
+        """The model's own forward (no patch), SDPA attention, under the autocast the fast path uses."""
+        with torch.no_grad():
+            for n, q in trainable.items():
+                q.copy_(weights[n])
+            amp = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+            with amp:
+                return float(model(**row).loss)
+
+    for name, tile in (("whole", False), ("pieces", args.tile)):
+        with torch.no_grad():
+            for n, q in trainable.items():
+                q.copy_(start[n])
+        fast = optimize_sharded(model, batches=[row], world_size=1, one_scope="regional", keep_attention=False,
+                                sdpa_kernel="auto", grad_ckpt=True, offload=cuda, tile_mlp=tile,
+                                ce_chunks=args.ce_chunks, **extra)
+        try:
+            params = [q for q in fast.root.parameters() if q.requires_grad]
+            adam = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+            losses, norms = [], []
+            for step in range(args.steps):
+                loss = fast.loss(row)
+                loss.backward()
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+                adam.step()
+                adam.zero_grad(set_to_none=True)
+                losses.append(float(loss.detach()))
+                if step == 0:
+                    after_first[name] = {n: q.detach().clone() for n, q in trainable.items()}
+            run = {"losses": losses, "grad_norms": norms,
+                   "choices": {k: str(v) for k, v in fast.opt.choices.items()}}
+        finally:
+            fast.opt.undo()
+            torch.compiler.reset()
+        rec["runs"][name] = run
+        print(f"[tile_steps] {name}: losses {losses}", flush=True)
+    for name, run in rec["runs"].items():
+        run["own_loss_at_step1"] = own_loss(after_first[name])
+        run["loss_at_step1"] = run["losses"][1] if len(run["losses"]) > 1 else None
+        print(f"[tile_steps] {name}: its fast path at the weights its first step wrote {run['loss_at_step1']}, "
+              f"the model's own forward there {run['own_loss_at_step1']}", flush=True)
+    rec["weights_apart_after_step0"] = weights_apart(after_first["whole"], after_first["pieces"], args.lr)
+    for k, v in sorted(rec["weights_apart_after_step0"].items()):
+        print(f"[tile_steps] apart after step 0: {k}: max {v['max_abs']:.3e}, share {v['share_apart']:.2e}", flush=True)
+    rec.update(device=env.device_info(device), versions=env.versions(),
+               date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join(["python -m lab.tile_steps", *(argv if argv is not None else sys.argv[1:])]))
+    Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
