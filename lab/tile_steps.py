@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--optimize", action="append", default=[], metavar="KEY=VALUE",
                    help="an optimize() option for both runs (repeatable), e.g. lora_addmm=narrow")
+    p.add_argument("--b-start", default="zero", choices=("zero", "random"),
+                   help="every LoRA B as PEFT starts it (zero) or non-zero before the compile (random, 0.02 scale)")
+    p.add_argument("--backend", default="inductor", help="the compile backend of both runs (aot_eager: no Inductor)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -81,10 +84,17 @@ def main(argv=None) -> int:
     row = {k: v.to(device) for k, v in make_row(args.seq_len, min(models.model_config(args.model).vocab_size,
                                                                   49152)).items()}
     trainable = {n: q for n, q in model.named_parameters() if q.requires_grad}
+    if args.b_start == "random":
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        with torch.no_grad():
+            for n, q in trainable.items():
+                if "lora_B" in n:
+                    q.copy_(torch.randn(q.shape, generator=gen) * 0.02)
     start = {n: q.detach().clone() for n, q in trainable.items()}
     extra = optimize_options(args.optimize)
     rec = {"what": __doc__.split("\n\n")[2].replace("\n", " "), "model": args.model, "seq_len": args.seq_len,
-           "tile": args.tile, "steps": args.steps, "lr": args.lr, "optimize": args.optimize, "runs": {}}
+           "tile": args.tile, "steps": args.steps, "lr": args.lr, "optimize": args.optimize, "b_start": args.b_start,
+           "backend": args.backend, "runs": {}}
     after_first: dict = {}
 
     def own_loss(weights: dict) -> float:
@@ -102,7 +112,7 @@ def main(argv=None) -> int:
                 q.copy_(start[n])
         fast = optimize_sharded(model, batches=[row], world_size=1, one_scope="regional", keep_attention=False,
                                 sdpa_kernel="auto", grad_ckpt=True, offload=cuda, tile_mlp=tile,
-                                ce_chunks=args.ce_chunks, **extra)
+                                ce_chunks=args.ce_chunks, backend=args.backend, **extra)
         try:
             params = [q for q in fast.root.parameters() if q.requires_grad]
             adam = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -123,6 +133,8 @@ def main(argv=None) -> int:
             torch.compiler.reset()
         rec["runs"][name] = run
         print(f"[tile_steps] {name}: losses {losses}", flush=True)
+    rec["own_loss_at_start"] = own_loss(start)
+    print(f"[tile_steps] the model's own forward at the start {rec['own_loss_at_start']}", flush=True)
     for name, run in rec["runs"].items():
         run["own_loss_at_step1"] = own_loss(after_first[name])
         run["loss_at_step1"] = run["losses"][1] if len(run["losses"]) > 1 else None
