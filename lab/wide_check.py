@@ -1,0 +1,129 @@
+"""The wide LoRA groups' forward against the model's own, as LoRA B changes in place after the compile.
+
+Wrote: lab/results/long_context/wide_check_<gpu>.json
+Rerun: python -m lab.wide_check --out $OUT/wide_check_<gpu>.json   (one GPU, carry .whl .gpucache;
+  --model tiny --seq-len 256 runs on a CPU)
+
+Why: ``lab.tile_steps`` found the one-GPU fast path's loss after its first AdamW step 0.037 below the
+model's own forward at the same weights (1B shape, 16,384 tokens), with the wide LoRA groups
+(``lora_wide``) and not with the narrow ones, unfused or ungrouped routes; and not when every LoRA B
+was non-zero before the compile, nor on a CPU in fp32. Here no optimizer runs: the model is compiled
+with each B as given (``--b-start``), one step's forward and backward run, and then each B is set in
+place to a value (every element 2e-4 with a random sign, as AdamW's first step from zero writes it; and
+random values of 0.02's scale) and the fast path's loss is set beside the model's own at that weight,
+for the wide groups and the narrow ones. The NF4 kernel's wide dequantize is also checked alone against
+the plain one beside each tail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lab.wide_check")
+    p.add_argument("--model", default="llama-3.2-1b-shape")
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--b-start", default="zero", choices=("zero", "random"))
+    p.add_argument("--routes", default="wide,narrow", help="','-separated lora_addmm routes: wide (auto), narrow, ...")
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--no-ckpt", action="store_true", help="no layer checkpointed, nothing offloaded")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from lab.long_context import make_row
+    from qlora_nb_utils import env, models
+    from qlora_nb_utils.distributed.big_model import build_named_qlora
+    from qlora_nb_utils.distributed.fast import optimize_sharded
+    from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    _, storage = sharded_nf4_precision(dtype, "auto")
+    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, quant_storage=storage, lora_r=32,
+                                 lora_alpha=64, seed=0)
+    row = {k: v.to(device) for k, v in make_row(args.seq_len, min(models.model_config(args.model).vocab_size,
+                                                                  49152)).items()}
+    bs = {n: q for n, q in model.named_parameters() if q.requires_grad and "lora_B" in n}
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    values = {"zero": {n: torch.zeros_like(q) for n, q in bs.items()},
+              "adam_first_step": {n: (torch.randint(0, 2, q.shape, generator=gen).to(q) * 2 - 1) * 2e-4
+                                  for n, q in bs.items()},
+              "random": {n: (torch.randn(q.shape, generator=gen) * 0.02).to(q) for n, q in bs.items()}}
+    amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+
+    def set_b(which: str) -> None:
+        with torch.no_grad():
+            for n, q in bs.items():
+                q.copy_(values[which][n])
+
+    def own_loss() -> float:
+        with torch.no_grad(), amp():
+            return float(model(**row).loss)
+
+    rec = {"what": __doc__.split("\n\n")[2].replace("\n", " "), "model": args.model, "seq_len": args.seq_len,
+           "b_start": args.b_start, "backend": args.backend, "no_ckpt": args.no_ckpt, "routes": {}}
+    set_b("random" if args.b_start == "random" else "zero")
+    rec["own"] = {}
+    for which in values:
+        set_b(which)
+        rec["own"][which] = own_loss()
+    print(f"[wide_check] the model's own forward: {rec['own']}", flush=True)
+    for route in args.routes.split(","):
+        set_b("random" if args.b_start == "random" else "zero")
+        knobs = {} if route == "wide" else {"lora_addmm": route}
+        fast = optimize_sharded(model, batches=[row], world_size=1, one_scope="regional", keep_attention=False,
+                                sdpa_kernel="auto", grad_ckpt=not args.no_ckpt, offload=cuda and not args.no_ckpt,
+                                tile_mlp=False, ce_chunks=32, backend=args.backend, **knobs)
+        try:
+            out = {"choices": {k: str(fast.opt.choices[k]) for k in ("lora_groups", "lora_wide", "nf4_lora_linear")
+                               if k in fast.opt.choices}}
+            loss = fast.loss(row)  # the first step: compiled here, with B as --b-start says
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            out["first"] = float(loss.detach())
+            for which in values:
+                set_b(which)
+                loss = fast.loss(row)
+                out[which] = float(loss.detach())
+                out[which + "_minus_own"] = out[which] - rec["own"][which]
+                del loss
+            out["compile"] = fast.compile_stats()
+        finally:
+            fast.opt.undo()
+            torch.compiler.reset()
+        rec["routes"][route] = out
+        print(f"[wide_check] {route}: " + ", ".join(f"{k} {v:+.3e}" for k, v in out.items() if k.endswith("_minus_own"))
+              + f"; {out['choices']}; compile {out['compile']}", flush=True)
+    if cuda:  # the kernel alone: [W | tail] against W and tail side by side
+        from qlora_nb_utils.ops import nf4_triton
+
+        layer = next(m for n, m in model.named_modules() if n.endswith("mlp.gate_proj"))
+        w = layer.base_layer.weight
+        a = nf4_triton.op_args(w.data.view(torch.uint8) if w.dtype != torch.uint8 else w.data, w.quant_state, dtype)
+        plain = nf4_triton.dequantize(*a)
+        rec["kernel"] = {}
+        for which in values:
+            b = values[which][next(n for n in bs if "mlp.gate_proj" in n)].to(dtype)
+            tail = torch.nn.functional.pad(b, (0, 32))
+            wide = nf4_triton.dequantize_wide(*a, tail)
+            rec["kernel"][which] = {"weight_max_abs": float((wide[:, :plain.shape[1]] - plain).abs().max()),
+                                    "tail_max_abs": float((wide[:, plain.shape[1]:] - tail).abs().max())}
+        print(f"[wide_check] kernel: {rec['kernel']}", flush=True)
+    rec.update(device=env.device_info(device), versions=env.versions(),
+               date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join(["python -m lab.wide_check", *(argv if argv is not None else sys.argv[1:])]))
+    Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
