@@ -9,8 +9,9 @@ model's own forward at the same weights (1B shape, 16,384 tokens), with the wide
 (``lora_wide``) and not with the narrow ones, unfused or ungrouped routes; and not when every LoRA B
 was non-zero before the compile, nor on a CPU in fp32. Here no optimizer runs: the model is compiled
 with each B as given (``--b-start``), one step's forward and backward run, and then each B is set in
-place to a value (every element 2e-4 with a random sign, as AdamW's first step from zero writes it; and
-random values of 0.02's scale) and the fast path's loss is set beside the model's own at that weight,
+place to a value (every element 2e-4 with a random sign, as AdamW's first step from zero writes it; the
+same against the sign of the model's own gradient at zero B, which is what that step writes; and random
+values of 0.02's scale) and the fast path's loss is set beside the model's own at that weight,
 for the wide groups and the narrow ones. The NF4 kernel's wide dequantize is also checked alone against
 the plain one beside each tail.
 """
@@ -59,6 +60,10 @@ def main(argv=None) -> int:
                                   for n, q in bs.items()},
               "random": {n: (torch.randn(q.shape, generator=gen) * 0.02).to(q) for n, q in bs.items()}}
     amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+    with amp():  # the descent direction at zero B, by the model's own forward: AdamW's first step from zero
+        model(**row).loss.backward()
+    values["descent"] = {n: -torch.sign(q.grad) * 2e-4 for n, q in bs.items()}
+    model.zero_grad(set_to_none=True)
 
     def set_b(which: str) -> None:
         with torch.no_grad():
