@@ -12,7 +12,8 @@ with each B as given (``--b-start``), one step's forward and backward run, and t
 place to a value (every element 2e-4 with a random sign, as AdamW's first step from zero writes it; the
 same against the sign of the model's own gradient at zero B, which is what that step writes; and random
 values of 0.02's scale) and the fast path's loss is set beside the model's own at that weight,
-for the wide groups and the narrow ones. The NF4 kernel's wide dequantize is also checked alone against
+for the wide groups and the narrow ones; on a GPU the model's own forward is also taken with every sum in
+fp32 (the NF4 weights as they dequantize, the other bf16 weights and the compute in fp32). The NF4 kernel's wide dequantize is also checked alone against
 the plain one beside each tail.
 """
 
@@ -108,6 +109,28 @@ def main(argv=None) -> int:
         rec["routes"][route] = out
         print(f"[wide_check] {route}: " + ", ".join(f"{k} {v:+.3e}" for k, v in out.items() if k.endswith("_minus_own"))
               + f"; {out['choices']}; compile {out['compile']}", flush=True)
+    if cuda:  # the model's own forward again, every sum in fp32: which of the bf16 results is the rounder
+        from qlora_nb_utils.compile.recipe import is_quantized_weight
+
+        computes = {m: m.compute_dtype for m in model.modules() if getattr(m, "compute_dtype", None) is not None}
+        low = [q for q in model.parameters() if q.dtype in (torch.bfloat16, torch.float16) and not is_quantized_weight(q)]
+        kept = [q.data for q in low]
+        try:
+            for m in computes:
+                m.compute_dtype = torch.float32
+            for q in low:
+                q.data = q.data.float()
+            rec["own_fp32"] = {}
+            for which in values:
+                set_b(which)
+                with torch.no_grad():
+                    rec["own_fp32"][which] = float(model(**row).loss)
+        finally:
+            for m, d in computes.items():
+                m.compute_dtype = d
+            for q, d in zip(low, kept):
+                q.data = d
+        print(f"[wide_check] the model's own forward in fp32: {rec['own_fp32']}", flush=True)
     if cuda:  # the kernel alone: [W | tail] against W and tail side by side
         from qlora_nb_utils.ops import nf4_triton
 
