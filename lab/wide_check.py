@@ -125,12 +125,15 @@ def main(argv=None) -> int:
                 set_b(which)
                 with torch.no_grad():
                     rec["own_fp32"][which] = float(model(**row).loss)
+        except Exception as exc:  # noqa: BLE001 - said in the record, the rest kept
+            rec["own_fp32_error"] = f"{type(exc).__name__}: {exc}"
         finally:
             for m, d in computes.items():
                 m.compute_dtype = d
             for q, d in zip(low, kept):
                 q.data = d
-        print(f"[wide_check] the model's own forward in fp32: {rec['own_fp32']}", flush=True)
+        print(f"[wide_check] the model's own forward in fp32: {rec.get('own_fp32')} {rec.get('own_fp32_error', '')}",
+              flush=True)
     if cuda:  # the kernel alone: [W | tail] against W and tail side by side
         from qlora_nb_utils.ops import nf4_triton
 
