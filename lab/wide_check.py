@@ -35,6 +35,9 @@ def main(argv=None) -> int:
     p.add_argument("--routes", default="wide,narrow", help="','-separated lora_addmm routes: wide (auto), narrow, ...")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--no-ckpt", action="store_true", help="no layer checkpointed, nothing offloaded")
+    p.add_argument("--tile", type=int, default=2048, help="the route 'pieces': the wide groups, the MLP in pieces of this many positions")
+    p.add_argument("--no-reduced-precision", action="store_true",
+                   help="torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -47,6 +50,8 @@ def main(argv=None) -> int:
     from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
 
     cuda = torch.cuda.is_available()
+    if args.no_reduced_precision:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     _, storage = sharded_nf4_precision(dtype, "auto")
@@ -76,7 +81,8 @@ def main(argv=None) -> int:
             return float(model(**row).loss)
 
     rec = {"what": __doc__.split("\n\n")[2].replace("\n", " "), "model": args.model, "seq_len": args.seq_len,
-           "b_start": args.b_start, "backend": args.backend, "no_ckpt": args.no_ckpt, "routes": {}}
+           "b_start": args.b_start, "backend": args.backend, "no_ckpt": args.no_ckpt, "tile": args.tile,
+           "reduced_precision_reduction": not args.no_reduced_precision, "routes": {}}
     set_b("random" if args.b_start == "random" else "zero")
     rec["own"] = {}
     for which in values:
@@ -85,10 +91,10 @@ def main(argv=None) -> int:
     print(f"[wide_check] the model's own forward: {rec['own']}", flush=True)
     for route in args.routes.split(","):
         set_b("random" if args.b_start == "random" else "zero")
-        knobs = {} if route == "wide" else {"lora_addmm": route}
+        knobs = {} if route == "wide" else {"tile_mlp": args.tile} if route == "pieces" else {"lora_addmm": route}
         fast = optimize_sharded(model, batches=[row], world_size=1, one_scope="regional", keep_attention=False,
                                 sdpa_kernel="auto", grad_ckpt=not args.no_ckpt, offload=cuda and not args.no_ckpt,
-                                tile_mlp=False, ce_chunks=32, backend=args.backend, **knobs)
+                                **{"tile_mlp": False, **knobs}, ce_chunks=32, backend=args.backend)
         try:
             out = {"choices": {k: str(fast.opt.choices[k]) for k in ("lora_groups", "lora_wide", "nf4_lora_linear")
                                if k in fast.opt.choices}}
