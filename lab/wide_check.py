@@ -3,6 +3,8 @@
 Wrote: lab/results/long_context/wide_check_<gpu>.json
 Rerun: python -m lab.wide_check --out $OUT/wide_check_<gpu>.json   (one GPU, carry .whl .gpucache;
   --model tiny --seq-len 256 runs on a CPU)
+Wrote: lab/results/long_context/lora_update_precision_h200.json (``--summarize DIR``: the records of DIR that
+  took the fp32 forward, each route's loss at the B of AdamW's first step beside the fp32 and bf16 forwards)
 
 Why: ``lab.tile_steps`` found the one-GPU fast path's loss after its first AdamW step 0.037 below the
 model's own forward at the same weights (1B shape, 16,384 tokens), with the wide LoRA groups
@@ -27,7 +29,47 @@ import sys
 from pathlib import Path
 
 
+def summarize(folder: Path, out: Path, at: str = "descent") -> dict:
+    """Each route's loss at the B values ``at`` (every record of ``folder`` that took the fp32 forward), beside
+    the model's own forward in bf16 and in fp32 there: which route is the nearer to the fp32 sums."""
+    recs = [(f, json.loads(f.read_text())) for f in sorted(folder.glob("*.json"))]
+    recs = [(f, r) for f, r in recs if r.get("own_fp32", {}).get(at) is not None]
+    if not recs:
+        raise ValueError(f"no record in {folder} took the fp32 forward at {at!r}")
+    first = recs[0][1]
+    fp32 = first["own_fp32"][at]
+    out_rec = {"what": __doc__.split("\n\n")[2].replace("\n", " "), "at_b": at, "model": first["model"],
+               "seq_len": first["seq_len"], "own_fp32_loss": fp32, "routes": {},
+               "sources": [f"{f.parent.name}/{f.name}" for f, _ in recs]}
+    for f, r in recs:
+        for route, run in r["routes"].items():
+            name = route + ("" if r.get("reduced_precision_reduction", True) else ", no reduced-precision reduction")
+            name = name if name not in out_rec["routes"] else f"{name} ({f.stem})"  # a route measured twice: both
+            out_rec["routes"][name] = {"loss": run[at], "own_bf16_loss": r["own"][at],
+                                       "minus_own_fp32_loss": run[at] - r["own_fp32"][at],
+                                       "minus_own_bf16_loss": run[at] - r["own"][at], "source": f.name}
+    out_rec["own_bf16_minus_own_fp32_loss"] = first["own"][at] - fp32
+    last = max(recs, key=lambda fr: fr[1]["date"])[1]
+    out_rec.update(device=last["device"], versions=last["versions"], date=last["date"], commit=last.get("commit"),
+                   command=f"python -m lab.wide_check --summarize {folder} --out {out}")
+    out.write_text(json.dumps(out_rec, indent=1) + "\n")
+    return out_rec
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--summarize":
+        s = argparse.ArgumentParser(prog="python -m lab.wide_check --summarize")
+        s.add_argument("--summarize", required=True)
+        s.add_argument("--at", default="descent")
+        s.add_argument("--out", required=True)
+        a = s.parse_args(argv)
+        rec = summarize(Path(a.summarize), Path(a.out), a.at)
+        for name, run in rec["routes"].items():
+            print(f"[wide_check] {name}: {run['loss']:.5f}, {run['minus_own_fp32_loss']:+.4f} from fp32, "
+                  f"{run['minus_own_bf16_loss']:+.4f} from bf16")
+        return 0
     p = argparse.ArgumentParser(prog="python -m lab.wide_check")
     p.add_argument("--model", default="llama-3.2-1b-shape")
     p.add_argument("--seq-len", type=int, default=16384)
@@ -157,7 +199,7 @@ def main(argv=None) -> int:
         print(f"[wide_check] kernel: {rec['kernel']}", flush=True)
     rec.update(device=env.device_info(device), versions=env.versions(),
                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join(["python -m lab.wide_check", *(argv if argv is not None else sys.argv[1:])]))
+               command=" ".join(["python -m lab.wide_check", *argv]))
     Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")
     return 0
 

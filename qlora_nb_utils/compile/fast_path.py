@@ -219,7 +219,7 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             ``"auto"`` (only when ``max_memory_gib`` is not met by checkpointing every layer),
             True or False. Offloading compiles in regional scope.
         tile_mlp: run each decoder layer's MLP in pieces of this many positions, one opaque operator
-            (:mod:`.patches.tiled_mlp`; the same loss, gradients up to summation order):
+            (:mod:`.patches.tiled_mlp`; the same arithmetic, rounded as eager code rounds it):
             ``"auto"`` (pieces of :data:`.plan.TILE_ROWS` only when ``max_memory_gib`` is not met
             with every layer checkpointed and offloaded), an integer, or False.
         loss_rows: the LM head and the chunked loss over the labelled target rows only

@@ -19,9 +19,15 @@ will not recompute) were all saved for the backward: every piece's intermediates
 what tiling is meant to avoid. The operator runs the MLP's forward as eager code, the autocast
 state of the call restored in the backward (which runs on another thread). An MLP without
 trainable weights is tiled with checkpointed pieces instead (nothing of it is saved then). Inputs
-no longer than ``tile_rows`` take the MLP's forward unchanged. The result equals the untiled
-MLP's; the LoRA weight gradients are sums over the pieces, so they differ from the untiled ones
-by summation order only. Under ``torch.compile`` the operator is one node (no graph break); the
+no longer than ``tile_rows`` take the MLP's forward unchanged. The arithmetic is the untiled
+MLP's, and the LoRA weight gradients are sums over the pieces, but the pieces run as eager code
+where the untiled MLP runs compiled, and the two round differently. That shows when a LoRA update
+is far smaller than a bf16 unit of the projection it adds to, as in the first steps after PEFT
+starts every B at zero: the compiled wide LoRA groups keep more of it than the same code run
+eagerly, or the model's own bf16 forward, so for those steps the MLP whole and in pieces give
+losses further apart than two runs of either, the whole one the nearer to a forward with fp32
+sums (the lab's ``lab/wide_check.py`` and ``lab/tile_steps.py`` say how far), and they come
+together as the updates grow. Under ``torch.compile`` the operator is one node (no graph break); the
 pieces are counted inside it, so all lengths share one graph where the length is dynamic.
 
 The operator finds its MLP by the address of its first trainable weight (the MLPs are registered
