@@ -13,6 +13,10 @@ gradients (every layer checkpointed and offloaded, the loss in 32 chunks, ``--ti
 MLP piece, 0: whole; ``--sdpa-kernel`` the attention kernel) and saves them; ``compare`` sets a pair
 that differs in the attention kernel only (the floor) beside the pair that differs in the pieces,
 by kind of module and by layer.
+
+What came of it: the gradients agree, and so do the weights the first step writes; the losses after it part
+because the compiled MLP whole keeps more of an update far below a bf16 unit than the pieces (eager code) do,
+the whole nearer a forward with fp32 sums (``lab/tile_steps.py``, ``lab/wide_check.py``).
 """
 
 from __future__ import annotations
