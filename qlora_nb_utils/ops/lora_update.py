@@ -277,8 +277,7 @@ def nf4_lora_linears(x: torch.Tensor, members: list, wide: bool = False) -> tupl
             only (the update is summed in the GEMM's fp32 accumulator, not rounded first). Compiled,
             that keeps more of an update far smaller than a bf16 unit of the output (a LoRA B in its
             first steps from zero) than the narrow route, the same code run eagerly, or the model's
-            own bf16 forward do: the loss then sits below theirs, nearer a forward with fp32 sums
-            (``lab/wide_check.py`` in the repository measures it).
+            own bf16 forward do: the loss then sits below theirs, nearer a forward with fp32 sums.
 
     Returns:
         One ``(..., out_i)`` tensor per member, in order.

@@ -26,8 +26,7 @@ is far smaller than a bf16 unit of the projection it adds to, as in the first st
 starts every B at zero: the compiled wide LoRA groups keep more of it than the same code run
 eagerly, or the model's own bf16 forward, so for those steps the MLP whole and in pieces give
 losses further apart than two runs of either, the whole one the nearer to a forward with fp32
-sums (the lab's ``lab/wide_check.py`` and ``lab/tile_steps.py`` say how far), and they come
-together as the updates grow. Under ``torch.compile`` the operator is one node (no graph break); the
+sums, and they come together as the updates grow. Under ``torch.compile`` the operator is one node (no graph break); the
 pieces are counted inside it, so all lengths share one graph where the length is dynamic.
 
 The operator finds its MLP by the address of its first trainable weight (the MLPs are registered
