@@ -346,6 +346,8 @@ class Run:
                 return  # other trainable weights: their start is not known here
             start = {n: torch.zeros_like(t) if "lora_B" in n else t for n, t in trained.items()}
         load_trainable_state(self.model, start)
+        self.log("==> the adapter as it started, evaluated now (run after the steps, so that the first step "
+                 "waits for none of it):")
         try:
             if need_sample:
                 self.sample["before"] = self.history["sample_before"] = self._complete()
