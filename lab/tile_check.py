@@ -21,7 +21,8 @@ accesses). The cast now leaves bitsandbytes' quantized weights alone (``compile.
 The first call after that fix (``lab/results/long_context/tile_check_h200_after_cast_fix/``, every setting in its
 own process) read each setting's loss within 6.1e-4 of the reference's and no weight's gradient norm more than
 1.2% above the reference's: with B non-zero from the start, the pieces' forward and gradients are the model's own. What moved the
-loss after a first step from zero B was where the small LoRA update is rounded: ``lab/wide_check.py``.
+loss after a first step from zero B was where the small LoRA update is rounded (``lab/wide_check.py``), and
+the pieces' forward running without gradients, so on PEFT's path (``lab/tile_grads.py``).
 """
 
 from __future__ import annotations

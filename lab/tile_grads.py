@@ -15,8 +15,10 @@ that differs in the attention kernel only (the floor) beside the pair that diffe
 by kind of module and by layer.
 
 What came of it: the gradients agree, and so do the weights the first step writes; the losses after it part
-because the compiled MLP whole keeps more of an update far below a bf16 unit than the pieces (eager code) do,
-the whole nearer a forward with fp32 sums (``lab/tile_steps.py``, ``lab/wide_check.py``).
+because the compiled MLP whole keeps more of an update far below a bf16 unit than the pieces' forward did, the
+whole nearer a forward with fp32 sums (``lab/tile_steps.py``, ``lab/wide_check.py``). The pieces' forward ran
+without gradients, where the fused NF4 LoRA route stands aside for PEFT's own path (the base output rounded
+before the update is added); it now keeps gradients on (``tests/test_tiled_mlp.py``), not yet measured on a GPU.
 """
 
 from __future__ import annotations

@@ -21,9 +21,12 @@ the plain one beside each tail.
 What it read (``lab/results/long_context/wide_check_h200/``, summed up in ``lora_update_precision_h200.json``):
 at every B but the descent one, every route gave the model's own loss within 4e-4; the kernel's wide buffer
 was exact. At the descent B the compiled wide groups gave a loss 0.037 below the model's own bf16 forward and
-0.008 above its fp32 one, where the narrow route stayed with the bf16 forward (5e-5) and the MLP in pieces (its
-groups run as eager code) came within 4.3e-3 of it; turning off cuBLAS's reduced-precision bf16 reductions
-changed neither. Which rounding the compiled wide route skips is not pinned down.
+0.008 above its fp32 one, where the narrow route stayed with the bf16 forward (5e-5) and the MLP in pieces came
+within 4.3e-3 of it; turning off cuBLAS's reduced-precision bf16 reductions changed neither. The pieces' forward
+ran without gradients then, so its gate, up and down projections took PEFT's own path (the fused NF4 route
+needs gradients), which rounds the base output before adding the update; it keeps gradients on since. Why the
+narrow fused route, which adds the update into the base GEMM's accumulator as the wide one does, stays with the
+bf16 forward is not pinned down.
 """
 
 from __future__ import annotations

@@ -240,3 +240,41 @@ def test_tiled_and_whole_mlp_train_the_same_adamw_steps_from_zero_lora_b(tiny_di
             opt.undo()
     assert curves[16][0] - curves[16][-1] > 1e-3  # B moved: the later steps see the LoRA term
     torch.testing.assert_close(curves[16], curves[False], rtol=0, atol=1e-5)
+
+
+def test_the_pieces_forward_takes_the_fused_nf4_route_its_backward_recomputes(tiny_dir, monkeypatch):
+    """The pieces' forward and the recompute in their backward run the same code: the fused NF4 LoRA
+    route, which needs gradients on. Under no_grad the route stands aside (PEFT's own path: the base
+    output rounded before the update is added), so a forward run that way would report the loss of
+    other arithmetic than the gradients are of: in bf16, by more than the floor in the first steps
+    from a zero LoRA B."""
+    from qlora_nb_utils.compile.patches import lora_addmm
+
+    b = batch(seq=64)
+    model = build(tiny_dir, quant=True, how="kbit")
+    opt = optimize(model, batches=[b], backend="aot_eager", scope="regional", nf4_dequant=True, grad_ckpt=True,
+                   tile_mlp=16)
+    calls = []
+    real = lora_addmm.nf4_lora_linears
+
+    def counted(x, members, wide=False):
+        if not torch.compiler.is_compiling():  # eager calls only: the pieces' (a traced call is not run again)
+            calls.append(len(members))
+        return real(x, members, wide=wide)
+
+    monkeypatch.setattr(lora_addmm, "nf4_lora_linears", counted)
+    try:
+        assert int(opt.choices["lora_groups"]) > 0 and opt.choices["tile_mlp"] == 16, opt.choices
+        opt.forward(**b).loss.backward()  # compiles: the layer's graph traced (its calls counted too)
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = opt.forward(**b).loss  # the compiled layer runs its graph; only the pieces run Python
+        in_forward = len(calls)
+        loss.backward()  # each piece recomputed under autograd
+        in_backward = len(calls) - in_forward
+    finally:
+        opt.undo()
+    layers, pieces = len(tiled_mlp.find_mlps(model)), 64 // 16
+    assert in_forward == layers * pieces, (in_forward, in_backward)  # gate and up: one group call per piece
+    # every layer checkpointed: its recompute runs the pieces' forward again, then their backward its own
+    assert in_backward == 2 * layers * pieces, (in_forward, in_backward)

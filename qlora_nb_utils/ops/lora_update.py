@@ -276,8 +276,8 @@ def nf4_lora_linears(x: torch.Tensor, members: list, wide: bool = False) -> tupl
             docstring): no output-sized update written and read back. Values differ by rounding
             only (the update is summed in the GEMM's fp32 accumulator, not rounded first). Compiled,
             that keeps more of an update far smaller than a bf16 unit of the output (a LoRA B in its
-            first steps from zero) than the narrow route, the same code run eagerly, or the model's
-            own bf16 forward do: the loss then sits below theirs, nearer a forward with fp32 sums.
+            first steps from zero) than the narrow route or the model's own bf16 forward do: the loss
+            then sits below theirs, nearer a forward with fp32 sums.
 
     Returns:
         One ``(..., out_i)`` tensor per member, in order.

@@ -11,8 +11,8 @@ each position alone.
 How: :func:`apply` replaces the ``forward`` of each decoder layer's ``mlp`` (on the instance,
 reversibly) with one that runs the MLP as one opaque operator, ``qlora_nb::tiled_mlp``, whose
 inputs are the layer input and the MLP's trainable (LoRA) weights. Its forward runs the MLP's own
-forward on pieces of at most ``tile_rows`` positions without autograd and keeps nothing but its
-inputs; its backward (``qlora_nb::tiled_mlp_backward``) recomputes one piece at a time under
+forward on pieces of at most ``tile_rows`` positions, each output detached, and keeps nothing but its
+inputs (gradients stay on, so that each projection takes the route it takes in the recompute); its backward (``qlora_nb::tiled_mlp_backward``) recomputes one piece at a time under
 autograd and sums the pieces' weight gradients. Opaque, because traced into the layer's graph the
 pieces' gate and up outputs (the fused NF4 LoRA linear writes them in place, which the compiler
 will not recompute) were all saved for the backward: every piece's intermediates alive at once,
@@ -20,13 +20,13 @@ what tiling is meant to avoid. The operator runs the MLP's forward as eager code
 state of the call restored in the backward (which runs on another thread). An MLP without
 trainable weights is tiled with checkpointed pieces instead (nothing of it is saved then). Inputs
 no longer than ``tile_rows`` take the MLP's forward unchanged. The arithmetic is the untiled
-MLP's, and the LoRA weight gradients are sums over the pieces, but the pieces run as eager code
-where the untiled MLP runs compiled, and the two round differently. That shows when a LoRA update
-is far smaller than a bf16 unit of the projection it adds to, as in the first steps after PEFT
-starts every B at zero: the compiled wide LoRA groups keep more of it than the same code run
-eagerly, or the model's own bf16 forward, so for those steps the MLP whole and in pieces give
-losses further apart than two runs of either, the whole one the nearer to a forward with fp32
-sums, and they come together as the updates grow. Under ``torch.compile`` the operator is one node (no graph break); the
+MLP's, and the LoRA weight gradients are sums over the pieces. The pieces run as eager code where
+the untiled MLP runs compiled, so the two may round differently, which shows most when a LoRA
+update is far smaller than a bf16 unit of the projection it adds to (the first steps after PEFT
+starts every B at zero). The forward keeps gradients on for that reason: without them the fused
+NF4 LoRA route stands aside for PEFT's own path, which rounds the base output before the update
+is added and so drops such an update, and the loss reported would not be of the arithmetic the
+gradients (recomputed with gradients on) are of. Under ``torch.compile`` the operator is one node (no graph break); the
 pieces are counted inside it, so all lengths share one graph where the length is dynamic.
 
 The operator finds its MLP by the address of its first trainable weight (the MLPs are registered
@@ -118,13 +118,18 @@ def _autocast(device_type: str, dtype: torch.dtype | None):
 @torch.library.custom_op(OP, mutates_args=())
 def _tiled_mlp(x: torch.Tensor, weights: list[torch.Tensor], tile_rows: int,
                autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """The MLP's output, piece by piece, nothing kept for a backward."""
+    """The MLP's output, piece by piece, nothing kept for a backward.
+
+    With gradients on, as in the backward's recompute: the layers then take the routes they take in
+    training (the fused NF4 LoRA route stands aside without gradients), so that the loss is of the
+    arithmetic the gradients are of. Each piece's output is detached: what its call recorded goes with it.
+    """
     forward = _inner(_owner(weights))
     out = torch.empty_like(x, dtype=_out_dtype(x, autocast_dtype))
-    with torch.no_grad(), _autocast(x.device.type, autocast_dtype):
+    with torch.enable_grad(), _autocast(x.device.type, autocast_dtype):
         for lo in range(0, x.shape[-2], tile_rows):
             n = min(tile_rows, x.shape[-2] - lo)
-            out.narrow(-2, lo, n).copy_(forward(x.narrow(-2, lo, n)))
+            out.narrow(-2, lo, n).copy_(forward(x.narrow(-2, lo, n).detach()).detach())
     return out
 
 
