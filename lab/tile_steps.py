@@ -58,6 +58,25 @@ def weights_apart(a: dict, b: dict, lr: float) -> dict:
     return out
 
 
+def build_try(model_name: str, seq_len: int):
+    """``(model, row, device)``: the model as ``lab.context_parallel``'s one-GPU try builds it (bf16 on a GPU with
+    its packed words in the sharded storage, fp32 on a CPU; LoRA r=32, alpha 64) and one made-up row on its device."""
+    import torch
+
+    from lab.long_context import make_row
+    from qlora_nb_utils import models
+    from qlora_nb_utils.distributed.big_model import build_named_qlora
+    from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    _, storage = sharded_nf4_precision(dtype, "auto")
+    model, _ = build_named_qlora(model_name, device=device, dtype=dtype, quant_storage=storage, lora_r=32,
+                                 lora_alpha=64, seed=0)
+    row = make_row(seq_len, min(models.model_config(model_name).vocab_size, 49152))
+    return model, {k: v.to(device) for k, v in row.items()}, device
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.tile_steps")
     p.add_argument("--model", default="llama-3.2-1b-shape")
@@ -76,20 +95,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lab.long_context import make_row
-    from qlora_nb_utils import env, models
-    from qlora_nb_utils.distributed.big_model import build_named_qlora
+    from qlora_nb_utils import env
     from qlora_nb_utils.distributed.fast import optimize_options, optimize_sharded
-    from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    _, storage = sharded_nf4_precision(dtype, "auto")
-    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, quant_storage=storage, lora_r=32,
-                                 lora_alpha=64, seed=0)
-    row = {k: v.to(device) for k, v in make_row(args.seq_len, min(models.model_config(args.model).vocab_size,
-                                                                  49152)).items()}
+    model, row, device = build_try(args.model, args.seq_len)
+    cuda = device.type == "cuda"
     trainable = {n: q for n, q in model.named_parameters() if q.requires_grad}
     if args.b_start == "random":
         gen = torch.Generator(device="cpu").manual_seed(1)

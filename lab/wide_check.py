@@ -95,22 +95,15 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lab.long_context import make_row
-    from qlora_nb_utils import env, models
-    from qlora_nb_utils.distributed.big_model import build_named_qlora
+    from lab.tile_steps import build_try
+    from qlora_nb_utils import env
     from qlora_nb_utils.distributed.fast import optimize_sharded
-    from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
 
     cuda = torch.cuda.is_available()
     if args.no_reduced_precision:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    device = torch.device("cuda" if cuda else "cpu")
+    model, row, device = build_try(args.model, args.seq_len)
     dtype = torch.bfloat16 if cuda else torch.float32
-    _, storage = sharded_nf4_precision(dtype, "auto")
-    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, quant_storage=storage, lora_r=32,
-                                 lora_alpha=64, seed=0)
-    row = {k: v.to(device) for k, v in make_row(args.seq_len, min(models.model_config(args.model).vocab_size,
-                                                                  49152)).items()}
     bs = {n: q for n, q in model.named_parameters() if q.requires_grad and "lora_B" in n}
     gen = torch.Generator(device="cpu").manual_seed(3)
     values = {"zero": {n: torch.zeros_like(q) for n, q in bs.items()},
