@@ -11,9 +11,10 @@ each position alone.
 How: :func:`apply` replaces the ``forward`` of each decoder layer's ``mlp`` (on the instance,
 reversibly) with one that runs the MLP as one opaque operator, ``qlora_nb::tiled_mlp``, whose
 inputs are the layer input and the MLP's trainable (LoRA) weights. Its forward runs the MLP's own
-forward on pieces of at most ``tile_rows`` positions, each output detached, and keeps nothing but its
-inputs (gradients stay on, so that each projection takes the route it takes in the recompute); its backward (``qlora_nb::tiled_mlp_backward``) recomputes one piece at a time under
-autograd and sums the pieces' weight gradients. Opaque, because traced into the layer's graph the
+forward on pieces of at most ``tile_rows`` positions, each output detached, and keeps nothing but
+its inputs (gradients stay on, so that each projection takes the route it takes in the recompute);
+its backward (``qlora_nb::tiled_mlp_backward``) recomputes one piece at a time under autograd and
+sums the pieces' weight gradients. Opaque, because traced into the layer's graph the
 pieces' gate and up outputs (the fused NF4 LoRA linear writes them in place, which the compiler
 will not recompute) were all saved for the backward: every piece's intermediates alive at once,
 what tiling is meant to avoid. The operator runs the MLP's forward as eager code, the autocast
@@ -26,8 +27,9 @@ update is far smaller than a bf16 unit of the projection it adds to (the first s
 starts every B at zero). The forward keeps gradients on for that reason: without them the fused
 NF4 LoRA route stands aside for PEFT's own path, which rounds the base output before the update
 is added and so drops such an update, and the loss reported would not be of the arithmetic the
-gradients (recomputed with gradients on) are of. Under ``torch.compile`` the operator is one node (no graph break); the
-pieces are counted inside it, so all lengths share one graph where the length is dynamic.
+gradients (recomputed with gradients on) are of. Under ``torch.compile`` the operator is one node
+(no graph break); the pieces are counted inside it, so all lengths share one graph where the
+length is dynamic.
 
 The operator finds its MLP by the address of its first trainable weight (the MLPs are registered
 by :func:`apply`), so each layer's MLP has one code however the layers share a compiled graph.
