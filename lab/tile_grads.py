@@ -34,18 +34,11 @@ from pathlib import Path
 def run(args) -> None:
     import torch
 
-    from lab.long_context import make_row
-    from qlora_nb_utils import env, models
-    from qlora_nb_utils.distributed.big_model import build_named_qlora
+    from lab.tile_steps import build_try
+    from qlora_nb_utils import env
     from qlora_nb_utils.distributed.fast import optimize_sharded
-    from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    _, storage = sharded_nf4_precision(dtype, "auto")
-    model, _ = build_named_qlora(args.model, device=device, dtype=dtype, quant_storage=storage, lora_r=32,
-                                 lora_alpha=64, seed=0)
-    row = make_row(args.seq_len, min(models.model_config(args.model).vocab_size, 49152))
+    model, row, device = build_try(args.model, args.seq_len)
     fast = optimize_sharded(model, batches=[row], world_size=1, one_scope="regional", keep_attention=False,
                             sdpa_kernel=args.sdpa_kernel, grad_ckpt=True, offload=device.type == "cuda",
                             tile_mlp=args.tile or False, ce_chunks=args.ce_chunks)

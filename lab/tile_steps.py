@@ -32,15 +32,10 @@ import argparse
 import contextlib
 import datetime as _dt
 import json
-import re
 import sys
 from pathlib import Path
 
-
-def _kind(name: str) -> str:
-    proj = re.search(r"\.(\w+_proj)\.", name)
-    ab = "lora_A" if "lora_A" in name else "lora_B" if "lora_B" in name else "other"
-    return f"{proj.group(1) if proj else 'other'}.{ab}"
+from lab.tile_grads import _kind
 
 
 def weights_apart(a: dict, b: dict, lr: float) -> dict:
