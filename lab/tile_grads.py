@@ -31,10 +31,28 @@ import time
 from pathlib import Path
 
 
+def build_try(model_name: str, seq_len: int):
+    """``(model, row, device)``: the model as ``lab.context_parallel``'s one-GPU try builds it (bf16 on a GPU with
+    its packed words in the sharded storage, fp32 on a CPU; LoRA r=32, alpha 64) and one made-up row on its device."""
+    import torch
+
+    from lab.long_context import make_row
+    from qlora_nb_utils import models
+    from qlora_nb_utils.distributed.big_model import build_named_qlora
+    from qlora_nb_utils.distributed.packed_words import sharded_nf4_precision
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    _, storage = sharded_nf4_precision(dtype, "auto")
+    model, _ = build_named_qlora(model_name, device=device, dtype=dtype, quant_storage=storage, lora_r=32,
+                                 lora_alpha=64, seed=0)
+    row = make_row(seq_len, min(models.model_config(model_name).vocab_size, 49152))
+    return model, {k: v.to(device) for k, v in row.items()}, device
+
+
 def run(args) -> None:
     import torch
 
-    from lab.tile_steps import build_try
     from qlora_nb_utils import env
     from qlora_nb_utils.distributed.fast import optimize_sharded
 

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lab.tile_steps import build_try
+    from lab.tile_grads import build_try
     from qlora_nb_utils import env
     from qlora_nb_utils.distributed.fast import optimize_sharded
 
