@@ -8,7 +8,8 @@
 # the one-GPU code with each knob set one way and the other, every other choice held (every layer checkpointed
 # and offloaded), two at a time (one per GPU, no cap): which knob moves the trajectory, and whether the
 # one-GPU code with the 2-GPU plan lands where the 2-GPU run did.
-# env: OUT (required), SEQ (65536), STEPS (3), MODEL (llama-3.1-8b-shape), TILE (4096), DEADLINE_S (540), DRY (1: CPU, tiny)
+# env: OUT (required), SEQ (65536), STEPS (3), MODEL (llama-3.1-8b-shape), TILE (4096), DEADLINE_S (540), DRY (1: CPU, tiny),
+#   PAIRS (2; 1: the first pair only, the MLP whole and in pieces)
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 DEADLINE_S=${DEADLINE_S:-540}; SEQ=${SEQ:-65536}; STEPS=${STEPS:-3}; MODEL=${MODEL:-llama-3.1-8b-shape}
@@ -32,10 +33,12 @@ try "plain_tile0_ce$CHUNKS_A" 0 --plain --optimize tile_mlp=false --optimize ce_
 pid=$!
 try "plain_tile${TILE}_ce$CHUNKS_A" 1 --plain --optimize tile_mlp=$TILE --optimize ce_chunks=$CHUNKS_A
 wait "$pid"  # not a bare wait: it would wait for the log's tee too
+if [ "${PAIRS:-2}" -ge 2 ]; then
 try "plain_tile0_ce$CHUNKS_B" 0 --plain --optimize tile_mlp=false --optimize ce_chunks=$CHUNKS_B &
 pid=$!
 try "one_tile0_ce$CHUNKS_A" 1 --optimize tile_mlp=false --optimize ce_chunks=$CHUNKS_A
 wait "$pid"
+fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
