@@ -209,3 +209,41 @@ def test_warm_shapes_runs_each_shape_once_and_leaves_the_weights_alone():
     assert calls == [(2, 64), (2, 96)]
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_compiled_run_advanced_a_compilation_at_a_time_is_the_run_in_one_go():
+    from qlora_nb_utils.bench import CompiledRun, compiled_run
+    from qlora_nb_utils.training.loop import trainable_state
+
+    model, tok = models.load_model("tiny", quant="none", dtype="float32", device="cpu", lora=True)
+    short, _ = bench.make_bench_batches(tok, batch_size=2, seq_len=64, steps=3)
+    long, _ = bench.make_bench_batches(tok, batch_size=2, seq_len=96, steps=1)
+    batches = [short[0], long[0], short[1], short[2]]  # a second length at step 1 only
+    start = trainable_state(model)
+    cfg = TrainConfig(steps=6, lr=1e-3, seed=0, progress=False)  # cycles the list: steps 4-5 reuse 0-1
+    whole, counter = compiled_run(model, batches, cfg, start=start, backend="eager", label="whole")
+    assert counter.compilations == 2  # static, then dynamic at the new length
+
+    run = CompiledRun(model, batches, cfg, start=start, backend="eager", label="cut")
+    lines = [run.advance() for _ in range(4)]
+    assert lines[0].startswith("cut: step 0; compilation 1 at step 0") and "the first call" in lines[0]
+    assert lines[1].startswith("cut: step 1; compilation 2 at step 1") and "size mismatch" in lines[1]
+    assert lines[2] == "cut: steps 2-5, no compilation; the run is complete"
+    assert lines[3] == "cut: all 6 steps already ran" and run.done
+    cut = run.history()
+    assert list(cut["step"]) == list(range(6)) == list(whole["step"])
+    assert list(cut["loss"]) == pytest.approx(list(whole["loss"]), rel=1e-6, abs=0)
+    assert list(cut["lr"]) == list(whole["lr"])  # one warm-up schedule, not one per call
+    assert (cut["peak_mem_gib"].diff().dropna() >= 0).all()  # the peak so far, as one call reports it
+
+
+def test_a_compiled_run_needs_batches_and_something_to_train():
+    from qlora_nb_utils.bench import CompiledRun
+
+    model, _ = models.load_model("tiny", quant="none", dtype="float32", device="cpu", lora=True)
+    with pytest.raises(ValueError, match="at least one batch"):
+        CompiledRun(model, [], TrainConfig(steps=1), backend="eager")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        CompiledRun(model, [{"input_ids": torch.ones(1, 4, dtype=torch.long)}], TrainConfig(steps=1), backend="eager")

@@ -6,7 +6,7 @@ eager floor, and what the compile costs.
   ``write_results``, ``markdown_table``, ``make_bench_batches``); ``packing_job`` is its packed
   variant.
 - ``pairwise``: eager against compiled on the same batches, the notebooks' building blocks
-  (``side_by_side``, ``compiled_run``, ``compare``), and the shape helpers of variable-length
+  (``side_by_side``, ``compiled_run`` and ``CompiledRun``, ``compare``), and the shape helpers of variable-length
   runs (``mark_dynamic``, ``warm_shapes``).
 - ``matrix``: {base, LoRA, QLoRA} x checkpointing x lengths x scope, eager vs compiled
   (``run_matrix``); ``matrix_results`` reads its files without torch.
@@ -23,5 +23,5 @@ from .._lazy import lazy_exports
 __getattr__, __dir__ = lazy_exports(__name__, {
     **dict.fromkeys(("run_bench", "write_results", "markdown_table", "make_bench_batches", "resolve_device_dtype",
                      "DEFAULTS", "RUNS", "validate_options"), "main_job"),
-    **dict.fromkeys(("side_by_side", "compiled_run", "compare", "mark_dynamic", "warm_shapes"), "pairwise"),
+    **dict.fromkeys(("side_by_side", "CompiledRun", "compiled_run", "compare", "mark_dynamic", "warm_shapes"), "pairwise"),
 })

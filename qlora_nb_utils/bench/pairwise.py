@@ -3,7 +3,8 @@
 Why it exists: a speed-up is only honest when both sides see the same things. `side_by_side`
 trains a model eagerly, restores its trainable weights and trains it compiled on the same list
 of batches with the same seed; `compare` turns the two histories into the figures (medians after
-warm-up, compile time apart, loss parity, compile counts). `compiled_run`, `mark_dynamic` and
+warm-up, compile time apart, loss parity, compile counts). `compiled_run` (`CompiledRun` when a
+run is advanced a compilation at a time), `mark_dynamic` and
 `warm_shapes` are what the recompilation studies (notebook 04, the compile matrix) build on. The
 main job (`main_job.run_bench`) compares three runs instead (HF eager, plain compile and the
 fast path) and keeps these for the notebooks.
@@ -11,15 +12,16 @@ fast path) and keeps these for the notebooks.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from .. import diagnostics
 from ..training.device import sync
-from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state
+from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state, warmup_schedule
 
-__all__ = ["side_by_side", "mark_dynamic", "warm_shapes", "compiled_run", "compare"]
+__all__ = ["side_by_side", "mark_dynamic", "warm_shapes", "CompiledRun", "compiled_run", "compare"]
 
 
 def side_by_side(model, batches, cfg: TrainConfig, *, backend: str = "inductor", mode: str | None = None, log=print) -> dict[str, Any]:
@@ -110,6 +112,89 @@ def warm_shapes(model, batches, forward: Callable[..., Any] | None = None) -> in
     return len(seen)
 
 
+class CompiledRun:
+    """One compiled training run, counted, that can be advanced a compilation at a time.
+
+    Why: a notebook cell that trains through several compilations waits for all of them, and the
+    recompilation studies are about exactly those. ``advance()`` trains up to the end of the next
+    step that compiled, so each cell waits for one compile and shows what made it; ``finish()``
+    trains the rest. The optimizer, the learning-rate schedule, the batches and the seeding are those
+    of one uninterrupted :func:`~qlora_nb_utils.training.train` call (``start_step`` resumes it), so
+    the history is the same however the run is cut.
+
+    Args:
+        model: the model (its trainable weights are reset to `start` first, when given).
+        batches: the micro-batches to train on.
+        cfg: training options.
+        start: a `trainable_state` snapshot to restore before the run.
+        dynamic_dims: batch key -> dimension to `torch._dynamo.mark_dynamic` on every batch
+            (e.g. `{"input_ids": 1, "attention_mask": 1, "labels": 1}` for the sequence).
+        label: the history's `run` name.
+        **compile_kwargs: `backend`, `mode`, `dynamic`, `fullgraph`, `options`.
+    """
+
+    def __init__(self, model, batches, cfg: TrainConfig, *, start: dict | None = None,
+                 dynamic_dims: dict[str, int] | None = None, label: str = "compiled", **compile_kwargs: Any):
+        if not batches:
+            raise ValueError("CompiledRun needs at least one batch")
+        torch.compiler.reset()
+        if start is not None:
+            load_trainable_state(model, start)
+        self.model, self.batches, self.cfg, self.label = model, batches, cfg, label
+        self.counter = diagnostics.CompileCounter(backend=compile_kwargs.pop("backend", "inductor"))
+        compiled = self.counter.compile(model, **compile_kwargs)
+        self.forward = mark_dynamic(compiled, dynamic_dims) if dynamic_dims else compiled
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameter (did you forget LoRA, or freeze everything?)")
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = warmup_schedule(self.optimizer, cfg.warmup_steps)
+        self.step = 0  # the next step to run
+        self._parts: list = []
+
+    @property
+    def done(self) -> bool:
+        """Whether every step of ``cfg.steps`` has run."""
+        return self.step >= self.cfg.steps
+
+    def _train(self, until: int, progress: bool):
+        part = train(self.model, self.batches, dataclasses.replace(self.cfg, steps=until, progress=progress),
+                     forward=self.forward, label=self.label, optimizer=self.optimizer,
+                     scheduler=self.scheduler, start_step=self.step)
+        self.step = until
+        self._parts.append(part)
+        return part
+
+    def advance(self) -> str:
+        """Train up to the end of the next step that compiles (or to the last step); one line on what ran."""
+        if self.done:
+            return f"{self.label}: all {self.cfg.steps} steps already ran"
+        first, before = self.step, self.counter.compilations
+        while not self.done and self.counter.compilations == before:
+            self._train(self.step + 1, progress=False)
+        steps = f"step {first}" if self.step - 1 == first else f"steps {first}-{self.step - 1}"
+        if self.counter.compilations == before:
+            return f"{self.label}: {steps}, no compilation; the run is complete"
+        why = (self.counter.recompile_reasons or ["-"])[-1] if self.counter.compilations > 1 else "the first call"
+        return (f"{self.label}: {steps}; compilation {self.counter.compilations} at step {self.step - 1} "
+                f"({self.counter.compile_s:.1f} s of compiling so far), because of: {why}")
+
+    def finish(self):
+        """Train the steps left (with ``cfg``'s progress bar) and return the whole run's history."""
+        if not self.done:
+            self._train(self.cfg.steps, progress=self.cfg.progress)
+        return self.history()
+
+    def history(self):
+        """The history of the steps run so far, as one ``train`` call returns it."""
+        import pandas as pd
+
+        frame = pd.concat(self._parts, ignore_index=True) if self._parts else pd.DataFrame()
+        if len(frame):
+            frame["peak_mem_gib"] = frame["step_peak_mem_gib"].cummax()
+        return frame
+
+
 def compiled_run(
     model,
     batches,
@@ -122,26 +207,13 @@ def compiled_run(
 ):
     """One compiled training run, counted: the building block of the recompilation studies.
 
-    Args:
-        model: the model (its trainable weights are reset to `start` first, when given).
-        batches: the micro-batches to train on.
-        cfg: training options.
-        start: a `trainable_state` snapshot to restore before the run.
-        dynamic_dims: batch key -> dimension to `torch._dynamo.mark_dynamic` on every batch
-            (e.g. `{"input_ids": 1, "attention_mask": 1, "labels": 1}` for the sequence).
-        label: the history's `run` name.
-        **compile_kwargs: `backend`, `mode`, `dynamic`, `fullgraph`, `options`.
+    The whole of a :class:`CompiledRun` in one call (its arguments are these).
 
     Returns:
         (history DataFrame, CompileCounter).
     """
-    torch.compiler.reset()
-    if start is not None:
-        load_trainable_state(model, start)
-    counter = diagnostics.CompileCounter(backend=compile_kwargs.pop("backend", "inductor"))
-    compiled = counter.compile(model, **compile_kwargs)
-    forward = mark_dynamic(compiled, dynamic_dims) if dynamic_dims else compiled
-    return train(model, batches, cfg, forward=forward, label=label), counter
+    run = CompiledRun(model, batches, cfg, start=start, dynamic_dims=dynamic_dims, label=label, **compile_kwargs)
+    return run.finish(), run.counter
 
 
 def compare(runs: dict[str, Any], warmup: int = 3) -> dict[str, Any]:
