@@ -82,10 +82,13 @@ def _label(item: Any, index: int) -> str:
 
 def _stamp(node: dict, stamp: dict[str, str]) -> dict[str, str]:
     """The device, date and versions a nested record states for itself (a run merged into a file
-    written on another day keeps its own), over those of the records around it."""
+    written on another day keeps its own: its ``date``, else its ``call_date``), over those of the records
+    around it."""
     own = {}
-    if isinstance(node.get("date"), str) and re.match(r"\d{4}-\d{2}-\d{2}", node["date"]):
-        own["date"] = node["date"][:10]
+    # a row merged from an earlier call keeps that call's date (``call_date``) when it has no ``date`` of its own
+    date = node.get("date") if isinstance(node.get("date"), str) else node.get("call_date")
+    if isinstance(date, str) and re.match(r"\d{4}-\d{2}-\d{2}", date):
+        own["date"] = date[:10]
     if isinstance(node.get("device"), (dict, list)):  # a string is often a setting ("cuda"), not a record's card
         own["device"] = _device(node)
     if isinstance(node.get("versions"), dict):

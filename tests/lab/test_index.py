@@ -128,3 +128,20 @@ def test_every_notebook_opens_with_its_own_colab_badge():
         first = json.loads(path.read_text())["cells"][0]
         assert first["cell_type"] == "markdown", path.name
         assert pages.colab_url(path.name) in "".join(first["source"]), path.name
+
+
+def test_a_row_merged_from_an_earlier_call_keeps_that_calls_date(tmp_path):
+    record = {"device": {"name": "GPU X"}, "date": "2026-03-04T00:00", "command": "c", "versions": {"torch": "2.11"},
+              "comparisons": [{"case": "old", "call_date": "2026-01-02T03:04", "speedup": 1.5},
+                              {"case": "own", "call_date": "2026-01-02T03:04", "date": "2026-02-03", "speedup": 2.0},
+                              {"case": "new", "speedup": 3.0}]}
+    topic = tmp_path / "lab" / "results" / "step"
+    topic.mkdir(parents=True)
+    (topic / "x.json").write_text(json.dumps(record))
+    old_root = index.ROOT
+    try:
+        index.ROOT = tmp_path
+        got = {r["configuration"]: r["date"] for r in index.rows_of(topic / "x.json")}
+    finally:
+        index.ROOT = old_root
+    assert got == {"comparisons/old": "2026-01-02", "comparisons/own": "2026-02-03", "comparisons/new": "2026-03-04"}
