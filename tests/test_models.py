@@ -383,3 +383,19 @@ def test_the_main_jobs_auto_model_follows_the_device():
     assert validate_options({"device": "cpu"})["model"] == AUTO_MODEL["cpu"] == "smollm2-135m-5l"
     assert validate_options({"device": "cpu", "model": "tiny"})["model"] == "tiny"
     assert AUTO_MODEL["cuda"] == "smollm2-135m"
+
+
+def test_a_4bit_weight_is_known_by_its_bitsandbytes_type_not_by_its_name_alone():
+    import bitsandbytes as bnb
+
+    from qlora_nb_utils.compile.recipe import is_quantized_weight
+    from qlora_nb_utils.models.load_prequantized import is_4bit_weight
+
+    packed = bnb.nn.Params4bit(torch.randn(8, 8), requires_grad=False, quant_type="nf4")
+    lookalike = type("Params4bit", (torch.nn.Parameter,), {})(torch.zeros(2))  # a name, not bitsandbytes'
+    plain = torch.nn.Parameter(torch.zeros(2))
+    assert is_4bit_weight(packed) and is_quantized_weight(packed)
+    assert not is_4bit_weight(lookalike) and not is_quantized_weight(lookalike)
+    assert not is_4bit_weight(plain) and not is_quantized_weight(plain)
+    assert is_quantized_weight(bnb.nn.Int8Params(torch.zeros(2, 2), requires_grad=False))
+    assert not is_4bit_weight(bnb.nn.Int8Params(torch.zeros(2, 2), requires_grad=False))

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
+from ..models.load_prequantized import is_4bit_weight
 from ..ops.attention import check_right_padded, use_causal_sdpa
 from ..ops.losses import ChunkedLossLM
 from ..reversible import PatchHandle, set_attribute
@@ -89,7 +90,7 @@ def is_quantized_weight(param: torch.Tensor) -> bool:
     """True for a bitsandbytes quantized weight (``Params4bit``, ``Int8Params``): its data are packed codes
     in whatever storage dtype was asked for, not values (by type name: bitsandbytes is not imported)."""
     kind = type(param)
-    return kind.__name__ in ("Params4bit", "Int8Params") and kind.__module__.startswith("bitsandbytes")
+    return is_4bit_weight(param) or (kind.__name__ == "Int8Params" and kind.__module__.startswith("bitsandbytes"))
 
 
 def cast_non_lora(model: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -73,6 +73,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ..models.load_prequantized import is_4bit_weight
+
 __all__ = [
     "NF4_MODES",
     "FROZEN_MODES",
@@ -90,7 +92,7 @@ FROZEN_MODES = ("shard", "replicate")
 
 def nf4_params(model: nn.Module) -> list[nn.Parameter]:
     """The bitsandbytes 4-bit weights of ``model`` (``Params4bit``), in module order."""
-    return [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
+    return [p for p in model.parameters() if is_4bit_weight(p)]
 
 
 def linear4bit_modules(model: nn.Module) -> list[nn.Module]:

@@ -39,6 +39,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ..models.load_prequantized import is_4bit_weight
+
 __all__ = ["ROUNDTRIP_UNSAFE", "allgather_dtype", "unsafe_units", "sharded_nf4_precision",
            "snapshot_packed", "compare_packed", "nan_words"]
 
@@ -64,7 +66,7 @@ def allgather_dtype(dtypes: Iterable[torch.dtype], param_dtype: torch.dtype | No
 
 
 def _is_packed(p: nn.Parameter) -> bool:
-    return type(p).__name__ == "Params4bit"
+    return is_4bit_weight(p)
 
 
 def unsafe_units(model: nn.Module, layers: list[nn.Module], param_dtype: torch.dtype | None,

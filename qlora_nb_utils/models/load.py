@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import env
 from .build import materialize, tokenizer_dir
+from .load_prequantized import is_4bit_weight
 from .registry import (
     ATTN_CHOICES,
     HUB_ID,
@@ -260,7 +261,7 @@ def describe(model: nn.Module) -> dict:
     total = trainable = 0
     for param in model.parameters():
         count = param.numel()
-        if type(param).__name__ == "Params4bit":
+        if is_4bit_weight(param):
             count *= 2 * param.element_size()  # two 4-bit values per byte of storage
         total += count
         trainable += count if param.requires_grad else 0

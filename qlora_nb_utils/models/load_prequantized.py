@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["nf4_config", "dequantize_to"]
+__all__ = ["nf4_config", "dequantize_to", "is_4bit_weight"]
+
+
+def is_4bit_weight(param: torch.Tensor) -> bool:
+    """True for a bitsandbytes 4-bit weight (``Params4bit``): its data are packed codes (two per byte of its
+    storage dtype), not values. By type name, so that asking does not import bitsandbytes."""
+    kind = type(param)
+    return kind.__name__ == "Params4bit" and kind.__module__.startswith("bitsandbytes")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -69,7 +76,7 @@ def dequantize_to(model: torch.nn.Module, dtype: torch.dtype) -> int:
     changed = 0
     for param in model.parameters():
         qs = getattr(param, "quant_state", None)
-        if type(param).__name__ == "Params4bit" and qs is not None and qs.dtype != dtype:
+        if is_4bit_weight(param) and qs is not None and qs.dtype != dtype:
             qs.dtype = dtype
             changed += 1
     return changed
