@@ -72,6 +72,19 @@ def test_every_results_file_names_its_device_versions_command_and_date():
         assert res["versions"]["torch"], path.name
 
 
+def _rows_of_record(record: dict, tmp_path: Path) -> list[dict]:
+    """The index rows of ``record`` written as a results file of the topic ``step`` under ``tmp_path``."""
+    topic = tmp_path / "lab" / "results" / "step"
+    topic.mkdir(parents=True)
+    (topic / "x.json").write_text(json.dumps(record))
+    old_root = index.ROOT
+    try:
+        index.ROOT = tmp_path
+        return index.rows_of(topic / "x.json")
+    finally:
+        index.ROOT = old_root
+
+
 def test_rows_are_tidy_one_number_each(rows, tmp_path):
     record = {"device": {"name": "GPU X", "count": 2}, "date": "2026-01-02T03:04", "command": "c",
               "versions": {"torch": "2.11", "peft": "0.1"}, "commit": "abcdef1234",
@@ -79,15 +92,7 @@ def test_rows_are_tidy_one_number_each(rows, tmp_path):
                         "history": [{"loss": 1.0}]},
                        {"name": "hf-eager", "batch_size": 4, "seq_len": 512, "median_step_ms": 180.0}],
               "speedup": 4.4}
-    topic = tmp_path / "lab" / "results" / "step"
-    topic.mkdir(parents=True)
-    (topic / "x.json").write_text(json.dumps(record))
-    old_root = index.ROOT
-    try:
-        index.ROOT = tmp_path
-        got = index.rows_of(topic / "x.json")
-    finally:
-        index.ROOT = old_root
+    got = _rows_of_record(record, tmp_path)
     assert [(r["configuration"], r["metric"], r["value"]) for r in got] == [
         ("runs/ours b4 s512", "median_step_ms", "40.5"), ("runs/hf-eager b4 s512", "median_step_ms", "180"),
         ("", "speedup", "4.4")]  # seeds are configuration, per-step histories stay in the file
@@ -135,13 +140,5 @@ def test_a_row_merged_from_an_earlier_call_keeps_that_calls_date(tmp_path):
               "comparisons": [{"case": "old", "call_date": "2026-01-02T03:04", "speedup": 1.5},
                               {"case": "own", "call_date": "2026-01-02T03:04", "date": "2026-02-03", "speedup": 2.0},
                               {"case": "new", "speedup": 3.0}]}
-    topic = tmp_path / "lab" / "results" / "step"
-    topic.mkdir(parents=True)
-    (topic / "x.json").write_text(json.dumps(record))
-    old_root = index.ROOT
-    try:
-        index.ROOT = tmp_path
-        got = {r["configuration"]: r["date"] for r in index.rows_of(topic / "x.json")}
-    finally:
-        index.ROOT = old_root
+    got = {r["configuration"]: r["date"] for r in _rows_of_record(record, tmp_path)}
     assert got == {"comparisons/old": "2026-01-02", "comparisons/own": "2026-02-03", "comparisons/new": "2026-03-04"}
