@@ -19,7 +19,16 @@ import torch
 
 from .. import diagnostics
 from ..training.device import sync
-from ..training.loop import TrainConfig, load_trainable_state, summarize, train, trainable_state, warmup_schedule
+from ..training.loop import (
+    TrainConfig,
+    adamw,
+    load_trainable_state,
+    summarize,
+    train,
+    trainable_params,
+    trainable_state,
+    warmup_schedule,
+)
 
 __all__ = ["side_by_side", "mark_dynamic", "warm_shapes", "CompiledRun", "compiled_run", "compare"]
 
@@ -137,6 +146,7 @@ class CompiledRun:
                  dynamic_dims: dict[str, int] | None = None, label: str = "compiled", **compile_kwargs: Any):
         if not batches:
             raise ValueError("CompiledRun needs at least one batch")
+        self.optimizer = adamw(trainable_params(model), cfg)  # refused before anything is compiled
         torch.compiler.reset()
         if start is not None:
             load_trainable_state(model, start)
@@ -144,10 +154,6 @@ class CompiledRun:
         self.counter = diagnostics.CompileCounter(backend=compile_kwargs.pop("backend", "inductor"))
         compiled = self.counter.compile(model, **compile_kwargs)
         self.forward = mark_dynamic(compiled, dynamic_dims) if dynamic_dims else compiled
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("the model has no trainable parameter (did you forget LoRA, or freeze everything?)")
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, cfg.warmup_steps)
         self.step = 0  # the next step to run
         self._parts: list = []

@@ -65,10 +65,6 @@ def allgather_dtype(dtypes: Iterable[torch.dtype], param_dtype: torch.dtype | No
     return out[0] if all(d == out[0] for d in out) else torch.uint8
 
 
-def _is_packed(p: nn.Parameter) -> bool:
-    return is_4bit_weight(p)
-
-
 def unsafe_units(model: nn.Module, layers: list[nn.Module], param_dtype: torch.dtype | None,
                  ignored: set | None = None) -> dict[str, str]:
     """The units that would all-gather packed 4-bit words in a 16-bit float, before sharding.
@@ -93,7 +89,7 @@ def unsafe_units(model: nn.Module, layers: list[nn.Module], param_dtype: torch.d
     units.append(("<root>", [p for p in model.parameters() if id(p) not in seen and id(p) not in ignored_ids]))
     bad = {}
     for name, params in units:
-        if any(_is_packed(p) for p in params):
+        if any(is_4bit_weight(p) for p in params):
             dtype = allgather_dtype([p.dtype for p in params], param_dtype)
             if dtype in ROUNDTRIP_UNSAFE:
                 bad[name] = str(dtype).replace("torch.", "")

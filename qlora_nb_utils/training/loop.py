@@ -187,6 +187,19 @@ def _rotate(batches: Iterable[dict], start: int) -> Iterable[dict]:
     return batches
 
 
+def trainable_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the loop's optimizer steps; a model without any is refused, with the likely reason."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameter (did you forget LoRA, or freeze everything?)")
+    return params
+
+
+def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """The loop's optimizer when none is given: AdamW at ``cfg.lr`` and ``cfg.weight_decay``."""
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
 def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """The loop's LR schedule: linear warm-up over `warmup_steps`, then constant."""
     warm = max(warmup_steps, 1)
@@ -244,14 +257,12 @@ def train(
     cfg = cfg or TrainConfig()
     forward = model if forward is None else forward
     device = _device_of(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the model has no trainable parameter (did you forget LoRA, or freeze everything?)")
+    params = trainable_params(model)
     if not 0 <= start_step < cfg.steps:
         raise ValueError(f"start_step must be in [0, steps={cfg.steps}), got {start_step}")
     if start_step == 0:
         torch.manual_seed(cfg.seed)
-    opt = optimizer or torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = optimizer or adamw(params, cfg)
     sched = scheduler if scheduler is not None else warmup_schedule(opt, cfg.warmup_steps)
     next_batch = _micro_batches(_rotate(batches, start_step * cfg.grad_accum))
     rows: list[dict] = []
