@@ -71,17 +71,23 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: (Inductor's C++ wrapper launches the kernels: the host's share of a small model's step);
 #: ``ours-nested`` (the whole model, the decoder layer a ``nested_compile_region``: traced once inside
 #: the whole graph?); ``ours-rebatched`` (ours' caches, the batch cache emptied: a warm start as before
-#: ``data.batch_cache``, for a same-call A/B); ``ours-eager`` (the recipe, nothing compiled).
+#: ``data.batch_cache``, for a same-call A/B); ``ours-eager`` (Dynamo's eager backend: the layer traced,
+#: nothing compiled by Inductor); ``ours-stance-eager`` (``optimize()``'s plan as chosen, every compiled
+#: function run as plain code under torch's ``force_eager`` stance: no Dynamo either).
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
-        "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-eager": ["--backend", "eager"]}
+        "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-eager": ["--backend", "eager"],
+        "ours-stance-eager": []}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
 CACHES_OF = {"ours-rebatched": "ours"}
 #: Trials whose start finds no batches kept (the batch cache emptied just before; the token cache kept).
 REBATCHED = ("ours-rebatched",)
 #: Set in a child of ours: the decoder layer class's forward wrapped in ``nested_compile_region`` first.
 NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
+#: Set in a child of ours: the whole run under ``torch.compiler.set_stance(VALUE)``.
+STANCE_ENV = "QLORA_NB_LAB_STANCE"
 #: The environment a trial of ours adds (recorded in its row as ``env``).
-OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"}}
+OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"},
+            "ours-stance-eager": {STANCE_ENV: "force_eager"}}
 #: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
@@ -186,6 +192,11 @@ def child_ours(side: str, argv: list[str]) -> int:
         imports[name] = round(time.perf_counter() - t0, 3)
     imported_unix = time.time()
     trial = nest_llama_layers() if os.environ.get(NESTED_ENV) == "1" else {}
+    if os.environ.get(STANCE_ENV):
+        import torch
+
+        torch.compiler.set_stance(os.environ[STANCE_ENV])
+        trial["stance"] = os.environ[STANCE_ENV]
     from qlora_nb_utils import cli
 
     code = cli.main(["train", *argv])
