@@ -147,6 +147,8 @@ def try_run(args) -> dict:
             value = train_step(cp, row, 1, info.device)["loss"]
         if len(kind_norms) < 2:  # the first two steps' gradients by kind, before the clip
             kind_norms.append(_kind_norms(named, info.world_size))
+        if args.dump_grads and not kind_norms[1:]:  # the first step's whole gradients, before the clip
+            _dump_grads(named, args.dump_grads, info.rank)
         if cp is None:
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
         else:  # over every rank's shards
@@ -188,6 +190,54 @@ def _clip(params) -> float:
     from qlora_nb_utils.distributed.fsdp import clip_grad_norm
 
     return clip_grad_norm(params, 1.0)
+
+
+def _dump_grads(named, path: str, rank: int) -> None:
+    """Every trainable weight's gradient, whole (a sharded one gathered from every rank), float32 on the
+    CPU, saved by rank 0 to ``path`` (``grad_pairs`` compares two runs' files)."""
+    import torch
+
+    whole = {}
+    for name, p in named:
+        if p.grad is None:
+            continue
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a collective: every rank calls it
+        whole[name] = g.detach().float().cpu()
+    if rank == 0:
+        torch.save(whole, path)
+
+
+def grad_pairs(files: dict[str, str], pairs: list[tuple[str, str]]) -> dict:
+    """How far two runs' first-step gradients are apart, by weight kind (``lora_B`` of each projection):
+    the relative L2 distance, the cosine, and the share of elements whose sign differs (AdamW's first
+    step moves every element by the learning rate in its gradient's sign, so a flipped sign is a step
+    the wrong way), overall and among the larger half of the elements by magnitude."""
+    import re
+
+    import torch
+
+    grads = {k: torch.load(v) for k, v in files.items()}
+    out = {}
+    for a, b in pairs:
+        ga, gb = grads[a], grads[b]
+        kinds: dict[str, list] = {}
+        for name in sorted(set(ga) & set(gb)):
+            m = re.search(r"\.(\w+_proj)\.lora_([AB])", name)
+            kinds.setdefault(f"{m.group(1)}.lora_{m.group(2)}" if m else "other", []).append(name)
+        rows = {}
+        for kind, names in kinds.items():
+            x = torch.cat([ga[n].flatten() for n in names]).double()
+            y = torch.cat([gb[n].flatten() for n in names]).double()
+            if float(y.norm()) == 0.0:
+                continue
+            big = y.abs() >= y.abs().median()
+            flip = torch.sign(x) != torch.sign(y)
+            rows[kind] = {"rel_l2": float((x - y).norm() / y.norm()),
+                          "cosine": float(torch.nn.functional.cosine_similarity(x, y, dim=0)),
+                          "sign_flips": float(flip.double().mean()), "sign_flips_larger_half": float(flip[big].double().mean()),
+                          "elements": int(y.numel())}
+        out[f"{a}_vs_{b}"] = rows
+    return out
 
 
 def _kind_norms(named, world: int) -> dict:
@@ -404,7 +454,13 @@ def main(argv=None) -> int:
     t.add_argument("--sdpa-kernel", default="auto", choices=("auto", "cudnn", "default"))
     t.add_argument("--optimize", action="append", default=[], metavar="KEY=VALUE",
                    help="an optimize() option (repeatable), e.g. ckpt_layers=32 tile_mlp=4096: one plan on 1 and 2 GPUs")
+    t.add_argument("--dump-grads", default=None, metavar="PATH",
+                   help="save the first step's whole gradients here (rank 0; grad-pairs compares two runs)")
     t.add_argument("--out", required=True)
+    g = sub.add_parser("grad-pairs", help="two runs' first-step gradients compared (files of --dump-grads)")
+    g.add_argument("files", nargs="+", metavar="NAME=PATH")
+    g.add_argument("--pair", action="append", default=[], metavar="A:B", help="compare run A against run B (repeatable)")
+    g.add_argument("--out", required=True)
     a = sub.add_parser("attention", help="the ring against SDPA over the whole row (under torchrun)")
     a.add_argument("--seq-len", type=int, default=16384)
     a.add_argument("--heads", type=int, default=32)
@@ -424,6 +480,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "merge":
         merge(args)
+        return 0
+    if args.cmd == "grad-pairs":
+        files = dict(f.split("=", 1) for f in args.files)
+        res = grad_pairs(files, [tuple(x.split(":", 1)) for x in args.pair])
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        for pair, rows in res.items():
+            worst = max(rows.items(), key=lambda kv: kv[1]["rel_l2"]) if rows else None
+            print(f"[context_parallel] {pair}: " + ", ".join(f"{k} rel {v['rel_l2']:.2e} flips {v['sign_flips']:.3f}"
+                                                         for k, v in rows.items()) + (f" (worst {worst[0]})" if worst else ""))
         return 0
     return _run_rank(try_run if args.cmd == "try" else attention_check, args)
 
