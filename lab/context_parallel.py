@@ -155,6 +155,8 @@ def try_run(args) -> dict:
             grad_norms.append(_clip(params))
         adam.step()
         adam.zero_grad(set_to_none=True)
+        if args.probe_step1 and len(losses) == 0:  # after the first update: the weights, and two forwards
+            rec["probe_losses"] = _probe_after_update(named, args.probe_step1, info, cp, fast, row)
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         steps_s.append(time.perf_counter() - t)
@@ -205,6 +207,26 @@ def _dump_grads(named, path: str, rank: int) -> None:
         whole[name] = g.detach().float().cpu()
     if rank == 0:
         torch.save(whole, path)
+
+
+def _probe_after_update(named, path: str, info, cp, fast, row) -> list[float]:
+    """After the first update: every trainable weight, whole, saved by rank 0 to ``path``; then the
+    loss of the same row twice, with no update between (grad mode, the training route): a forward
+    that read a weight from before the update would give two different values."""
+    import torch
+
+    from qlora_nb_utils.distributed.context_parallel import eval_loss
+
+    whole = {}
+    for name, p in named:
+        t = p.detach()
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a collective: every rank calls it
+        whole[name] = t.float().cpu()
+    if info.rank == 0:
+        torch.save(whole, path)
+    if cp is not None:
+        return [eval_loss(cp, row, 1, info.device) for _ in range(2)]
+    return [float(fast.loss(row).detach()) for _ in range(2)]
 
 
 def grad_pairs(files: dict[str, str], pairs: list[tuple[str, str]]) -> dict:
@@ -457,6 +479,8 @@ def main(argv=None) -> int:
     t.add_argument("--dump-grads", default=None, metavar="PATH",
                    help="save the first step's whole gradients here (rank 0; grad-pairs compares two runs)")
     t.add_argument("--out", required=True)
+    t.add_argument("--probe-step1", default=None, metavar="PATH",
+                   help="after the first update: save the weights here (rank 0) and record the row's loss twice")
     g = sub.add_parser("grad-pairs", help="two runs' first-step gradients compared (files of --dump-grads)")
     g.add_argument("files", nargs="+", metavar="NAME=PATH")
     g.add_argument("--pair", action="append", default=[], metavar="A:B", help="compare run A against run B (repeatable)")

@@ -15,7 +15,7 @@ SEQ=${SEQ:-2048}; MODEL=${MODEL:-llama-3.2-1b-shape}
 common=(--seq-len "$SEQ" --steps 2 --model "$MODEL" --cap-gib 22.0)
 g=/tmp/cp_grads; mkdir -p $g
 tr() { local name=$1 n=$2 dev=$3; shift 3; CUDA_VISIBLE_DEVICES=$dev timeout 200 python3 -m torch.distributed.run --standalone \
-  --nproc-per-node $n -m lab.context_parallel try "${common[@]}" "$@" --dump-grads $g/$name.pt --out $OUT/$name.json \
+  --nproc-per-node $n -m lab.context_parallel try "${common[@]}" "$@" --dump-grads $g/$name.pt --probe-step1 $g/${name}_w.pt --out $OUT/$name.json \
   > $OUT/$name.log 2>&1; echo "$name exit $?"; }
 tr cp2 2 0,1
 tr one 1 0 & p=$!
@@ -24,8 +24,10 @@ wait $p
 tr one_again 1 0
 python3 -m lab.context_parallel grad-pairs cp2=$g/cp2.pt one=$g/one.pt one_again=$g/one_again.pt plain=$g/plain.pt \
   --pair cp2:one --pair one_again:one --pair plain:one --out $OUT/grad_pairs.json
+python3 -m lab.context_parallel grad-pairs cp2=$g/cp2_w.pt one=$g/one_w.pt one_again=$g/one_again_w.pt plain=$g/plain_w.pt \
+  --pair cp2:one --pair one_again:one --pair plain:one --out $OUT/weight_pairs.json
 python3 -c "
 import json, sys
 for n in ('cp2', 'one', 'one_again', 'plain'):
-    d = json.load(open('$OUT/%s.json' % n)); print(n, d.get('losses'))"
+    d = json.load(open('$OUT/%s.json' % n)); print(n, d.get('losses'), 'probe', d.get('probe_losses'))"
 tar -C $OUT -cf $OUT/logs.tar cp2.log one.log plain.log one_again.log && rm $OUT/*.log
