@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from lab import context_parallel as lab_cp
 
 
@@ -96,3 +98,29 @@ def test_merge_sets_a_second_floor_pair_beside_the_first_when_one_gpu_ran_again(
     check = lab_cp.merge(args)["loss_check"]
     assert abs(check["floor_pairs"]["one_vs_one_again"] - 0.0005) < 1e-9
     assert check["floor_pairs"]["plain_vs_one"] == check["floor_max"] and check["within_floor"]
+
+
+def test_grad_pairs_reads_distance_cosine_and_turned_signs(tmp_path):
+    """grad-pairs: two runs' gradients by projection kind; a gradient against itself is 0 apart, and a
+    turned sign counts among the flips (overall and, when large, in the larger half)."""
+    import torch
+
+    from lab.context_parallel import grad_pairs
+
+    base = {"model.layers.0.self_attn.q_proj.lora_B.default.weight": torch.tensor([[1.0, -2.0], [0.5, 0.01]]),
+            "model.layers.0.mlp.up_proj.lora_B.default.weight": torch.tensor([[3.0, 4.0]])}
+    turned = {k: v.clone() for k, v in base.items()}
+    turned["model.layers.0.self_attn.q_proj.lora_B.default.weight"][1, 1] = -0.01  # a small one turned
+    turned["model.layers.0.mlp.up_proj.lora_B.default.weight"][0, 1] = -4.0  # a large one turned
+    files = {}
+    for name, grads in (("a", base), ("b", turned)):
+        files[name] = str(tmp_path / f"{name}.pt")
+        torch.save(grads, files[name])
+    res = grad_pairs(files, [("a", "a"), ("b", "a")])
+    same, apart = res["a_vs_a"], res["b_vs_a"]
+    assert same["q_proj.lora_B"] == {"rel_l2": 0.0, "cosine": pytest.approx(1.0), "sign_flips": 0.0,
+                                     "sign_flips_larger_half": 0.0, "elements": 4}
+    assert apart["q_proj.lora_B"]["sign_flips"] == 0.25 and apart["q_proj.lora_B"]["sign_flips_larger_half"] == 0.0
+    assert apart["up_proj.lora_B"]["sign_flips"] == 0.5 and apart["up_proj.lora_B"]["sign_flips_larger_half"] == 0.5
+    assert apart["up_proj.lora_B"]["rel_l2"] == pytest.approx(8.0 / 5.0)
+    assert apart["up_proj.lora_B"]["cosine"] == pytest.approx((9.0 - 16.0) / 25.0)

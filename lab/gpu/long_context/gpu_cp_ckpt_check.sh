@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wrote: lab/results/long_context/context_parallel_small_h200/ (OUT/one_ckpt.json, plain_ckpt.json, cp2_again.json, logs.tar)
+# Wrote: lab/results/long_context/context_parallel_small_h200/ckpt_*.json (OUT/one_ckpt.json, plain_ckpt.json, cp2_again.json)
 # Rerun: OUT=$OUT bash lab/gpu/long_context/gpu_cp_ckpt_check.sh   (a lent 2-GPU machine, repository root; carry .whl .gpucache)
 # Why: at the 1B shape, one row of 2048 tokens, 16 steps, 2-GPU context parallel's loss left one GPU's by 0.079
 # after the first update, against a floor of 1e-3 (gpu_context_parallel.sh with MODEL=llama-3.2-1b-shape

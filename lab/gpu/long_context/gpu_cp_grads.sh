@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Wrote: lab/results/long_context/context_parallel_small_h200/grad_pairs.json (OUT/grad_pairs.json; OUT/*.json each try's record)
+# Wrote: lab/results/long_context/context_parallel_small_h200/ (OUT/grad_pairs.json, weight_pairs.json, each try's
+#   record; summary.json reads them)
 # Rerun: OUT=$OUT bash lab/gpu/long_context/gpu_cp_grads.sh   (a lent 2-GPU machine, repository root; carry .whl .gpucache)
 # Why: at the 1B shape (one row of 2048 tokens) 2-GPU context parallel's loss after AdamW's first step sits 0.079
 # above one GPU's, twice over, with every layer checkpointed or not on one GPU (gpu_cp_ckpt_check.sh). AdamW's
 # first step moves each element by the learning rate in its gradient's sign, so the first step's gradients are
 # compared element by element: 2 GPUs against one, and two pairs on one GPU that differ in how, not what, they
-# compute (the same code twice; the fast path as a user gets it).
+# compute (the same code twice; the fast path as a user gets it). After the first update (--probe-step1): the
+# weights compared the same way (weight_pairs.json), and each run's loss of the row twice with no update between
+# (a forward reading a weight from before the update would give two values).
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 source lab/gpu/gpu_env.sh
