@@ -97,7 +97,7 @@ def try_run(args) -> dict:
     # a cap is a memory target (optimize() is given it): the allocator as the launcher sets it for one, before CUDA
     allocator = env.prefer_expandable_segments()[1] if args.cap_gib else "no memory target: left as it is"
     info = init_distributed("auto")
-    rec = {"seq_len": args.seq_len, "world_size": info.world_size, "cap_gib": args.cap_gib, "plain": args.plain,
+    rec = {"seq_len": args.seq_len, "world_size": info.world_size, "warmup": args.warmup, "cap_gib": args.cap_gib, "plain": args.plain,
            "sdpa_kernel": args.sdpa_kernel if args.plain else "flash (under the ring)", "model": args.model,
            "steps": args.steps, "ok": False, "rank": info.rank,
            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default", "allocator": allocator}
@@ -132,6 +132,8 @@ def try_run(args) -> dict:
     params = [p for _, p in named]
     grad_norms, kind_norms = [], []
     adam = torch.optim.AdamW(params, lr=2e-4, weight_decay=0.0)
+    # a linear warm-up over --warmup steps (the first step's rate 1/warmup of the peak), as a user's schedule has
+    warm = torch.optim.lr_scheduler.LambdaLR(adam, lambda i: min(1.0, (i + 1) / args.warmup)) if args.warmup else None
     steps_s, losses = [], []
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
@@ -155,6 +157,8 @@ def try_run(args) -> dict:
             grad_norms.append(_clip(params))
         adam.step()
         adam.zero_grad(set_to_none=True)
+        if warm is not None:
+            warm.step()
         if args.probe_step1 and len(losses) == 0:  # after the first update: the weights, and two forwards
             rec["probe_losses"] = _probe_after_update(named, args.probe_step1, info, cp, fast, row)
         if info.device.type == "cuda":
@@ -479,6 +483,7 @@ def main(argv=None) -> int:
     t.add_argument("--dump-grads", default=None, metavar="PATH",
                    help="save the first step's whole gradients here (rank 0; grad-pairs compares two runs)")
     t.add_argument("--out", required=True)
+    t.add_argument("--warmup", type=int, default=0, help="a linear learning-rate warm-up over this many steps")
     t.add_argument("--probe-step1", default=None, metavar="PATH",
                    help="after the first update: save the weights here (rank 0) and record the row's loss twice")
     g = sub.add_parser("grad-pairs", help="two runs' first-step gradients compared (files of --dump-grads)")
