@@ -102,7 +102,9 @@ def try_run(args) -> dict:
            "steps": args.steps, "ok": False, "rank": info.rank,
            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default", "allocator": allocator}
     rec["cap"] = _cap(args.cap_gib, info.device)
-    dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if info.device.type == "cuda" else torch.float32)
+    rec["dtype"] = str(dtype)
     mp, storage = sharded_nf4_precision(dtype, "auto")
     t0 = time.perf_counter()
     model, _ = build_named_qlora(args.model, device=info.device, dtype=dtype, quant_storage=storage,
@@ -483,6 +485,8 @@ def main(argv=None) -> int:
     t.add_argument("--dump-grads", default=None, metavar="PATH",
                    help="save the first step's whole gradients here (rank 0; grad-pairs compares two runs)")
     t.add_argument("--out", required=True)
+    t.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="the compute dtype (auto: bf16 on CUDA, fp32 on a CPU)")
     t.add_argument("--warmup", type=int, default=0, help="a linear learning-rate warm-up over this many steps")
     t.add_argument("--probe-step1", default=None, metavar="PATH",
                    help="after the first update: save the weights here (rank 0) and record the row's loss twice")

@@ -63,14 +63,40 @@ def measure(seq_len: int, heads: int, kv_heads: int, head_dim: int, seed: int = 
     def worst(got):
         return [float((a.double() - b).abs().max()) for a, b in zip(got, truth)]
 
+    def sums(got):  # per tensor and per chunk of the shard (head, tail): sum err^2, sum truth^2, sum err*truth
+        rows = []
+        for a, b in zip(got, truth):
+            for part_a, part_b in zip(a.double().chunk(2, dim=2), b.chunk(2, dim=2)):
+                err = part_a - part_b
+                rows += [float(err.pow(2).sum()), float(part_b.pow(2).sum()), float((err * part_b).sum())]
+        return rows
+
     t = torch.tensor(worst(bf16) + worst(ring), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     errs = t.tolist()
+    # the sums by chunk of the whole row (rank r holds chunks r and 2W-1-r): a slot per chunk, summed over ranks
+    slots = torch.zeros(2, len(NAMES), 2 * world, 3, dtype=torch.float64, device=device)
+    for i, got in enumerate((bf16, ring)):
+        local = torch.tensor(sums(got), dtype=torch.float64, device=device).view(len(NAMES), 2, 3)
+        slots[i, :, rank] = local[:, 0]
+        slots[i, :, 2 * world - 1 - rank] = local[:, 1]
+    dist.all_reduce(slots)
     whole_row, ring_err = dict(zip(NAMES, errs[:4])), dict(zip(NAMES, errs[4:]))
+
+    def l2(kind: int) -> dict:  # relative L2 distance and the error's share along the truth (a bias: rounding has none)
+        out = {}
+        for j, n in enumerate(NAMES):
+            e2, t2, et = slots[kind, j].sum(0).tolist()
+            out[n] = {"rel_l2": (e2 / t2) ** 0.5 if t2 else None, "bias": et / t2 if t2 else None,
+                      "rel_l2_by_chunk": [(a / b) ** 0.5 if b else None for a, b, _ in slots[kind, j].tolist()],
+                      "bias_by_chunk": [c / b if b else None for _, b, c in slots[kind, j].tolist()]}
+        return out
+
     return {"seq_len": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "world_size": world,
             "dtype": "bfloat16", "whole_row_vs_float64": {f"{n}_diff": e for n, e in whole_row.items()},
             "ring_vs_float64": {f"{n}_diff": e for n, e in ring_err.items()},
-            "ring_over_whole_row": {f"{n}_ratio": ring_err[n] / whole_row[n] if whole_row[n] else None for n in NAMES}}
+            "ring_over_whole_row": {f"{n}_ratio": ring_err[n] / whole_row[n] if whole_row[n] else None for n in NAMES},
+            "whole_row_l2": l2(0), "ring_l2": l2(1)}
 
 
 def main(argv: list[str] | None = None) -> int:
