@@ -114,6 +114,11 @@ def try_run(args) -> dict:
     breaks0 = _breaks()
     from qlora_nb_utils.distributed.fast import optimize_options
 
+    if args.nf4_min_rows is not None:  # before optimize() applies the NF4 patch
+        from qlora_nb_utils.compile.patches import nf4_dequant
+
+        nf4_dequant._cuda_rows = lambda rows=args.nf4_min_rows: rows  # this process only
+        rec["nf4_min_rows"] = args.nf4_min_rows
     knobs = {"max_memory_gib": args.cap_gib} if args.cap_gib else {}
     knobs.update(optimize_options(args.optimize))  # e.g. the same plan on 1 and 2 GPUs
     if args.plain:
@@ -487,6 +492,8 @@ def main(argv=None) -> int:
     t.add_argument("--out", required=True)
     t.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="the compute dtype (auto: bf16 on CUDA, fp32 on a CPU)")
+    t.add_argument("--nf4-min-rows", type=int, default=None,
+                   help="the NF4 patch's CUDA row threshold (default: bitsandbytes' own): the fused LoRA route past it")
     t.add_argument("--warmup", type=int, default=0, help="a linear learning-rate warm-up over this many steps")
     t.add_argument("--probe-step1", default=None, metavar="PATH",
                    help="after the first update: save the weights here (rank 0) and record the row's loss twice")

@@ -73,10 +73,11 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: the whole graph?); ``ours-rebatched`` (ours' caches, the batch cache emptied: a warm start as before
 #: ``data.batch_cache``, for a same-call A/B); ``ours-eager`` (Dynamo's eager backend: the layer traced,
 #: nothing compiled by Inductor); ``ours-stance-eager`` (``optimize()``'s plan as chosen, every compiled
-#: function run as plain code under torch's ``force_eager`` stance: no Dynamo either).
+#: function run as plain code under torch's ``force_eager`` stance: no Dynamo either); ``ours-rows0`` (the NF4
+#: route past 0 rows on CUDA, not bitsandbytes' own threshold: every LoRA layer over NF4 fused at any batch).
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
         "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-eager": ["--backend", "eager"],
-        "ours-stance-eager": []}
+        "ours-stance-eager": [], "ours-rows0": []}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
 CACHES_OF = {"ours-rebatched": "ours"}
 #: Trials whose start finds no batches kept (the batch cache emptied just before; the token cache kept).
@@ -85,9 +86,11 @@ REBATCHED = ("ours-rebatched",)
 NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
 #: Set in a child of ours: the whole run under ``torch.compiler.set_stance(VALUE)``.
 STANCE_ENV = "QLORA_NB_LAB_STANCE"
+#: Set in a child of ours: the NF4 patch's CUDA row threshold (``nf4_min_rows``).
+ROWS_ENV = "QLORA_NB_LAB_NF4_MIN_ROWS"
 #: The environment a trial of ours adds (recorded in its row as ``env``).
 OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"},
-            "ours-stance-eager": {STANCE_ENV: "force_eager"}}
+            "ours-stance-eager": {STANCE_ENV: "force_eager"}, "ours-rows0": {ROWS_ENV: "0"}}
 #: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
@@ -105,6 +108,15 @@ def nest_llama_layers() -> dict:
     region = torch.compiler.nested_compile_region
     modeling_llama.LlamaDecoderLayer.forward = region(modeling_llama.LlamaDecoderLayer.forward)
     return {"nested": "LlamaDecoderLayer.forward", "nested_compile_region": str(inspect.signature(region))}
+
+
+def nf4_min_rows(rows: int) -> int:
+    """The NF4 patch's CUDA row threshold set to ``rows`` for this process (a trial, in a child only): the
+    fused LoRA route and the one-pass dequantize taken past ``rows`` rows, not past bitsandbytes' own."""
+    from qlora_nb_utils.compile.patches import nf4_dequant
+
+    nf4_dequant._cuda_rows = lambda: rows
+    return rows
 
 
 def _write(path: Path, data: dict) -> None:
@@ -197,6 +209,8 @@ def child_ours(side: str, argv: list[str]) -> int:
 
         torch.compiler.set_stance(os.environ[STANCE_ENV])
         trial["stance"] = os.environ[STANCE_ENV]
+    if os.environ.get(ROWS_ENV):
+        trial["nf4_min_rows"] = nf4_min_rows(int(os.environ[ROWS_ENV]))
     from qlora_nb_utils import cli
 
     code = cli.main(["train", *argv])
