@@ -1,7 +1,9 @@
 """How far the ring's bf16 attention is from the exact result, beside the whole-row kernel's own distance.
 
 Wrote: lab/results/long_context/ring_precision_cpu.json (2 CPU processes, the defaults), ring_precision_h200.json
-  (2 x H200: --seq-len 8192 --heads 8 --kv-heads 2 --head-dim 128)
+  (2 x H200: --seq-len 8192 --heads 8 --kv-heads 2 --head-dim 128), ring_precision_h200_1b_shape.json (--seq-len 2048
+  --heads 32 --kv-heads 8 --head-dim 64); each row also the relative L2 distance and the error's share along the
+  truth (a bias), by chunk of the row
 Rerun: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m lab.ring_precision
   --out lab/results/long_context/ring_precision_cpu.json   (gloo on a CPU; NCCL where there are GPUs)
 

@@ -238,3 +238,17 @@ def test_the_adapter_of_two_processes_loads_in_one_with_the_same_eval_loss(runs)
     targets = cp.shift_targets(batch)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
     assert abs(float(loss) - summary["eval_loss"]) <= 1e-4, (float(loss), summary["eval_loss"])
+
+
+def test_shard_lora_rows_puts_each_rank_on_the_route_one_gpu_takes(monkeypatch):
+    """The fused NF4 LoRA route's row threshold divided over the ranks sharing a row: a rank's call
+    (1/N of the rows) crosses it exactly when one GPU's call over the whole rows crosses the full one."""
+    from qlora_nb_utils.compile.patches import nf4_dequant
+
+    monkeypatch.setattr(nf4_dequant, "_cuda_rows", lambda: 1536)
+    assert nf4_dequant.own_rows("cuda") == 1536 and nf4_dequant.own_rows("cpu") == 0
+    assert cp.shard_lora_rows("cpu", 4) == 0 and cp.shard_lora_rows("cuda", 1) == 1536
+    for world in (2, 3, 4, 8):
+        per_rank = cp.shard_lora_rows("cuda", world)
+        for rows in range(world * 16, 4 * 1536, world * 16):  # whole rows split evenly over the ranks
+            assert (rows // world > per_rank) == (rows > 1536), (world, rows)

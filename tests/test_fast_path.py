@@ -32,6 +32,8 @@ def _batches(tok, padding="fixed", max_len=64, steps=3, batch_size=2):
     ({"mode": "reduce-overhead", "backend": "eager"}, "is an Inductor option"),
     ({"ce_min_rows": -1}, "ce_min_rows must be 'auto' or an integer"),
     ({"ce_min_rows": True}, "ce_min_rows must be 'auto' or an integer"),
+    ({"lora_min_rows": -1}, "lora_min_rows must be 'auto' or an integer"),
+    ({"lora_min_rows": "many"}, "lora_min_rows must be 'auto' or an integer"),
 ])
 def test_bad_options_are_refused_before_the_model_changes(loaded, options, message):
     model, _ = loaded

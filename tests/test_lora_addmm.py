@@ -257,6 +257,36 @@ def test_optimize_fuses_nf4_layers_when_its_nf4_patch_is_on(tiny, batch):
         opt.undo()
 
 
+def test_optimize_leaves_calls_below_lora_min_rows_to_bitsandbytes_and_says_so(tiny, batch, monkeypatch):
+    """lora_min_rows: the fused LoRA linear only for calls of more rows; below, the base layer's own
+    matmul and the update after it, and the plan's reason names the threshold and the batches it leaves out."""
+    model, _ = tiny
+    rows = batch["input_ids"].numel()
+    fused_calls = []
+    for name in ("nf4_lora_linear", "nf4_lora_linears"):  # count the fused route's calls
+        real = getattr(lora_addmm, name)
+        monkeypatch.setattr(lora_addmm, name, lambda *a, _real=real, **k: fused_calls.append(1) or _real(*a, **k))
+    for threshold, fused in ((rows, False), (rows - 1, True), (0, True)):
+        opt = optimize(model, batches=[batch], backend="eager", nf4_dequant=True, lora_min_rows=threshold)
+        try:
+            assert opt.choices["nf4_lora_linear"] == 14
+            why = opt.reasons["nf4_lora_linear"]
+            if threshold:
+                assert f"in calls of more than {threshold} rows" in why
+            else:
+                assert "rows" not in why
+            assert (f"at most {rows} rows a call: none fused at them" in why) is (not fused)
+            fused_calls.clear()
+            with _Ops() as ops:  # the recipe as plain code (a dispatch mode and Dynamo do not mix)
+                opt.eager(**batch).loss.backward()
+            assert bool(fused_calls) is fused
+            if not fused:  # every layer's update added after its base matmul
+                assert ops.updates == 14
+        finally:
+            opt.undo()
+            model.zero_grad(set_to_none=True)
+
+
 def _aot_graphs():
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd

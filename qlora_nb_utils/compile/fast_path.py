@@ -246,6 +246,14 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             it). When ``max_memory_gib``
             is not met even with every layer checkpointed (and offloaded), the update is the
             out-of-place ``addmm``, one tensor fewer at the peak.
+        lora_min_rows: the fused LoRA linear over an NF4 weight runs for a call of more than this many
+            rows (batch x positions); at fewer, bitsandbytes' own kernels run the base layer and the update
+            is added after them, which rounds an update far below a bf16 unit of the output where the
+            fused route keeps it: ``"auto"`` (bitsandbytes' own threshold on CUDA, below which it picks
+            its kernels; 0 on a CPU) or an integer >= 0 (0: fused at any size).
+            :func:`~qlora_nb_utils.distributed.context_parallel.optimize_context_parallel` divides the
+            threshold by the ranks sharing a row, so that each rank takes the route one GPU takes for
+            the whole row.
         nf4_dequant: the NF4 weights dequantized in one Triton kernel, not bitsandbytes' two
             (:func:`~qlora_nb_utils.compile.model_patches.use_nf4_dequant`: a process-wide patch,
             shared): ``"auto"`` (on CUDA with Triton), True or False.

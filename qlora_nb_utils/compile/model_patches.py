@@ -55,6 +55,21 @@ def lora_addmm_expected(model: torch.nn.Module, asked: bool | str) -> bool:
     return asked is not False and bool(patch.find_layers(model))
 
 
+def _past_rows(past: int, call_rows: tuple[int, int] | None) -> str:
+    """What the fused route's row threshold leaves to bitsandbytes, said beside the batches shown."""
+    if not past:
+        return ""
+    text = f", in calls of more than {past} rows (fewer: bitsandbytes' own kernels, the update added after them)"
+    if call_rows is None:
+        return text
+    fewest, most = call_rows
+    if most <= past:
+        return f"{text}; the batches shown have at most {most} rows a call: none fused at them (lora_min_rows)"
+    if fewest <= past:
+        return f"{text}; the batches shown have {fewest} to {most} rows a call: fused in the larger only"
+    return text
+
+
 def use_lora_addmm(model: torch.nn.Module, plan: Any, nf4: list[PatchHandle] | None = None) -> list[PatchHandle]:
     """The plan's ``lora_addmm`` (:func:`~qlora_nb_utils.compile.choices.choose_lora_addmm`) applied: the
     patch's handle (a list: empty when not applied), the out-of-place update where the plan is over its
@@ -76,6 +91,8 @@ def use_lora_addmm(model: torch.nn.Module, plan: Any, nf4: list[PatchHandle] | N
     if not nf4 and asked != "unfused":  # the nf4_dequant patch planned but refused when applied
         plan.applied("nf4_lora_linear", 0, "needs lora_addmm and the nf4_dequant patch")
     rows = nf4[0].details.get("forward_min_rows") if nf4 and asked != "unfused" else None
+    if rows is not None and plan.options.lora_min_rows != "auto":  # the LoRA route's own threshold, this model only
+        rows = {"cuda": int(plan.options.lora_min_rows), "cpu": int(plan.options.lora_min_rows)}
     grouped = plan.lora_groups and asked != "ungrouped"
     wide = grouped and asked != "narrow"
     handle = _apply_or_refuse("lora_addmm", lambda: patch.apply(model, not plan.over_target, rows, grouped, wide),
@@ -85,7 +102,8 @@ def use_lora_addmm(model: torch.nn.Module, plan: Any, nf4: list[PatchHandle] | N
     fused = handle.details["nf4_layers"]
     if fused:
         plan.applied("nf4_lora_linear", fused, f"{fused} LoRA layers over NF4 weights: the base matmul adds into "
-                                               "the update, forward and backward (one input gradient)")
+                                               "the update, forward and backward (one input gradient)"
+                                               + _past_rows((rows or {}).get(plan.device.type, 0), plan.call_rows))
         n_groups = handle.details["groups"]
         plan.applied("lora_groups", n_groups, (
             f"{n_groups} groups of LoRA layers reading one input (q, k, v; gate, up): x read once, one input gradient"

@@ -89,6 +89,7 @@ class OptimizeOptions:
     nf4_dequant: bool | str = "auto"
     warm_cache: bool | str = "auto"
     ce_min_rows: int | str = "auto"
+    lora_min_rows: int | str = "auto"
     tile_mlp: bool | int | str = "auto"
     sdpa_kernel: str = "auto"
     keep_attention: bool | str = "auto"
@@ -108,6 +109,8 @@ class OptimizeOptions:
                for name, valid in _ONE_OF.items() if getattr(self, name) not in valid]
         if self.ce_min_rows != "auto" and not (_is_int(self.ce_min_rows) and self.ce_min_rows >= 0):
             out.append(f"ce_min_rows must be 'auto' or an integer >= 0, got {self.ce_min_rows!r}")
+        if self.lora_min_rows != "auto" and not (_is_int(self.lora_min_rows) and self.lora_min_rows >= 0):
+            out.append(f"lora_min_rows must be 'auto' or an integer >= 0, got {self.lora_min_rows!r}")
         if not (self.tile_mlp is False or self.tile_mlp == "auto" or (_is_int(self.tile_mlp) and self.tile_mlp >= 1)):
             out.append(f"tile_mlp must be 'auto', False or an integer >= 1 (positions per piece), got {self.tile_mlp!r}")
         if self.steps is not None and not (_is_int(self.steps) and self.steps >= 1):

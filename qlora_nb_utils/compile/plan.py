@@ -102,6 +102,7 @@ class Plan:
     head_rows: int | None = None
     loss_rows_choice: tuple[str, str] = ("all", "")  # choices.choose_loss_rows' (choice, reason)
     pad_id: int = 0  # the token padding puts in input_ids: the model's pad_token_id
+    call_rows: tuple[int, int] | None = None  # the fewest and most rows (batch x length) a call of the batches shown
 
     def applied(self, name: str, value: Any, why: str | None = None) -> None:
         """What applying a decided choice found (a count, or a patch refused on versions), kept in the
@@ -211,6 +212,7 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
     p.record("device", table.Choice(device.type, "where the model is"))
     p.dtype = p.record("dtype", table.choose_dtype(opts.dtype, compute_dtype(model, device)))
     shapes = batch_shapes(batches, opts.pad_multiple)
+    p.call_rows = (min(b * s for b, s in shapes), max(b * s for b, s in shapes)) if shapes else None
     whole_mode = table.choose_mode(opts.mode, opts.backend, "whole", device, shapes).value
     p.scope = p.record("scope", table.choose_scope(
         opts.scope, steps=opts.steps, device_type=device.type, layers=len(decoder_layers(model)),

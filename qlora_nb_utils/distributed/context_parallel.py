@@ -50,7 +50,7 @@ import torch
 from .runs import RankRun, add_common_arguments, add_sharding_arguments, check_common, run_main, world_size_from_env
 
 __all__ = ["head_tail_order", "shard_positions", "shard_multiple", "shift_targets", "target_count", "shard_batch",
-           "ContextParallel", "optimize_context_parallel", "train_step", "eval_loss", "build_parser", "add_arguments",
+           "ContextParallel", "optimize_context_parallel", "shard_lora_rows", "train_step", "eval_loss", "build_parser", "add_arguments",
            "validate", "run", "main"]
 
 IGNORE = -100
@@ -214,6 +214,8 @@ def optimize_context_parallel(model: torch.nn.Module, *, batches: Sequence[dict]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world > 1:
         kwargs = {**kwargs, **every_layer_checkpointed(kwargs)}
+        if "lora_min_rows" not in kwargs:  # each rank takes the LoRA route one GPU takes for the whole rows
+            kwargs["lora_min_rows"] = shard_lora_rows(next(model.parameters()).device.type, world)
     pad_multiple = int(kwargs.get("pad_multiple", 8))
     cfg = getattr(model, "config", None)
     pad_id = int(getattr(cfg, "pad_token_id", None) or 0)
@@ -233,6 +235,21 @@ def optimize_context_parallel(model: torch.nn.Module, *, batches: Sequence[dict]
             raise
     return ContextParallel(fast=fast, group=group, rank=rank, world_size=world, load_balance=load_balance,
                            pad_multiple=pad_multiple, pad_id=pad_id, ring=ring)
+
+
+def shard_lora_rows(device_type: str, world_size: int) -> int:
+    """The row threshold of the fused NF4 LoRA route on a rank that holds ``1/world_size`` of each row.
+
+    The route runs for calls of more rows than a threshold (``optimize(lora_min_rows=)``; by default
+    bitsandbytes' own on CUDA), and below it the update is added after bitsandbytes' kernels, which
+    rounds a small update where the fused route keeps it: the loss after the first updates from a
+    zero LoRA B differs between the two by more than bf16 noise. Split over the ranks, a call has
+    ``1/world_size`` of one GPU's rows; the threshold divided the same way puts every rank on the
+    route one GPU takes for the whole rows.
+    """
+    from ..compile.patches.nf4_dequant import own_rows
+
+    return own_rows(device_type) // max(1, world_size)
 
 
 def every_layer_checkpointed(options: dict) -> dict:

@@ -45,7 +45,7 @@ import torch
 
 from ...reversible import PatchHandle, check_signature, check_versions, set_attribute
 
-__all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routable", "holds_nf4", "make_lora_route",
+__all__ = ["VERIFIED_ON", "SUPPORTED", "NF4Linear", "apply", "patched", "routable", "holds_nf4", "make_lora_route", "own_rows",
            "as_bytes"]
 
 NAME = "nf4_dequant"
@@ -134,6 +134,12 @@ class NF4Linear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
         return (grad_x, None, grad_bias) + (None,) * 9
+
+
+def own_rows(device_type: str) -> int:
+    """The rows a call must exceed to take this patch's route by default on ``device_type``:
+    bitsandbytes' own threshold on CUDA (:func:`_cuda_rows`), 0 elsewhere."""
+    return _cuda_rows() if device_type == "cuda" else 0
 
 
 def _cuda_rows() -> int:
