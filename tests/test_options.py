@@ -144,7 +144,7 @@ DEFAULTS = {  # optimize()'s keyword defaults before the options object
     "dtype": None, "backend": "inductor", "ce_chunks": 4, "cast": True, "autocast": "auto", "pad_multiple": 8,
     "dynamic": "auto", "memory_budget": None, "eager_numerics": "auto", "scope": "auto", "doc_attention": "auto",
     "offload": "auto", "loss_rows": "auto", "recompute": "auto", "lora_addmm": "auto", "nf4_dequant": "auto",
-    "warm_cache": "auto", "ce_min_rows": "auto", "tile_mlp": "auto", "sdpa_kernel": "auto", "keep_attention": "auto",
+    "warm_cache": "auto", "ce_min_rows": "auto", "lora_min_rows": "auto", "tile_mlp": "auto", "sdpa_kernel": "auto", "keep_attention": "auto",
     "steps": None, "compile_cache": "auto",
 }
 
