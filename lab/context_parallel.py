@@ -157,7 +157,7 @@ def try_run(args) -> dict:
         if len(kind_norms) < 2:  # the first two steps' gradients by kind, before the clip
             kind_norms.append(_kind_norms(named, info.world_size))
         if args.dump_grads and not kind_norms[1:]:  # the first step's whole gradients, before the clip
-            _dump_grads(named, args.dump_grads, info.rank)
+            _save_whole(named, args.dump_grads, info.rank, lambda p: p.grad)
         if cp is None:
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
         else:  # over every rank's shards
@@ -205,17 +205,20 @@ def _clip(params) -> float:
     return clip_grad_norm(params, 1.0)
 
 
-def _dump_grads(named, path: str, rank: int) -> None:
-    """Every trainable weight's gradient, whole (a sharded one gathered from every rank), float32 on the
-    CPU, saved by rank 0 to ``path`` (``grad_pairs`` compares two runs' files)."""
+def _save_whole(named, path: str, rank: int, pick) -> None:
+    """``pick(p)`` of every trainable weight (its gradient, or the weight itself), whole (a sharded one
+    gathered from every rank), float32 on the CPU, saved by rank 0 to ``path`` (``grad_pairs`` compares
+    two runs' files). Weights ``pick`` gives None for are left out."""
     import torch
 
     whole = {}
     for name, p in named:
-        if p.grad is None:
+        t = pick(p)
+        if t is None:
             continue
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a collective: every rank calls it
-        whole[name] = g.detach().float().cpu()
+        t = t.detach()
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a collective: every rank calls it
+        whole[name] = t.float().cpu()
     if rank == 0:
         torch.save(whole, path)
 
@@ -224,17 +227,9 @@ def _probe_after_update(named, path: str, info, cp, fast, row) -> list[float]:
     """After the first update: every trainable weight, whole, saved by rank 0 to ``path``; then the
     loss of the same row twice, with no update between (grad mode, the training route): a forward
     that read a weight from before the update would give two different values."""
-    import torch
-
     from qlora_nb_utils.distributed.context_parallel import eval_loss
 
-    whole = {}
-    for name, p in named:
-        t = p.detach()
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a collective: every rank calls it
-        whole[name] = t.float().cpu()
-    if info.rank == 0:
-        torch.save(whole, path)
+    _save_whole(named, path, info.rank, lambda p: p)
     if cp is not None:
         return [eval_loss(cp, row, 1, info.device) for _ in range(2)]
     return [float(fast.loss(row).detach()) for _ in range(2)]

@@ -74,3 +74,13 @@ long_context_call() {
   left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }  # defined here: only for the scripts that call this
   elapsed() { echo $(( $(date +%s) - T0 )); }
 }
+
+# cp_try NAME NPROC DEVICES ARGS...: one `python -m lab.context_parallel try ARGS` under torchrun with NPROC
+# processes on DEVICES (CUDA_VISIBLE_DEVICES), its record $OUT/NAME.json, its log $OUT/NAME.log; prints its exit
+# status. CP_TRY_TIMEOUT (200 s) bounds it. The small context-parallel checks of lab/gpu/long_context/ share it.
+cp_try() {
+  local name=$1 n=$2 dev=$3; shift 3
+  CUDA_VISIBLE_DEVICES=$dev timeout "${CP_TRY_TIMEOUT:-200}" python3 -m torch.distributed.run --standalone \
+    --nproc-per-node "$n" -m lab.context_parallel try "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "$name exit $?"
+}

@@ -14,9 +14,7 @@ set -uo pipefail
 source lab/gpu/gpu_env.sh
 models_outside_tree
 export TORCHINDUCTOR_COMPILE_THREADS=16
-timeout 100 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m lab.context_parallel try --seq-len 2048 \
-  --steps 4 --model llama-3.2-1b-shape --cap-gib 22.0 --nf4-min-rows 0 --out $OUT/rows0_cp2.json > $OUT/rows0_cp2.log 2>&1
-echo "rows0_cp2 exit $?"
+CP_TRY_TIMEOUT=100 cp_try rows0_cp2 2 0,1 --seq-len 2048 --steps 4 --model llama-3.2-1b-shape --cap-gib 22.0 --nf4-min-rows 0
 python3 -c "import json; d = json.load(open('$OUT/rows0_cp2.json')); print('rows0_cp2', d.get('losses'))"
 CUDA_VISIBLE_DEVICES=0 COMMIT=${COMMIT:-unknown} COLD_START_RUNS=ours:cold,ours-rows0:cold \
   timeout 150 bash lab/gpu/compile_time/gpu_cold_start.sh $OUT smollm2-135m 140 2>&1 | grep "^\[cold_start\]"

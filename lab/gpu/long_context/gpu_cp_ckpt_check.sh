@@ -11,12 +11,11 @@ source lab/gpu/gpu_env.sh
 models_outside_tree
 export TORCHINDUCTOR_COMPILE_THREADS=16
 common=(--seq-len 2048 --steps 16 --model llama-3.2-1b-shape --cap-gib 22.0)
-tr() { local name=$1 n=$2 dev=$3; shift 3; CUDA_VISIBLE_DEVICES=$dev timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node $n -m lab.context_parallel try "${common[@]}" "$@" --out $OUT/$name.json > $OUT/$name.log 2>&1; echo "$name exit $?"; }
-tr one_ckpt 1 0 --optimize ckpt_layers=16 &
+cp_try one_ckpt 1 0 "${common[@]}" --optimize ckpt_layers=16 &
 p=$!
-tr plain_ckpt 1 1 --plain --optimize ckpt_layers=16
+cp_try plain_ckpt 1 1 "${common[@]}" --plain --optimize ckpt_layers=16
 wait $p
-tr cp2_again 2 0,1
+cp_try cp2_again 2 0,1 "${common[@]}"
 python3 - <<'PY'
 import json, os
 out = os.environ["OUT"]

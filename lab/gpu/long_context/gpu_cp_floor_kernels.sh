@@ -13,10 +13,8 @@ source lab/gpu/gpu_env.sh
 models_outside_tree
 export TORCHINDUCTOR_COMPILE_THREADS=16
 common=(--seq-len 2048 --steps 16 --model llama-3.2-1b-shape --cap-gib 22.0)
-tr() { local name=$1 n=$2 dev=$3; shift 3; CUDA_VISIBLE_DEVICES=$dev timeout 200 python3 -m torch.distributed.run --standalone \
-  --nproc-per-node $n -m lab.context_parallel try "${common[@]}" "$@" --out $OUT/$name.json > $OUT/$name.log 2>&1; echo "$name exit $?"; }
-tr kernel_plain_cudnn 1 0 --plain --sdpa-kernel cudnn & p=$!
-tr kernel_one_narrow 1 1 --optimize lora_addmm=narrow
+cp_try kernel_plain_cudnn 1 0 "${common[@]}" --plain --sdpa-kernel cudnn & p=$!
+cp_try kernel_one_narrow 1 1 "${common[@]}" --optimize lora_addmm=narrow
 wait $p
 python3 - "$OUT" <<'PY'
 import json, sys

@@ -17,9 +17,8 @@ export TORCHINDUCTOR_COMPILE_THREADS=16
 SEQ=${SEQ:-2048}; MODEL=${MODEL:-llama-3.2-1b-shape}
 common=(--seq-len "$SEQ" --steps 2 --model "$MODEL" --cap-gib 22.0)
 g=/tmp/cp_grads; mkdir -p $g
-tr() { local name=$1 n=$2 dev=$3; shift 3; CUDA_VISIBLE_DEVICES=$dev timeout 200 python3 -m torch.distributed.run --standalone \
-  --nproc-per-node $n -m lab.context_parallel try "${common[@]}" "$@" --dump-grads $g/$name.pt --probe-step1 $g/${name}_w.pt --out $OUT/$name.json \
-  > $OUT/$name.log 2>&1; echo "$name exit $?"; }
+tr() { local name=$1 n=$2 dev=$3; shift 3; cp_try "$name" "$n" "$dev" "${common[@]}" "$@" --dump-grads "$g/$name.pt" \
+  --probe-step1 "$g/${name}_w.pt"; }
 tr cp2 2 0,1
 tr one 1 0 & p=$!
 tr plain 1 1 --plain

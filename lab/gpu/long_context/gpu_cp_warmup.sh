@@ -12,11 +12,9 @@ models_outside_tree
 export TORCHINDUCTOR_COMPILE_THREADS=16
 WARMUP=${WARMUP:-8}
 common=(--seq-len 2048 --steps 16 --model llama-3.2-1b-shape --cap-gib 22.0 --warmup "$WARMUP")
-tr() { local name=$1 n=$2 dev=$3; shift 3; CUDA_VISIBLE_DEVICES=$dev timeout 200 python3 -m torch.distributed.run --standalone \
-  --nproc-per-node $n -m lab.context_parallel try "${common[@]}" "$@" --out $OUT/$name.json > $OUT/$name.log 2>&1; echo "$name exit $?"; }
-tr warmup_cp2 2 0,1
-tr warmup_one 1 0 & p=$!
-tr warmup_one_again 1 1
+cp_try warmup_cp2 2 0,1 "${common[@]}"
+cp_try warmup_one 1 0 "${common[@]}" & p=$!
+cp_try warmup_one_again 1 1 "${common[@]}"
 wait $p
 python3 - "$OUT" <<'PY'
 import json, sys

@@ -261,7 +261,7 @@ def apply(model: torch.nn.Module | None = None, *, forward: bool = True,
     import bitsandbytes.functional as bnbF
 
     op = _op()
-    rows = (_cuda_rows(), 0) if forward_min_rows is None else (forward_min_rows, forward_min_rows)
+    rows = (own_rows("cuda"), own_rows("cpu")) if forward_min_rows is None else (forward_min_rows, forward_min_rows)
     handle = PatchHandle(NAME, {"forward": forward, "backward": True, "cuda": op.HAS_TRITON,
                                 "forward_min_rows": {"cuda": rows[0], "cpu": rows[1]}})
     set_attribute(handle, bnbF, "dequantize_4bit", _make_dequantize(bnbF.dequantize_4bit, op))
