@@ -74,10 +74,14 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: ``data.batch_cache``, for a same-call A/B); ``ours-eager`` (Dynamo's eager backend: the layer traced,
 #: nothing compiled by Inductor); ``ours-stance-eager`` (``optimize()``'s plan as chosen, every compiled
 #: function run as plain code under torch's ``force_eager`` stance: no Dynamo either); ``ours-rows0`` (the NF4
-#: route past 0 rows on CUDA, not bitsandbytes' own threshold: every LoRA layer over NF4 fused at any batch).
+#: route past 0 rows on CUDA, not bitsandbytes' own threshold: every LoRA layer over NF4 fused at any batch);
+#: ``ours-one-config`` (Inductor's kernels each compiled in one configuration, none benchmarked on the first
+#: step: pointwise kernels not autotuned, reductions filtered to one config as its deterministic mode does);
+#: ``ours-eager-loss`` (the chunked loss's math run as plain code, not compiled on its own);
+#: ``ours-light`` (both).
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
         "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-eager": ["--backend", "eager"],
-        "ours-stance-eager": [], "ours-rows0": []}
+        "ours-stance-eager": [], "ours-rows0": [], "ours-one-config": [], "ours-eager-loss": [], "ours-light": []}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
 CACHES_OF = {"ours-rebatched": "ours"}
 #: Trials whose start finds no batches kept (the batch cache emptied just before; the token cache kept).
@@ -88,9 +92,13 @@ NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
 STANCE_ENV = "QLORA_NB_LAB_STANCE"
 #: Set in a child of ours: the NF4 patch's CUDA row threshold (``nf4_min_rows``).
 ROWS_ENV = "QLORA_NB_LAB_NF4_MIN_ROWS"
+#: Set in a child of ours: a comma list of the light trials' parts (``one-config``, ``eager-loss``).
+LIGHT_ENV = "QLORA_NB_LAB_LIGHT"
 #: The environment a trial of ours adds (recorded in its row as ``env``).
 OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"},
-            "ours-stance-eager": {STANCE_ENV: "force_eager"}, "ours-rows0": {ROWS_ENV: "0"}}
+            "ours-stance-eager": {STANCE_ENV: "force_eager"}, "ours-rows0": {ROWS_ENV: "0"},
+            "ours-one-config": {LIGHT_ENV: "one-config"}, "ours-eager-loss": {LIGHT_ENV: "eager-loss"},
+            "ours-light": {LIGHT_ENV: "one-config,eager-loss"}}
 #: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
@@ -117,6 +125,30 @@ def nf4_min_rows(rows: int) -> int:
 
     nf4_dequant._cuda_rows = lambda: rows
     return rows
+
+
+def light(parts: list[str]) -> dict:
+    """The light trials' settings for this process (a trial, in a child only): ``one-config``, Inductor's
+    kernels each in one configuration (no pointwise autotuning, reductions filtered to one config);
+    ``eager-loss``, the chunked loss's math as plain code (its compiled form never built)."""
+    import torch._inductor.config as inductor
+
+    done: dict = {}
+    if "one-config" in parts:
+        inductor.triton.autotune_pointwise = False
+        done["autotune_pointwise"] = False
+        tests = getattr(inductor, "test_configs", None)  # the reduction filter of Inductor's deterministic mode
+        if hasattr(tests, "force_filter_reduction_configs"):
+            tests.force_filter_reduction_configs = True
+            done["force_filter_reduction_configs"] = True
+        else:
+            done["force_filter_reduction_configs"] = "not in this torch"
+    if "eager-loss" in parts:
+        from qlora_nb_utils.ops import losses
+
+        losses._COMPILED_MATH["fn"] = losses._ce_math
+        done["loss_math"] = "eager"
+    return done
 
 
 def _write(path: Path, data: dict) -> None:
@@ -211,6 +243,8 @@ def child_ours(side: str, argv: list[str]) -> int:
         trial["stance"] = os.environ[STANCE_ENV]
     if os.environ.get(ROWS_ENV):
         trial["nf4_min_rows"] = nf4_min_rows(int(os.environ[ROWS_ENV]))
+    if os.environ.get(LIGHT_ENV):
+        trial["light"] = light(os.environ[LIGHT_ENV].split(","))
     from qlora_nb_utils import cli
 
     code = cli.main(["train", *argv])
