@@ -161,6 +161,9 @@ def _add_train_parser(sub) -> None:
                         "layer for a short job, the whole model for a long one on a GPU), whole or regional")
     t.add_argument("--compile-cache", choices=("auto", "on", "off"), default="auto",
                    help="keep the compiled graphs for the next run in the package's cache folder (auto: on a GPU)")
+    t.add_argument("--autotune", choices=("auto", "on", "off"), default="auto",
+                   help="benchmark each compiled kernel's candidate configurations on the first step (auto: only "
+                        "under a max-autotune --mode; otherwise one configuration each, a shorter first step)")
     t.add_argument("--packing", choices=("auto", "on", "off"), default="auto",
                    help="pack whole examples into rows of --seq-len, each attending to itself only (auto: when "
                         "padded batches would be more than a quarter padding)")
@@ -252,6 +255,7 @@ def _train_options(args: argparse.Namespace) -> dict:
     opts = {k: getattr(args, k) for k in keys}
     opts["grad_ckpt"] = {"auto": "auto", "on": True, "off": False}[args.grad_ckpt]
     opts["compile_cache"] = {"auto": "auto", "on": True, "off": False}[args.compile_cache]
+    opts["autotune"] = {"auto": "auto", "on": True, "off": False}[args.autotune]
     opts["packing"] = {"auto": "auto", "on": True, "off": False}[args.packing]
     return opts
 

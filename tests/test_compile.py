@@ -439,3 +439,54 @@ def test_a_forward_with_the_recompute_policy_and_no_backward_frees_its_memory_on
         prepared.undo()
         torch.compiler.reset()
     assert left == 0, f"{left / 2**20:.3f} MiB left allocated"
+
+
+# ----------------------------------------------------------------------------- one configuration per kernel
+def _tuning():
+    from torch._inductor import config
+
+    from qlora_nb_utils.compile.prepare import one_config_available
+
+    filtered = config.test_configs.force_filter_reduction_configs if one_config_available() else None
+    return config.triton.autotune_pointwise, filtered
+
+
+def test_one_config_holds_inductor_to_one_configuration_until_undo():
+    """Read when Dynamo hands the graph over (after prepare_for_compile returned): pointwise autotuning
+    off and, where this torch has the filter, reductions filtered to one; undo puts back what was
+    there, twice or not, and leaves a value someone changed since alone."""
+    from torch._inductor import config
+
+    from qlora_nb_utils.compile.prepare import one_config_available
+
+    before = _tuning()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(_tuning())
+        return gm.forward
+
+    prepared = prepare_for_compile(torch.nn.Linear(2, 2), backend=backend, one_config=True)
+    assert prepared.options["one_config"] is True
+    prepared.forward(torch.randn(3, 2))
+    assert seen == [(False, True if one_config_available() else None)]
+    prepared.undo()
+    assert _tuning() == before
+    prepared.undo()
+    assert _tuning() == before
+    prepared = prepare_for_compile(torch.nn.Linear(2, 2), backend=backend, one_config=True)
+    config.triton.autotune_pointwise = "changed since"
+    try:
+        prepared.undo()
+        assert config.triton.autotune_pointwise == "changed since"
+    finally:
+        config.triton.autotune_pointwise = before[0]
+    assert _tuning() == before
+
+
+def test_one_config_is_refused_where_it_cannot_hold():
+    with pytest.raises(ValueError, match="one_config must be True or False"):
+        prepare_for_compile(torch.nn.Linear(2, 2), backend="eager", one_config="yes")
+    with pytest.raises(ValueError, match="one_config=True contradicts mode 'max-autotune'"):
+        prepare_for_compile(torch.nn.Linear(2, 2), mode="max-autotune", one_config=True)
+    assert _tuning()[0] is True  # nothing was set by a refused call

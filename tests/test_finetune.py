@@ -258,6 +258,9 @@ def test_the_cli_defaults_are_finetunes():
     args = cli.build_parser().parse_args(["train"])
     assert cli._train_options(args) == DEFAULTS
     assert args.out == "runs/train" and not args.resume and not args.overwrite
+    on = cli.build_parser().parse_args(["train", "--autotune", "on", "--mode", "default"])
+    assert cli._train_options(on) == {**DEFAULTS, "autotune": True, "mode": "default"}
+    assert cli._train_options(cli.build_parser().parse_args(["train", "--autotune", "off"]))["autotune"] is False
 
 
 @pytest.fixture
@@ -288,6 +291,7 @@ def _bad_cases(tmp: Path, data_file: Path, finished_out: Path) -> list[tuple[lis
         (base + ["--max-memory-gib", "-1"], "max_memory_gib must be None or a number > 0"),
         (base + ["--compile-cache", "on", "--backend", "eager"], "leaves no compiled artifacts"),
         (base + ["--mode", "reduce-overhead", "--backend", "eager"], "is an Inductor option"),
+        (base + ["--mode", "max-autotune", "--autotune", "off"], "autotune=False contradicts mode 'max-autotune'"),
         (base + ["--data", str(broken)], f"{broken}:2"),
         (base + ["--data", str(tmp / "missing.jsonl")], "not found"),
         (TRAIN + ["--data", str(data_file), "--out", str(empty_out), "--resume"], "no checkpoint"),

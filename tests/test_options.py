@@ -145,7 +145,7 @@ DEFAULTS = {  # optimize()'s keyword defaults before the options object
     "dynamic": "auto", "memory_budget": None, "eager_numerics": "auto", "scope": "auto", "doc_attention": "auto",
     "offload": "auto", "loss_rows": "auto", "recompute": "auto", "lora_addmm": "auto", "nf4_dequant": "auto",
     "warm_cache": "auto", "ce_min_rows": "auto", "lora_min_rows": "auto", "tile_mlp": "auto", "sdpa_kernel": "auto", "keep_attention": "auto",
-    "steps": None, "compile_cache": "auto",
+    "steps": None, "compile_cache": "auto", "autotune": "auto",
 }
 
 
@@ -177,6 +177,10 @@ def test_the_defaults_are_optimizes():
     ({"ce_chunks": 0, "loss_rows": True}, "loss_rows=True needs the chunked loss"),
     ({"dtype": "float77"}, "dtype must be None, a torch dtype or its name"),
     ({"memory_budget": 2.0}, r"memory_budget must be None or a number in \[0, 1\]"),
+    ({"autotune": "sometimes"}, r"autotune must be one of \['auto', True, False\]"),
+    ({"autotune": False, "mode": "max-autotune"}, "autotune=False contradicts mode 'max-autotune'"),
+    ({"autotune": False, "mode": "max-autotune-no-cudagraphs"}, "autotune=False contradicts mode"),
+    ({"autotune": True, "backend": "eager"}, "autotune is an Inductor option"),
 ])
 def test_a_bad_value_is_refused_with_what_is_valid(options, message):
     from qlora_nb_utils.compile.options import OptimizeOptions
@@ -236,7 +240,8 @@ def test_recipe_options_check_and_hand_prepare_for_compile_its_share():
 
     opts = RecipeOptions(dtype=torch.float32, grad_ckpt=True, scope="regional", offload=True, dynamic=True)
     assert opts.compile_options() == {"grad_ckpt": True, "mode": None, "backend": "inductor",
-                                      "eager_numerics": False, "scope": "regional", "dynamic": True}
+                                      "eager_numerics": False, "one_config": False, "scope": "regional",
+                                      "dynamic": True}
     with pytest.raises(ValueError, match="offload needs grad_ckpt=True and scope='regional'"):
         RecipeOptions(dtype=torch.float32, offload=True)
     with pytest.raises(ValueError, match="ckpt_layers picks which layers"):
@@ -259,6 +264,39 @@ def test_the_mode_rule():
     assert choose_mode("auto", "inductor", "whole", cpu, few) == (None, "no CUDA graphs on cpu")
     assert choose_mode("default", "inductor", "whole", cuda, few) == (None, "asked for")
     assert choose_mode("max-autotune", "inductor", "whole", cpu, few) == ("max-autotune", "asked for")
+
+
+def test_the_autotune_rule():
+    """No autotuning unless asked: a max-autotune mode is asking, any other Inductor plan compiles each
+    kernel in one configuration; the reason says when this torch cannot hold reductions to one."""
+    from qlora_nb_utils.compile.choices import choose_autotune
+
+    auto = choose_autotune("auto", None, "inductor", True)
+    assert auto.value is False and auto.why.startswith("each Inductor kernel compiled in one configuration")
+    assert "cannot filter" not in auto.why
+    assert "reductions keep their candidates" in choose_autotune("auto", "reduce-overhead", "inductor", False).why
+    for mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+        assert choose_autotune("auto", mode, "inductor", True) == (
+            True, f"mode {mode!r} benchmarks kernel variants on the first step")
+    assert choose_autotune(True, None, "inductor", True).value is True
+    assert choose_autotune(False, "reduce-overhead", "inductor", True) == (False, "asked for")
+    assert choose_autotune("auto", None, "aot_eager", True) == (False, "backend 'aot_eager': no Inductor kernels")
+
+
+def test_the_plan_compiles_one_configuration_unless_autotuning(cases):
+    """The recipe is handed ``one_config`` exactly when Inductor compiles and autotuning is not asked."""
+    from qlora_nb_utils.compile.options import OptimizeOptions
+    from qlora_nb_utils.compile.plan import decide
+    from qlora_nb_utils.compile.recipe import can_cache_functions, can_recompute_elementwise
+
+    model, kwargs = cases
+    seen = {}
+    for knobs in ({}, {"autotune": True}, {"mode": "max-autotune"}, {"backend": "aot_eager"}):
+        plan = decide(model, OptimizeOptions(**knobs), kwargs["default"]["batches"],
+                      recompute_available=can_recompute_elementwise(), cache_available=can_cache_functions())
+        seen[tuple(knobs.items())] = (plan.choices["autotune"], plan.recipe_options().one_config)
+    assert seen == {(): (False, True), (("autotune", True),): (True, False),
+                    (("mode", "max-autotune"),): (True, False), (("backend", "aot_eager"),): (False, False)}
 
 
 def test_the_numerics_rules():

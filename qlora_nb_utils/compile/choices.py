@@ -34,6 +34,7 @@ from ..ops.doc_attention import varlen_available
 from ..ops.lm_head import LMHead, read_head
 from ..ops.losses import labelled_rows
 from .compile_cache import default_folder
+from .options import AUTOTUNE_MODES
 from .packed import DOC_ATTENTION
 from .prepare import regional_pays_until
 from .step_inputs import pad_batch
@@ -44,7 +45,8 @@ __all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "ch
            "choose_eager_numerics", "choose_cast", "choose_keep_attention", "KEEP_HOST_SHARE",
            "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show", "choose_sdpa_kernel", "choose_attention",
            "choose_head", "choose_loss_rows", "LOSS_ROWS_WHEN_IGNORED_OVER", "choose_compile_cache",
-           "choose_doc_kernel", "choose_bnb_cpu_layout", "choose_nf4_dequant", "choose_lora_addmm"]
+           "choose_doc_kernel", "choose_bnb_cpu_layout", "choose_nf4_dequant", "choose_lora_addmm",
+           "choose_autotune"]
 
 #: At most this many distinct batch shapes get CUDA graphs (one graph each) under ``mode="auto"``.
 MAX_CUDAGRAPH_SHAPES = 4
@@ -162,6 +164,25 @@ def choose_mode(asked: str | None, backend: Any, scope: str, device: torch.devic
     if len(shapes) <= MAX_CUDAGRAPH_SHAPES:
         return Choice("reduce-overhead", f"{len(shapes)} batch shape(s): CUDA graphs")
     return Choice(None, f"{len(shapes)} batch shapes > {MAX_CUDAGRAPH_SHAPES}: no CUDA graphs")
+
+
+def choose_autotune(asked: bool | str, mode: str | None, backend: Any, reduction_filter: bool) -> Choice:
+    """Autotuning only when asked: without it each Inductor kernel is compiled in one configuration and
+    none is benchmarked on the first step (``prepare.one_config_available``: ``reduction_filter``, whether
+    this torch can hold a reduction to one); a max-autotune ``mode`` (the plan's) is asking."""
+    if mode in AUTOTUNE_MODES:
+        return Choice(True, f"mode {mode!r} benchmarks kernel variants on the first step")
+    if asked is True:
+        return Choice(True, "asked for: Inductor's candidate configurations of a kernel, benchmarked on the "
+                            "first step")
+    if asked is False:
+        return Choice(False, "asked for")
+    if backend != "inductor":
+        return Choice(False, f"backend {backend!r}: no Inductor kernels")
+    why = "each Inductor kernel compiled in one configuration, none benchmarked on the first step"
+    if not reduction_filter:
+        why += " (reductions keep their candidates: this torch cannot filter them)"
+    return Choice(False, why + "; autotune=True benchmarks them")
 
 
 def choose_dynamic(asked: bool | str, shapes: Sequence[tuple[int, int]] | None) -> Choice:

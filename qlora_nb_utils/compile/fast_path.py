@@ -64,9 +64,13 @@ overridable by passing it explicitly:
 * **The compiled graphs kept for the next run** (``compile_cache``): PyTorch's cache artifacts,
   loaded before the first compile and saved after the first step, in the user's cache folder
   (:mod:`.compile_cache`), so that a new runtime with empty temporary caches starts warm.
-* **No autotuning unless asked**: the modes ``optimize()`` picks are the default and
-  ``"reduce-overhead"``; Inductor's ``max-autotune`` benchmarks kernel variants on the first step
-  and is taken only when passed as ``mode``.
+* **No autotuning unless asked** (``autotune``): the modes ``optimize()`` picks are the default
+  and ``"reduce-overhead"``, and even there Inductor gives a reduction several candidate launch
+  configurations, compiles each and benchmarks them at the first step. Without ``autotune=True``
+  each kernel is compiled in one configuration, picked by Inductor's own heuristics, and none is
+  benchmarked: a shorter first step, nothing the later steps measurably pay for at the sizes of a
+  LoRA step's kernels (:mod:`.prepare`, "One configuration per kernel"). ``max-autotune`` is
+  taken only when passed as ``mode``, and is asking.
 * **A warm start that skips AOTAutograd** (``warm_cache``): its on-disk cache refused every
   graph of the recipe (each holds an autograd Function), so a second process traced and
   partitioned them again; torch's setting for it lets the cache take them
@@ -261,6 +265,11 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             hold autograd Functions (:func:`~qlora_nb_utils.compile.recipe.can_cache_functions`):
             ``"auto"`` (on where this torch has the setting and the backend is Inductor), True
             (refused where torch lacks it) or False.
+        autotune: let Inductor benchmark each kernel's candidate configurations on the first step:
+            ``"auto"`` (only under a max-autotune ``mode``; otherwise every kernel in one
+            configuration, none benchmarked:
+            :func:`~qlora_nb_utils.compile.choices.choose_autotune`), True, or False (refused with a
+            max-autotune mode).
         compile_cache: keep the run's compiled graphs for the next run, PyTorch's cache artifacts
             (:mod:`~qlora_nb_utils.compile.compile_cache`: loaded here before anything compiles,
             saved after the first step, one file per model shape, device, torch and choices):

@@ -28,7 +28,7 @@ import torch
 from ..ops.attention import SDPA_KERNELS
 from .packed import DOC_ATTENTION
 
-__all__ = ["OptimizeOptions", "RecipeOptions", "MODES", "LORA_ADDMM"]
+__all__ = ["OptimizeOptions", "RecipeOptions", "MODES", "LORA_ADDMM", "AUTOTUNE_MODES"]
 
 #: What ``mode`` accepts: ``"auto"`` or an Inductor mode (None and ``"default"`` mean the default).
 MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -41,8 +41,10 @@ _ONE_OF: dict[str, tuple[Any, ...]] = {
     "mode": MODES + (None,), "grad_ckpt": _AUTO, "attention": ("auto", "causal", "mask"), "autocast": _AUTO,
     "dynamic": _AUTO, "eager_numerics": _AUTO, "scope": ("auto", "whole", "regional"), "doc_attention": DOC_ATTENTION,
     "loss_rows": _AUTO, "recompute": _AUTO, "lora_addmm": LORA_ADDMM, "nf4_dequant": _AUTO, "warm_cache": _AUTO,
-    "offload": _AUTO, "sdpa_kernel": SDPA_KERNELS, "keep_attention": _AUTO,
+    "offload": _AUTO, "sdpa_kernel": SDPA_KERNELS, "keep_attention": _AUTO, "autotune": _AUTO,
 }
+#: The Inductor modes that benchmark kernel variants on the first step (they autotune by definition).
+AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 
 
 def _is_int(value: Any) -> bool:
@@ -95,6 +97,7 @@ class OptimizeOptions:
     keep_attention: bool | str = "auto"
     steps: int | None = None
     compile_cache: bool | str | os.PathLike = "auto"
+    autotune: bool | str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))
@@ -138,6 +141,11 @@ class OptimizeOptions:
         if self.offload is True and (self.grad_ckpt is False or self.ckpt_layers == 0):
             out.append("offload=True keeps checkpointed layers' inputs in CPU memory; it needs checkpointing "
                        "(grad_ckpt=True or 'auto', ckpt_layers > 0)")
+        if self.autotune is False and self.mode in AUTOTUNE_MODES:
+            out.append(f"autotune=False contradicts mode {self.mode!r}, which benchmarks kernel variants; "
+                       "pass one of them")
+        elif self.autotune is True and self.backend != "inductor":
+            out.append(f"autotune is an Inductor option; with backend={self.backend!r} pass autotune='auto'")
         if self.mode not in ("auto", None, "default") and self.backend != "inductor":
             out.append(f"mode {self.mode!r} is an Inductor option; with backend={self.backend!r} pass mode='auto'")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
@@ -213,6 +221,8 @@ class RecipeOptions:
         mode: the Inductor mode (None: default).
         backend: the Dynamo backend.
         eager_numerics: Inductor rounds where eager does (``prepare_for_compile``'s option).
+        one_config: each Inductor kernel compiled in one configuration, none benchmarked on the first
+            step (``prepare_for_compile``'s option).
         scope: ``"whole"`` (one graph) or ``"regional"`` (each decoder layer compiled; the rest,
             the chunked loss included, eager): ``prepare_for_compile``'s option.
         dynamic: ``torch.compile``'s ``dynamic`` (``prepare_for_compile``'s option).
@@ -240,6 +250,7 @@ class RecipeOptions:
     mode: str | None = None
     backend: Any = "inductor"
     eager_numerics: bool = False
+    one_config: bool = False
     scope: str = "whole"
     dynamic: bool | None = None
     offload: bool = False
@@ -256,4 +267,5 @@ class RecipeOptions:
     def compile_options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`~qlora_nb_utils.compile.prepare.prepare_for_compile`."""
         return {"grad_ckpt": bool(self.grad_ckpt), "mode": self.mode, "backend": self.backend,
-                "eager_numerics": self.eager_numerics, "scope": self.scope, "dynamic": self.dynamic}
+                "eager_numerics": self.eager_numerics, "one_config": self.one_config, "scope": self.scope,
+                "dynamic": self.dynamic}

@@ -32,6 +32,7 @@ from .options import OptimizeOptions, RecipeOptions
 from .packed import packed_batches
 from .patches.kept_attention import attention_unsupported, output_bytes
 from .patches.tiled_mlp import find_mlps
+from .prepare import one_config_available
 from .step_inputs import StepInputs, batch_shapes
 
 __all__ = ["Plan", "decide", "compute_dtype", "chunk_rows", "target_chunks"]
@@ -98,6 +99,7 @@ class Plan:
     dynamic: bool = False
     autocast: bool = False
     eager_numerics: bool = False
+    autotune: bool = False
     chunk_rows: int = 0
     head_rows: int | None = None
     loss_rows_choice: tuple[str, str] = ("all", "")  # choices.choose_loss_rows' (choice, reason)
@@ -163,6 +165,7 @@ class Plan:
             autocast=self.autocast, causal_attn=self.attention == "causal", causal_cudnn=self.sdpa_cudnn,
             mode=self.mode, backend=opts.backend,
             eager_numerics=self.eager_numerics, scope=self.scope, offload=self.offload,
+            one_config=opts.backend == "inductor" and not self.autotune,
             ce_min_rows=self.chunk_rows, head=self.head,
             # regional: the layers' inputs cannot be marked dynamic from outside
             dynamic=True if self.scope == "regional" and self.dynamic else None)
@@ -235,6 +238,8 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
                                                                        scores=scores, device=device)))
     mode = p.record("mode", table.choose_mode(opts.mode, opts.backend, p.scope, device, shapes))
     p.mode, p.choices["mode"] = mode, mode or "default"
+    p.autotune = p.record("autotune", table.choose_autotune(opts.autotune, p.mode, opts.backend,
+                                                            one_config_available()))
     p.sdpa_cudnn = p.record("sdpa_kernel", table.Choice(*choose_sdpa_kernel(
         opts.sdpa_kernel, p.attention, device, _capability(device),
         lambda: cudnn_attention_works(device, *_attention_shape(model), p.dtype),

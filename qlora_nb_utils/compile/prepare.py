@@ -36,6 +36,13 @@ saving, when a few decisions are made together, each easy to get subtly wrong on
   keeps the intermediates in fp32, where eager rounds every op's output to bf16, so compiled
   losses drift from eager's by rounding. ``eager_numerics=True`` turns on Inductor's
   ``emulate_precision_casts`` (those roundings kept) for the life of the :class:`Prepared`.
+* **One configuration per kernel.** In its default mode Inductor still gives a reduction (and a
+  two-dimensional pointwise kernel) several candidate launch configurations, compiles each and
+  benchmarks them on real buffers at the first call: first-step time (and a first-step copy of
+  each buffer the benchmark writes) spent on choices among kernels that are small in a LoRA step.
+  ``one_config=True`` has Inductor pick one configuration per kernel by its own heuristics (the
+  filter its deterministic mode uses for reductions; no pointwise autotuning), for the life of
+  the :class:`Prepared` (:func:`one_config_available` says whether this torch has the filter).
 
 Every compile goes through a :class:`~qlora_nb_utils.compile.CompileCounter`, so the
 number of compilations is a fact on the returned :class:`Prepared` rather than a guess.
@@ -65,6 +72,7 @@ __all__ = [
     "valid_modes",
     "valid_backends",
     "regional_pays_until",
+    "one_config_available",
     "WHOLE_COMPILE_S_PER_LAYER",
     "REGIONAL_STEP_S_PER_LAYER",
 ]
@@ -112,7 +120,7 @@ def valid_backends() -> list[str]:
 
 
 def _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compile_optimizer, patches,
-              eager_numerics=False):
+              eager_numerics=False, one_config=False):
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not any(grad_ckpt is c for c in GRAD_CKPT_CHOICES) and grad_ckpt not in ("non_reentrant", "reentrant"):
@@ -138,6 +146,10 @@ def _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compil
                          f"(e.g. {{'lr': 2e-4}}), got {compile_optimizer!r}")
     if not isinstance(eager_numerics, bool):
         raise ValueError(f"eager_numerics must be True or False, got {eager_numerics!r}")
+    if not isinstance(one_config, bool):
+        raise ValueError(f"one_config must be True or False, got {one_config!r}")
+    if one_config and mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+        raise ValueError(f"one_config=True contradicts mode {mode!r}, which benchmarks kernel variants")
     return _patch_names(patches)
 
 
@@ -177,6 +189,46 @@ def _emulate_precision_casts() -> PatchHandle:
             config.emulate_precision_casts = old
 
     handle.add_undo(restore)
+    return handle
+
+
+#: Where Inductor keeps the reduction filter of its deterministic mode (one configuration chosen by
+#: heuristics, none benchmarked), outside that mode's other changes: ``(section, name)`` of its config.
+_REDUCTION_FILTER = ("test_configs", "force_filter_reduction_configs")
+
+
+def one_config_available() -> bool:
+    """Whether this torch's Inductor can filter a reduction's candidates to one (:data:`_REDUCTION_FILTER`);
+    without it ``one_config`` still turns pointwise autotuning off."""
+    try:
+        from torch._inductor import config
+    except ImportError:
+        return False
+    return hasattr(getattr(config, _REDUCTION_FILTER[0], None), _REDUCTION_FILTER[1])
+
+
+def _one_config() -> PatchHandle:
+    """Inductor's kernels in one configuration each: no pointwise autotuning, reductions filtered to one
+    (where this torch can); undo puts back each value it changed, unless changed since.
+
+    Like ``emulate_precision_casts`` the settings are read while compiling (code generation writes
+    each kernel's candidates), which happens at the first step after ``prepare_for_compile`` has
+    returned, so they hold for the life of the :class:`Prepared`."""
+    from torch._inductor import config
+
+    targets = [(config.triton, "autotune_pointwise", False)]
+    if one_config_available():
+        targets.append((getattr(config, _REDUCTION_FILTER[0]), _REDUCTION_FILTER[1], True))
+    handle = PatchHandle("one_config", {name: value for _, name, value in targets})
+    for section, name, value in targets:
+        old = getattr(section, name)
+        setattr(section, name, value)
+
+        def restore(section=section, name=name, value=value, old=old) -> None:
+            if getattr(section, name) == value:  # else changed since: not ours to revert
+                setattr(section, name, old)
+
+        handle.add_undo(restore)
     return handle
 
 
@@ -285,6 +337,7 @@ def prepare_for_compile(
     compile_optimizer: bool | dict = False,
     patches: str | Sequence[str] | None = "auto",
     eager_numerics: bool = False,
+    one_config: bool = False,
 ) -> Prepared:
     """Patch, configure and compile ``model`` for training; everything is reversible.
 
@@ -316,6 +369,8 @@ def prepare_for_compile(
             eager does, so the compiled losses follow eager's. The cost: a little speed (extra
             casts; Triton's floating-point fusion is turned off). Only Inductor reads it; it is
             meant for bf16/fp16 training.
+        one_config: True has Inductor compile each kernel in one configuration and benchmark none on
+            the first step, until ``undo()`` (see the module docstring); not with a max-autotune mode.
 
     Returns:
         A :class:`Prepared`: call ``prepared.forward(**batch)``; ``prepared.undo()`` reverts.
@@ -326,14 +381,16 @@ def prepare_for_compile(
         RuntimeError: A patch refuses (unsupported versions or a changed upstream target).
     """
     names = _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compile_optimizer, patches,
-                      eager_numerics)
+                      eager_numerics, one_config)
     options = {"grad_ckpt": grad_ckpt, "scope": scope, "mode": mode, "backend": backend,
                "fullgraph": fullgraph, "dynamic": dynamic, "compile_optimizer": compile_optimizer,
-               "patches": patches, "eager_numerics": eager_numerics}
+               "patches": patches, "eager_numerics": eager_numerics, "one_config": one_config}
     handles: list[PatchHandle] = []
     try:
         if eager_numerics:
             handles.append(_emulate_precision_casts())
+        if one_config:
+            handles.append(_one_config())
         handles.append(configure_checkpointing(model, grad_ckpt, scope))
         handles.extend(_apply_patches(model, names))
         counter = CompileCounter(backend=backend)
