@@ -78,6 +78,8 @@ def merge(out_json: str, inputs: list[str], conditions: str | None = None) -> in
         extra = {"conditions": conditions} if conditions else {}
         if "bytecode" in f:  # whether the installed modules had their bytecode (imports are seconds without it)
             extra["bytecode"] = f["bytecode"]
+        if "primed" in f:  # a priming process ran before the first run (what the machine reads from disk once)
+            extra["primed"] = f["primed"]
         calls.append({"shape": f["shape"], "date": f["date"], "skipped": f["skipped"], "wall_s": f.get("wall_s"),
                       "command": f["command"], **extra})
         runs += [{**r, "call_date": f["date"], **extra} for r in f["runs"]]

@@ -197,3 +197,43 @@ def test_a_failed_run_of_ours_keeps_its_traceback(tmp_path, monkeypatch):
     rec = cold_start._run_ours("ours-nested", shape, tmp_path, tmp_path / "dirs", "cpu", 2, 10)
     assert "exit 3" in rec["error"] and "InternalTorchDynamoError" in rec["error"]
     assert "KeyError: 'example_value'" in rec["traceback"]
+
+
+def test_the_priming_process_runs_on_caches_of_its_own_and_leaves_none(tmp_path, monkeypatch):
+    """Before the measured runs: one process that imports what they import and compiles one kernel, on
+    compile caches of its own, removed after it; its record says how long it took and how it ended."""
+    seen = {}
+
+    def spawn(cmd, env, log, timeout_s):
+        seen.update(cmd=cmd, env=env)
+        (Path(env["TORCHINDUCTOR_CACHE_DIR"]) / "kernel").mkdir(parents=True)  # what a compile leaves
+        return 0.0, 2.5, 0
+
+    monkeypatch.setattr(cold_start, "_spawn", spawn)
+    rec = cold_start.prime(tmp_path, "cuda")
+    assert seen["cmd"][-3:] == ["child-prime", "--device", "cuda"]
+    assert seen["env"]["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "prime-cache"))
+    assert not (tmp_path / "prime-cache").exists()
+    assert rec["process_s"] == 2.5 and rec["exit"] == 0 and "peft" in rec["imports"]
+
+
+def test_the_priming_child_compiles_on_a_cpu():
+    assert cold_start.child_prime("cpu") == 0
+
+
+def test_merge_keeps_whether_a_call_was_primed(tmp_path):
+    base = {"what": "w", "device": {}, "versions": {}, "tool": "t", "time_to_first_step_how": "h", "wall_60_how": "w",
+            "skipped": [], "shape": "s", "command": "c", "runs": [{"library": "ours"}]}
+    primed, plain = tmp_path / "a.json", tmp_path / "b.json"
+    primed.write_text(json.dumps({**base, "date": "2026-01-01", "primed": {"process_s": 9.0, "exit": 0}}))
+    plain.write_text(json.dumps({**base, "date": "2026-01-02"}))
+    out = tmp_path / "m.json"
+    assert cold_start.merge(str(out), [str(primed), str(plain)]) == 0
+    merged = json.loads(out.read_text())
+    assert [c.get("primed") for c in merged["calls"]] == [{"process_s": 9.0, "exit": 0}, None]
+
+
+def test_the_autotune_trial_asks_qlora_nb_train_for_the_benchmarks():
+    """ours-autotune is the default before optimize() chose one configuration per kernel: --autotune on."""
+    assert cold_start.OURS["ours-autotune"] == ["--autotune", "on"]
+    assert cold_start.OURS["ours"] == []

@@ -29,12 +29,18 @@ graph recording (``torch._dynamo.utils.compile_times``, read in the child after 
 
 The runs of one call, in this order while the budget lasts (``COLD_START_RUNS=ours:cold,...``
 picks others): ours cold, ours warm, unsloth cold, hf-eager cold, ours-before cold, unsloth warm,
-ours-before warm. A run that does not fit the time left is listed under ``skipped``.
+ours-before warm. A run that does not fit the time left is listed under ``skipped``. Before them a
+priming process (``primed`` in the file; ``COLD_START_PRIME=0`` leaves it out) imports what every
+run imports, starts CUDA, a cuBLAS matmul and one small compiled kernel, on compile caches of its own
+that are then removed: the first run of a call no longer pays alone what the machine reads from disk
+the first time (libraries, the compiler's tools), which the runs after it found in memory. Calls
+before it have no ``primed`` entry, and their first run carries that cost.
 
     python3 lab/gpu/compile_time/cold_start.py run SHAPE OUT_JSON BUDGET_S [--device cpu --model tiny --steps 4]
     python3 lab/gpu/compile_time/cold_start.py merge OUT_JSON IN_JSON... [--conditions TEXT]
     python3 lab/gpu/compile_time/cold_start.py child-ours SIDE_JSON -- QLORA_NB_TRAIN_ARGS...
     python3 lab/gpu/compile_time/cold_start.py child-hf --model M (--batches F | --batch-size B --seq-len S ...)
+    python3 lab/gpu/compile_time/cold_start.py child-prime --device cuda
 """
 
 from __future__ import annotations
@@ -363,6 +369,40 @@ def _caches_for(lib: str, cache: str, work: Path) -> Path:
     return dirs
 
 
+#: What the priming process imports: every library a run of ours or HF eager imports before its model.
+PRIME_IMPORTS = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "qlora_nb_utils.cli")
+
+
+def child_prime(device: str) -> int:
+    """Import what the runs import, start ``device``, run a matmul and compile one small function: what the
+    first process on a machine reads from disk, read before the measured runs (its caches are thrown away)."""
+    import importlib
+
+    for name in PRIME_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    import torch
+
+    x = torch.randn(256, 256, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    (x @ x).float().sum().item()
+    torch.compile(lambda t: torch.relu(t * 2).sum(dim=-1), fullgraph=True)(x).float().sum().item()
+    return 0
+
+
+def prime(work: Path, device: str, timeout_s: float = 120.0) -> dict:
+    """Run :func:`child_prime` in a process of its own, on compile caches of its own, then remove them."""
+    dirs = work / "prime-cache"
+    shutil.rmtree(dirs, ignore_errors=True)
+    dirs.mkdir(parents=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "child-prime", "--device", device]
+    _, wall, code = _spawn(cmd, _env(dirs), work / "prime.log", timeout_s)
+    shutil.rmtree(dirs, ignore_errors=True)
+    return {"process_s": round(wall, 2), "exit": code, "imports": list(PRIME_IMPORTS),
+            "what": "imports, the device started, a matmul and one small compiled kernel, on caches then removed"}
+
+
 def _run_ours(lib: str, shape: dict, work: Path, dirs: Path, device: str, steps: int, timeout_s: float) -> dict:
     out = work / f"{lib}-{dirs.name}-{int(time.time())}"
     side = out.with_suffix(".side.json")
@@ -525,6 +565,9 @@ def run(shape_name: str, out_json: str, budget_s: float, device: str, model: str
     torch.save(train_batches[:steps], batches_file)
     res["real_tokens_per_step"] = statistics.median(qpacking.real_tokens(b) for b in train_batches[:steps])
     wanted = [tuple(r.split(":")) for r in os.environ.get("COLD_START_RUNS", "").split(",") if r] or ORDER
+    if os.environ.get("COLD_START_PRIME", "1") != "0":
+        res["primed"] = prime(work, device)
+        _write(Path(out_json), res)
     need = NEEDS.get(shape["model"], NEEDS.get(shape_name, 120))
     for lib, cache in wanted:
         left = budget_s - (time.monotonic() - t0)
@@ -582,11 +625,15 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--steps", type=int, required=True)
     h.add_argument("--device", default="cuda")
     h.add_argument("--out", required=True)
+    pr = sub.add_parser("child-prime")
+    pr.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     if args.cmd == "run":
         return run(args.shape, args.out_json, args.budget_s, args.device, args.model, args.steps)
     if args.cmd == "merge":
         return merge(args.out_json, args.inputs, args.conditions)
+    if args.cmd == "child-prime":
+        return child_prime(args.device)
     return child_hf(args)
 
 
