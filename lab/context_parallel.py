@@ -114,11 +114,10 @@ def try_run(args) -> dict:
     breaks0 = _breaks()
     from qlora_nb_utils.distributed.fast import optimize_options
 
-    if args.nf4_min_rows is not None:  # before optimize() applies the NF4 patch
-        from qlora_nb_utils.compile.patches import nf4_dequant
+    if args.nf4_min_rows is not None:  # before optimize() applies the NF4 patch; this process only
+        from lab.trials import nf4_min_rows
 
-        nf4_dequant._cuda_rows = lambda rows=args.nf4_min_rows: rows  # this process only
-        rec["nf4_min_rows"] = args.nf4_min_rows
+        rec["nf4_min_rows"] = nf4_min_rows(args.nf4_min_rows)
     knobs = {"max_memory_gib": args.cap_gib} if args.cap_gib else {}
     knobs.update(optimize_options(args.optimize))  # e.g. the same plan on 1 and 2 GPUs
     if args.plain:

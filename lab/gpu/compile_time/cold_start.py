@@ -126,15 +126,6 @@ def nest_llama_layers() -> dict:
     return {"nested": "LlamaDecoderLayer.forward", "nested_compile_region": str(inspect.signature(region))}
 
 
-def nf4_min_rows(rows: int) -> int:
-    """The NF4 patch's CUDA row threshold set to ``rows`` for this process (a trial, in a child only): the
-    fused LoRA route and the one-pass dequantize taken past ``rows`` rows, not past bitsandbytes' own."""
-    from qlora_nb_utils.compile.patches import nf4_dequant
-
-    nf4_dequant._cuda_rows = lambda: rows
-    return rows
-
-
 def light(parts: list[str]) -> dict:
     """The light trials' settings for this process (a trial, in a child only): ``one-config``, Inductor's
     kernels each in one configuration (no pointwise autotuning, reductions filtered to one config);
@@ -250,6 +241,8 @@ def child_ours(side: str, argv: list[str]) -> int:
         torch.compiler.set_stance(os.environ[STANCE_ENV])
         trial["stance"] = os.environ[STANCE_ENV]
     if os.environ.get(ROWS_ENV):
+        from lab.trials import nf4_min_rows
+
         trial["nf4_min_rows"] = nf4_min_rows(int(os.environ[ROWS_ENV]))
     if os.environ.get(LIGHT_ENV):
         trial["light"] = light(os.environ[LIGHT_ENV].split(","))
