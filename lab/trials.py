@@ -1,15 +1,45 @@
 """Process-wide settings a lab trial makes in the process it measures, before the product runs.
 
-Why a module of its own: a trial that changes something the product reads for the whole process
-(bitsandbytes' CUDA row threshold, under the NF4 patch) is set the same way by each lab tool that
-runs it (``lab/gpu/compile_time/cold_start.py``'s children, ``lab.context_parallel try``), so the
-setting and what it records live once. They are lab-only: a user sets the fused LoRA route's rows
-with ``optimize(lora_min_rows=...)``, which leaves the process-wide threshold alone.
+Why a module of its own: a trial changes something the product reads for the whole process (the
+decoder layer's forward, torch's compile stance, bitsandbytes' CUDA row threshold under the NF4
+patch, Inductor's settings, the loss's compiled math), and each lab tool that runs one
+(``lab/gpu/compile_time/cold_start.py``'s children, ``lab.context_parallel try``) must set it the
+same way and record what it set. The parent names a trial through the environment variables here;
+:func:`from_environment` applies them in the child. None of this is the product's: a user sets the
+fused LoRA route's rows with ``optimize(lora_min_rows=...)`` and autotuning with ``autotune``.
 """
 
 from __future__ import annotations
 
-__all__ = ["nf4_min_rows"]
+from typing import Mapping
+
+__all__ = ["NESTED_ENV", "STANCE_ENV", "ROWS_ENV", "LIGHT_ENV", "from_environment", "nf4_min_rows",
+           "nest_llama_layers", "light"]
+
+#: The decoder layer class's forward wrapped in ``nested_compile_region`` first ("1").
+NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
+#: The whole run under ``torch.compiler.set_stance(VALUE)``.
+STANCE_ENV = "QLORA_NB_LAB_STANCE"
+#: The NF4 patch's CUDA row threshold (:func:`nf4_min_rows`).
+ROWS_ENV = "QLORA_NB_LAB_NF4_MIN_ROWS"
+#: A comma list of the light trials' parts (``one-config``, ``eager-loss``: :func:`light`).
+LIGHT_ENV = "QLORA_NB_LAB_LIGHT"
+
+
+def from_environment(environ: Mapping[str, str]) -> dict:
+    """Apply the trial ``environ`` names (:data:`NESTED_ENV`, :data:`STANCE_ENV`, :data:`ROWS_ENV`,
+    :data:`LIGHT_ENV`) to this process; return what was set (empty: no trial)."""
+    trial = nest_llama_layers() if environ.get(NESTED_ENV) == "1" else {}
+    if environ.get(STANCE_ENV):
+        import torch
+
+        torch.compiler.set_stance(environ[STANCE_ENV])
+        trial["stance"] = environ[STANCE_ENV]
+    if environ.get(ROWS_ENV):
+        trial["nf4_min_rows"] = nf4_min_rows(int(environ[ROWS_ENV]))
+    if environ.get(LIGHT_ENV):
+        trial["light"] = light(environ[LIGHT_ENV].split(","))
+    return trial
 
 
 def nf4_min_rows(rows: int) -> int:
@@ -20,3 +50,40 @@ def nf4_min_rows(rows: int) -> int:
 
     nf4_dequant._cuda_rows = lambda: rows
     return rows
+
+
+def nest_llama_layers() -> dict:
+    """The Llama decoder layer's forward as a nested compile region (a trial):
+    what was done, and the torch function's parameters (whether this torch reuses a traced region)."""
+    import inspect
+
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    region = torch.compiler.nested_compile_region
+    modeling_llama.LlamaDecoderLayer.forward = region(modeling_llama.LlamaDecoderLayer.forward)
+    return {"nested": "LlamaDecoderLayer.forward", "nested_compile_region": str(inspect.signature(region))}
+
+
+def light(parts: list[str]) -> dict:
+    """The light trials' settings for this process (a trial): ``one-config``, Inductor's
+    kernels each in one configuration (no pointwise autotuning, reductions filtered to one config);
+    ``eager-loss``, the chunked loss's math as plain code (its compiled form never built)."""
+    import torch._inductor.config as inductor
+
+    done: dict = {}
+    if "one-config" in parts:
+        inductor.triton.autotune_pointwise = False
+        done["autotune_pointwise"] = False
+        tests = getattr(inductor, "test_configs", None)  # the reduction filter of Inductor's deterministic mode
+        if hasattr(tests, "force_filter_reduction_configs"):
+            tests.force_filter_reduction_configs = True
+            done["force_filter_reduction_configs"] = True
+        else:
+            done["force_filter_reduction_configs"] = "not in this torch"
+    if "eager-loss" in parts:
+        from qlora_nb_utils.ops import losses
+
+        losses._COMPILED_MATH["fn"] = losses._ce_math
+        done["loss_math"] = "eager"
+    return done

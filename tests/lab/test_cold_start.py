@@ -137,16 +137,14 @@ def test_the_rebatched_trial_shares_ours_caches_but_builds_its_batches(tmp_path,
     assert not batch_cache.default_dir().exists() and not token_cache.default_dir().exists()
 
 
-def test_the_nested_trial_marks_the_llama_layer_and_says_so(monkeypatch):
-    from transformers.models.llama import modeling_llama
+def test_each_trial_of_ours_is_named_to_its_child_through_the_environment():
+    """The child applies them (lab/trials.py); here only which trial sends which name."""
+    from lab import trials
 
-    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", modeling_llama.LlamaDecoderLayer.forward)
-    before = modeling_llama.LlamaDecoderLayer.forward
-    trial = cold_start.nest_llama_layers()
-    assert modeling_llama.LlamaDecoderLayer.forward is not before
-    assert trial["nested"] == "LlamaDecoderLayer.forward" and trial["nested_compile_region"].startswith("(")
     assert cold_start.OURS["ours-nested"] == ["--scope", "whole"]
-    assert cold_start.OURS_ENV["ours-nested"] == {cold_start.NESTED_ENV: "1"}
+    assert cold_start.OURS_ENV["ours-nested"] == {trials.NESTED_ENV: "1"}
+    assert cold_start.OURS_ENV["ours-rows0"] == {trials.ROWS_ENV: "0"}
+    assert cold_start.OURS_ENV["ours-light"] == {trials.LIGHT_ENV: "one-config,eager-loss"}
 
 
 def _run(lib, cache, call, ttfs, wall, model="/tmp/x/llama-3.1-8b-shape"):

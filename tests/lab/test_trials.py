@@ -1,12 +1,53 @@
-"""lab/trials.py: a trial's process-wide setting, as each lab tool makes it."""
+"""lab/trials.py: a trial's process-wide settings, as each lab tool makes them in the process it measures."""
 
+from torch._inductor import config as inductor
+
+from lab import trials
 from qlora_nb_utils.compile.patches import nf4_dequant
+from qlora_nb_utils.ops import losses
+
+
+def test_no_trial_named_sets_nothing():
+    assert trials.from_environment({"PATH": "/bin"}) == {}
 
 
 def test_the_nf4_row_threshold_trial_sets_the_cuda_threshold_only(monkeypatch):
-    from lab.trials import nf4_min_rows
-
     monkeypatch.setattr(nf4_dequant, "_cuda_rows", nf4_dequant._cuda_rows)  # put back after the test
-    assert nf4_min_rows(0) == 0
+    assert trials.from_environment({trials.ROWS_ENV: "0"}) == {"nf4_min_rows": 0}
     assert nf4_dequant.own_rows("cuda") == 0 and nf4_dequant.own_rows("cpu") == 0
-    assert nf4_min_rows(768) == 768 and nf4_dequant.own_rows("cuda") == 768
+    assert trials.nf4_min_rows(768) == 768 and nf4_dequant.own_rows("cuda") == 768
+
+
+def test_the_light_trial_holds_kernels_to_one_configuration_and_the_loss_math_eager(monkeypatch):
+    monkeypatch.setattr(inductor.triton, "autotune_pointwise", inductor.triton.autotune_pointwise)
+    monkeypatch.setattr(inductor.test_configs, "force_filter_reduction_configs",
+                        inductor.test_configs.force_filter_reduction_configs)
+    monkeypatch.setattr(losses, "_COMPILED_MATH", {})
+    trial = trials.from_environment({trials.LIGHT_ENV: "one-config,eager-loss"})
+    assert trial == {"light": {"autotune_pointwise": False, "force_filter_reduction_configs": True,
+                               "loss_math": "eager"}}
+    assert inductor.triton.autotune_pointwise is False and inductor.test_configs.force_filter_reduction_configs
+    assert losses._math(compiled=True) is losses._ce_math
+
+
+def test_the_nested_trial_marks_the_llama_layer_and_says_so(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", modeling_llama.LlamaDecoderLayer.forward)
+    before = modeling_llama.LlamaDecoderLayer.forward
+    trial = trials.from_environment({trials.NESTED_ENV: "1"})
+    assert modeling_llama.LlamaDecoderLayer.forward is not before
+    assert trial["nested"] == "LlamaDecoderLayer.forward" and trial["nested_compile_region"].startswith("(")
+
+
+def test_the_stance_trial_runs_compiled_functions_as_plain_code():
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    try:
+        assert trials.from_environment({trials.STANCE_ENV: "force_eager"}) == {"stance": "force_eager"}
+        assert torch.compile(lambda x: x + 1, backend=counter)(torch.ones(1)).item() == 2.0
+    finally:
+        torch.compiler.set_stance("default")
+    assert counter.frame_count == 0

@@ -60,6 +60,7 @@ import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from lab.cold_start_records import HF, NO_COMPILE, PEERS, comparisons, merge  # noqa: E402,F401
+from lab.trials import LIGHT_ENV, NESTED_ENV, ROWS_ENV, STANCE_ENV, from_environment  # noqa: E402
 
 #: The shapes, one per call: (model, batch size, sequence length, packing); SmolLM2 at the CLI's defaults.
 SHAPES = {
@@ -94,14 +95,6 @@ OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce
 CACHES_OF = {"ours-rebatched": "ours"}
 #: Trials whose start finds no batches kept (the batch cache emptied just before; the token cache kept).
 REBATCHED = ("ours-rebatched",)
-#: Set in a child of ours: the decoder layer class's forward wrapped in ``nested_compile_region`` first.
-NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
-#: Set in a child of ours: the whole run under ``torch.compiler.set_stance(VALUE)``.
-STANCE_ENV = "QLORA_NB_LAB_STANCE"
-#: Set in a child of ours: the NF4 patch's CUDA row threshold (``nf4_min_rows``).
-ROWS_ENV = "QLORA_NB_LAB_NF4_MIN_ROWS"
-#: Set in a child of ours: a comma list of the light trials' parts (``one-config``, ``eager-loss``).
-LIGHT_ENV = "QLORA_NB_LAB_LIGHT"
 #: The environment a trial of ours adds (recorded in its row as ``env``).
 OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"},
             "ours-stance-eager": {STANCE_ENV: "force_eager"}, "ours-rows0": {ROWS_ENV: "0"},
@@ -111,43 +104,6 @@ OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
 LR, SEED, LORA_R, LORA_ALPHA = 2e-4, 0, 16, 32
-
-
-def nest_llama_layers() -> dict:
-    """The Llama decoder layer's forward as a nested compile region (a trial, in the child only):
-    what was done, and the torch function's parameters (whether this torch reuses a traced region)."""
-    import inspect
-
-    import torch
-    from transformers.models.llama import modeling_llama
-
-    region = torch.compiler.nested_compile_region
-    modeling_llama.LlamaDecoderLayer.forward = region(modeling_llama.LlamaDecoderLayer.forward)
-    return {"nested": "LlamaDecoderLayer.forward", "nested_compile_region": str(inspect.signature(region))}
-
-
-def light(parts: list[str]) -> dict:
-    """The light trials' settings for this process (a trial, in a child only): ``one-config``, Inductor's
-    kernels each in one configuration (no pointwise autotuning, reductions filtered to one config);
-    ``eager-loss``, the chunked loss's math as plain code (its compiled form never built)."""
-    import torch._inductor.config as inductor
-
-    done: dict = {}
-    if "one-config" in parts:
-        inductor.triton.autotune_pointwise = False
-        done["autotune_pointwise"] = False
-        tests = getattr(inductor, "test_configs", None)  # the reduction filter of Inductor's deterministic mode
-        if hasattr(tests, "force_filter_reduction_configs"):
-            tests.force_filter_reduction_configs = True
-            done["force_filter_reduction_configs"] = True
-        else:
-            done["force_filter_reduction_configs"] = "not in this torch"
-    if "eager-loss" in parts:
-        from qlora_nb_utils.ops import losses
-
-        losses._COMPILED_MATH["fn"] = losses._ce_math
-        done["loss_math"] = "eager"
-    return done
 
 
 def _write(path: Path, data: dict) -> None:
@@ -234,18 +190,7 @@ def child_ours(side: str, argv: list[str]) -> int:
         importlib.import_module(name)
         imports[name] = round(time.perf_counter() - t0, 3)
     imported_unix = time.time()
-    trial = nest_llama_layers() if os.environ.get(NESTED_ENV) == "1" else {}
-    if os.environ.get(STANCE_ENV):
-        import torch
-
-        torch.compiler.set_stance(os.environ[STANCE_ENV])
-        trial["stance"] = os.environ[STANCE_ENV]
-    if os.environ.get(ROWS_ENV):
-        from lab.trials import nf4_min_rows
-
-        trial["nf4_min_rows"] = nf4_min_rows(int(os.environ[ROWS_ENV]))
-    if os.environ.get(LIGHT_ENV):
-        trial["light"] = light(os.environ[LIGHT_ENV].split(","))
+    trial = from_environment(os.environ)  # the trial's process-wide settings, before the product runs
     from qlora_nb_utils import cli
 
     code = cli.main(["train", *argv])
