@@ -22,7 +22,7 @@ NESTED_ENV = "QLORA_NB_LAB_NESTED_LAYER"
 STANCE_ENV = "QLORA_NB_LAB_STANCE"
 #: The NF4 patch's CUDA row threshold (:func:`nf4_min_rows`).
 ROWS_ENV = "QLORA_NB_LAB_NF4_MIN_ROWS"
-#: A comma list of the light trials' parts (``one-config``, ``eager-loss``: :func:`light`).
+#: A comma list of the light trials' parts (``one-config``, ``eager-loss``, ``combo-kernels``: :func:`light`).
 LIGHT_ENV = "QLORA_NB_LAB_LIGHT"
 
 
@@ -68,7 +68,9 @@ def nest_llama_layers() -> dict:
 def light(parts: list[str]) -> dict:
     """The light trials' settings for this process (a trial): ``one-config``, Inductor's
     kernels each in one configuration (no pointwise autotuning, reductions filtered to one config);
-    ``eager-loss``, the chunked loss's math as plain code (its compiled form never built)."""
+    ``eager-loss``, the chunked loss's math as plain code (its compiled form never built);
+    ``combo-kernels``, Inductor's horizontal fusion: independent small kernels of a graph launched as one
+    (fewer launches, the host's share of a small model's step)."""
     import torch._inductor.config as inductor
 
     done: dict = {}
@@ -86,4 +88,7 @@ def light(parts: list[str]) -> dict:
 
         losses._COMPILED_MATH["fn"] = losses._ce_math
         done["loss_math"] = "eager"
+    if "combo-kernels" in parts:
+        inductor.combo_kernels = True
+        done["combo_kernels"] = True
     return done

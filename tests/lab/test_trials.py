@@ -30,6 +30,12 @@ def test_the_light_trial_holds_kernels_to_one_configuration_and_the_loss_math_ea
     assert losses._math(compiled=True) is losses._ce_math
 
 
+def test_the_combo_trial_turns_inductors_horizontal_fusion_on(monkeypatch):
+    monkeypatch.setattr(inductor, "combo_kernels", inductor.combo_kernels)
+    assert trials.from_environment({trials.LIGHT_ENV: "combo-kernels"}) == {"light": {"combo_kernels": True}}
+    assert inductor.combo_kernels is True
+
+
 def test_the_nested_trial_marks_the_llama_layer_and_says_so(monkeypatch):
     from transformers.models.llama import modeling_llama
 

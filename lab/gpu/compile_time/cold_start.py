@@ -85,11 +85,12 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: ``ours-one-config`` (Inductor's kernels each compiled in one configuration, none benchmarked on the first
 #: step: pointwise kernels not autotuned, reductions filtered to one config as its deterministic mode does);
 #: ``ours-eager-loss`` (the chunked loss's math run as plain code, not compiled on its own);
-#: ``ours-light`` (both); ``ours-autotune`` (``--autotune on``: each kernel's candidate configurations
+#: ``ours-light`` (both); ``ours-combo`` (Inductor's combo kernels: independent small kernels launched as
+#: one, the host's share of a small model's step); ``ours-autotune`` (``--autotune on``: each kernel's candidate configurations
 #: benchmarked on the first step, the product's default before ``optimize()`` chose one configuration).
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
         "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-eager": ["--backend", "eager"],
-        "ours-stance-eager": [], "ours-rows0": [], "ours-one-config": [], "ours-eager-loss": [], "ours-light": [],
+        "ours-stance-eager": [], "ours-rows0": [], "ours-one-config": [], "ours-eager-loss": [], "ours-light": [], "ours-combo": [],
         "ours-autotune": ["--autotune", "on"]}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
 CACHES_OF = {"ours-rebatched": "ours"}
@@ -99,7 +100,7 @@ REBATCHED = ("ours-rebatched",)
 OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"},
             "ours-stance-eager": {STANCE_ENV: "force_eager"}, "ours-rows0": {ROWS_ENV: "0"},
             "ours-one-config": {LIGHT_ENV: "one-config"}, "ours-eager-loss": {LIGHT_ENV: "eager-loss"},
-            "ours-light": {LIGHT_ENV: "one-config,eager-loss"}}
+            "ours-light": {LIGHT_ENV: "one-config,eager-loss"}, "ours-combo": {LIGHT_ENV: "combo-kernels"}}
 #: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
