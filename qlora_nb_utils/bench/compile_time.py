@@ -1,7 +1,8 @@
 """Cold-start cost of compiled QLoRA training, and the ways to cut it, each in a fresh process.
 
 Why it exists: the first compiled step pays for tracing, AOTAutograd and Inductor's codegen
-and autotuning; a Colab user pays it again after every reconnect. Three levers, measured here:
+(and its autotuning, where asked: ``optimize(autotune=True)``); a Colab user pays it again after
+every reconnect. Three levers, measured here:
 
 * **Regional compilation**: compile one decoder layer's code (``scope="regional"`` in
   :func:`qlora_nb_utils.optimize`); the layers share it, so the cost is about one layer's

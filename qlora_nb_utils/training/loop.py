@@ -11,8 +11,9 @@ step (with a device sync before the clock is read, so asynchronous GPU work is c
 real (non-padding) tokens and tokens/s, and peak memory, twice: `peak_mem_gib` is the peak
 since the run started and `step_peak_mem_gib` the peak within that step alone. The two differ
 where the first steps hold something later steps do not: a compiled step's first call compiles
-(and Inductor autotunes its kernels on real buffers), so "the compiled run peaked higher" and
-"each compiled training step peaks higher" are different claims, and `summarize` reports both.
+(and, where autotuning is on, Inductor benchmarks its kernels on real buffers), so "the compiled
+run peaked higher" and "each compiled training step peaks higher" are different claims, and
+`summarize` reports both.
 On CUDA both come from `torch.cuda.max_memory_allocated`, reset at the start of each step; on
 a CPU no allocator tracks peaks, so both are the process's resident set size after the step,
 which includes the Python heap and everything loaded before the run: compare CPU figures only
