@@ -19,21 +19,22 @@ def test_the_nf4_row_threshold_trial_sets_the_cuda_threshold_only(monkeypatch):
 
 
 def test_the_light_trial_holds_kernels_to_one_configuration_and_the_loss_math_eager(monkeypatch):
-    monkeypatch.setattr(inductor.triton, "autotune_pointwise", inductor.triton.autotune_pointwise)
-    monkeypatch.setattr(inductor.test_configs, "force_filter_reduction_configs",
-                        inductor.test_configs.force_filter_reduction_configs)
     monkeypatch.setattr(losses, "_COMPILED_MATH", {})
-    trial = trials.from_environment({trials.LIGHT_ENV: "one-config,eager-loss"})
-    assert trial == {"light": {"autotune_pointwise": False, "force_filter_reduction_configs": True,
-                               "loss_math": "eager"}}
-    assert inductor.triton.autotune_pointwise is False and inductor.test_configs.force_filter_reduction_configs
-    assert losses._math(compiled=True) is losses._ce_math
+    # torch's own patch puts the settings back (a monkeypatch of a config entry hides it from later reads)
+    with inductor.patch({"triton.autotune_pointwise": True, "test_configs.force_filter_reduction_configs": False}):
+        trial = trials.from_environment({trials.LIGHT_ENV: "one-config,eager-loss"})
+        assert trial == {"light": {"autotune_pointwise": False, "force_filter_reduction_configs": True,
+                                   "loss_math": "eager"}}
+        assert inductor.triton.autotune_pointwise is False and inductor.test_configs.force_filter_reduction_configs
+        assert losses._math(compiled=True) is losses._ce_math
+    assert inductor.triton.autotune_pointwise is True
 
 
-def test_the_combo_trial_turns_inductors_horizontal_fusion_on(monkeypatch):
-    monkeypatch.setattr(inductor, "combo_kernels", inductor.combo_kernels)
-    assert trials.from_environment({trials.LIGHT_ENV: "combo-kernels"}) == {"light": {"combo_kernels": True}}
-    assert inductor.combo_kernels is True
+def test_the_combo_trial_turns_inductors_horizontal_fusion_on():
+    with inductor.patch(combo_kernels=False):
+        assert trials.from_environment({trials.LIGHT_ENV: "combo-kernels"}) == {"light": {"combo_kernels": True}}
+        assert inductor.combo_kernels is True
+    assert inductor.combo_kernels is False
 
 
 def test_the_nested_trial_marks_the_llama_layer_and_says_so(monkeypatch):
