@@ -490,3 +490,20 @@ def test_one_config_is_refused_where_it_cannot_hold():
     with pytest.raises(ValueError, match="one_config=True contradicts mode 'max-autotune'"):
         prepare_for_compile(torch.nn.Linear(2, 2), mode="max-autotune", one_config=True)
     assert _tuning()[0] is True  # nothing was set by a refused call
+
+
+def test_one_config_sets_only_what_this_torch_has():
+    """Each setting only where the config has it (another torch may lack one); undo puts back what was set."""
+    from types import SimpleNamespace
+
+    from qlora_nb_utils.compile.prepare import _one_config
+
+    partial = SimpleNamespace(triton=SimpleNamespace(autotune_pointwise=True))  # no reduction filter
+    handle = _one_config(partial)
+    assert partial.triton.autotune_pointwise is False and handle.details == {"autotune_pointwise": False}
+    handle.undo()
+    assert partial.triton.autotune_pointwise is True
+    bare = SimpleNamespace(triton=SimpleNamespace())
+    handle = _one_config(bare)
+    assert handle.details == {} and vars(bare.triton) == {}
+    handle.undo()

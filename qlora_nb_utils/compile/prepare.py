@@ -207,18 +207,22 @@ def one_config_available() -> bool:
     return hasattr(getattr(config, _REDUCTION_FILTER[0], None), _REDUCTION_FILTER[1])
 
 
-def _one_config() -> PatchHandle:
+#: What ``one_config`` sets in Inductor's config: ``(section, name, value)``, each only where this torch has it.
+_ONE_CONFIG = (("triton", "autotune_pointwise", False), (*_REDUCTION_FILTER, True))
+
+
+def _one_config(config: Any = None) -> PatchHandle:
     """Inductor's kernels in one configuration each: no pointwise autotuning, reductions filtered to one
-    (where this torch can); undo puts back each value it changed, unless changed since.
+    (each where this torch has the setting: ``config``, Inductor's own when None); undo puts back each
+    value it changed, unless changed since.
 
     Like ``emulate_precision_casts`` the settings are read while compiling (code generation writes
     each kernel's candidates), which happens at the first step after ``prepare_for_compile`` has
     returned, so they hold for the life of the :class:`Prepared`."""
-    from torch._inductor import config
-
-    targets = [(config.triton, "autotune_pointwise", False)]
-    if one_config_available():
-        targets.append((getattr(config, _REDUCTION_FILTER[0]), _REDUCTION_FILTER[1], True))
+    if config is None:
+        from torch._inductor import config
+    targets = [(getattr(config, section), name, value) for section, name, value in _ONE_CONFIG
+               if hasattr(getattr(config, section, None), name)]
     handle = PatchHandle("one_config", {name: value for _, name, value in targets})
     for section, name, value in targets:
         old = getattr(section, name)
