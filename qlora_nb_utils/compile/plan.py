@@ -292,8 +292,8 @@ TARGET_CHUNK_ROWS = 1024
 #: The share of a memory target ``optimize()`` keeps free of its estimate when it chooses. The estimate
 #: (:mod:`.memory_estimate`) is an upper bound of what a step allocates, and a card's memory is taken by
 #: what the allocator reserves, which is more (blocks it cannot split, and with ``autotune`` a loss
-#: piece's copy in the first step's benchmarks). A choice with room left turns such a near miss into more checkpointing (or
-#: offload), which costs step time, not the run. A plan whose estimate fits the target but not its
+#: piece's copy in the first step's benchmarks). A choice with room left turns such a near miss into
+#: more checkpointing (or offload), which costs step time, not the run. A plan whose estimate fits the target but not its
 #: headroom still runs (said in its reason); one over the target itself is refused.
 MEMORY_HEADROOM = 0.10
 

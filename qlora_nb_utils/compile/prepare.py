@@ -62,6 +62,7 @@ from ..reversible import PatchHandle, set_attribute
 from .checkpointing import configure_checkpointing, decoder_layers, has_traceable_hook
 from .counting import CompileCounter
 from .optimizer import CompiledOptimizer, compiled_optimizer
+from .options import AUTOTUNE_MODES
 from .patches import PATCHES, input_require_grads, use_cache_warning
 
 __all__ = [
@@ -148,7 +149,7 @@ def _validate(model, grad_ckpt, scope, mode, backend, fullgraph, dynamic, compil
         raise ValueError(f"eager_numerics must be True or False, got {eager_numerics!r}")
     if not isinstance(one_config, bool):
         raise ValueError(f"one_config must be True or False, got {one_config!r}")
-    if one_config and mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+    if one_config and mode in AUTOTUNE_MODES:
         raise ValueError(f"one_config=True contradicts mode {mode!r}, which benchmarks kernel variants")
     return _patch_names(patches)
 
@@ -181,15 +182,24 @@ def _emulate_precision_casts() -> PatchHandle:
     from torch._inductor import config
 
     handle = PatchHandle("eager_numerics", {"emulate_precision_casts": True})
-    old = config.emulate_precision_casts
-    config.emulate_precision_casts = True
+    _set_config(handle, config, "emulate_precision_casts", True)
+    return handle
+
+
+def _set_config(handle: PatchHandle, section: Any, name: str, value: Any) -> None:
+    """Set an entry of Inductor's config (``section``: the module or a section of it) with an undo step
+    on ``handle`` that puts back the value before, unless someone changed it meanwhile.
+
+    Not :func:`set_attribute`: a config entry is no instance attribute, so that would delete it on
+    undo, and a deleted entry of torch's config reads as missing from then on."""
+    old = getattr(section, name)
+    setattr(section, name, value)
 
     def restore() -> None:
-        if config.emulate_precision_casts is True:  # else changed since: not ours to revert
-            config.emulate_precision_casts = old
+        if getattr(section, name) == value:  # else changed since: not ours to revert
+            setattr(section, name, old)
 
     handle.add_undo(restore)
-    return handle
 
 
 #: Where Inductor keeps the reduction filter of its deterministic mode (one configuration chosen by
@@ -225,14 +235,7 @@ def _one_config(config: Any = None) -> PatchHandle:
                if hasattr(getattr(config, section, None), name)]
     handle = PatchHandle("one_config", {name: value for _, name, value in targets})
     for section, name, value in targets:
-        old = getattr(section, name)
-        setattr(section, name, value)
-
-        def restore(section=section, name=name, value=value, old=old) -> None:
-            if getattr(section, name) == value:  # else changed since: not ours to revert
-                setattr(section, name, old)
-
-        handle.add_undo(restore)
+        _set_config(handle, section, name, value)
     return handle
 
 
