@@ -67,7 +67,8 @@ def nest_llama_layers() -> dict:
 
 def light(parts: list[str]) -> dict:
     """The light trials' settings for this process (a trial): ``one-config``, Inductor's
-    kernels each in one configuration (no pointwise autotuning, reductions filtered to one config);
+    kernels each in one configuration (the product's own setting, ``prepare_for_compile(one_config=True)``,
+    left on for the process);
     ``eager-loss``, the chunked loss's math as plain code (its compiled form never built);
     ``combo-kernels``, Inductor's horizontal fusion: independent small kernels of a graph launched as one
     (fewer launches, the host's share of a small model's step)."""
@@ -75,14 +76,9 @@ def light(parts: list[str]) -> dict:
 
     done: dict = {}
     if "one-config" in parts:
-        inductor.triton.autotune_pointwise = False
-        done["autotune_pointwise"] = False
-        tests = getattr(inductor, "test_configs", None)  # the reduction filter of Inductor's deterministic mode
-        if hasattr(tests, "force_filter_reduction_configs"):
-            tests.force_filter_reduction_configs = True
-            done["force_filter_reduction_configs"] = True
-        else:
-            done["force_filter_reduction_configs"] = "not in this torch"
+        from qlora_nb_utils.compile.prepare import _one_config
+
+        done.update(_one_config().details)  # what this torch has of it; never undone in the trial's process
     if "eager-loss" in parts:
         from qlora_nb_utils.ops import losses
 

@@ -86,12 +86,13 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: step: pointwise kernels not autotuned, reductions filtered to one config as its deterministic mode does);
 #: ``ours-eager-loss`` (the chunked loss's math run as plain code, not compiled on its own);
 #: ``ours-light`` (both); ``ours-combo`` (Inductor's combo kernels: independent small kernels launched as
-#: one, the host's share of a small model's step); ``ours-autotune`` (``--autotune on``: each kernel's candidate configurations
-#: benchmarked on the first step, the product's default before ``optimize()`` chose one configuration).
+#: one, the host's share of a small model's step); ``ours-autotune`` (``--autotune on``: each kernel's
+#: candidate configurations benchmarked on the first step, the product's default before ``optimize()``
+#: chose one configuration).
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
         "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-eager": ["--backend", "eager"],
-        "ours-stance-eager": [], "ours-rows0": [], "ours-one-config": [], "ours-eager-loss": [], "ours-light": [], "ours-combo": [],
-        "ours-autotune": ["--autotune", "on"]}
+        "ours-stance-eager": [], "ours-rows0": [], "ours-one-config": [], "ours-eager-loss": [], "ours-light": [],
+        "ours-combo": [], "ours-autotune": ["--autotune", "on"]}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
 CACHES_OF = {"ours-rebatched": "ours"}
 #: Trials whose start finds no batches kept (the batch cache emptied just before; the token cache kept).
