@@ -71,7 +71,11 @@ def light(parts: list[str]) -> dict:
     left on for the process);
     ``eager-loss``, the chunked loss's math as plain code (its compiled form never built);
     ``combo-kernels``, Inductor's horizontal fusion: independent small kernels of a graph launched as one
-    (fewer launches, the host's share of a small model's step)."""
+    (fewer launches, the host's share of a small model's step);
+    ``no-patterns``, Inductor's pattern matcher off (its replacement patterns are built lazily on the
+    first compile of a process, most of the joint-graph passes' cold time);
+    ``early-pool``, Inductor's compile workers started now, before the data and the model are loaded,
+    not when Dynamo first hands over a graph (a worker imports torch and Triton before it compiles)."""
     import torch._inductor.config as inductor
 
     done: dict = {}
@@ -87,4 +91,12 @@ def light(parts: list[str]) -> dict:
     if "combo-kernels" in parts:
         inductor.combo_kernels = True
         done["combo_kernels"] = True
+    if "no-patterns" in parts:
+        inductor.pattern_matcher = False
+        done["pattern_matcher"] = False
+    if "early-pool" in parts:
+        from torch._inductor.async_compile import maybe_warm_pool
+
+        maybe_warm_pool()
+        done["early_pool"] = True
     return done

@@ -37,6 +37,22 @@ def test_the_combo_trial_turns_inductors_horizontal_fusion_on():
     assert inductor.combo_kernels is False
 
 
+def test_the_no_patterns_trial_turns_inductors_pattern_matcher_off():
+    with inductor.patch(pattern_matcher=True):
+        assert trials.from_environment({trials.LIGHT_ENV: "no-patterns"}) == {"light": {"pattern_matcher": False}}
+        assert inductor.pattern_matcher is False
+    assert inductor.pattern_matcher is True
+
+
+def test_the_early_pool_trial_starts_inductors_workers_through_torch(monkeypatch):
+    from torch._inductor import async_compile
+
+    started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(True))
+    assert trials.from_environment({trials.LIGHT_ENV: "early-pool"}) == {"light": {"early_pool": True}}
+    assert started == [True]
+
+
 def test_the_nested_trial_marks_the_llama_layer_and_says_so(monkeypatch):
     from transformers.models.llama import modeling_llama
 

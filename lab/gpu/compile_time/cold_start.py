@@ -88,11 +88,12 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: ``ours-light`` (both); ``ours-combo`` (Inductor's combo kernels: independent small kernels launched as
 #: one, the host's share of a small model's step); ``ours-autotune`` (``--autotune on``: each kernel's
 #: candidate configurations benchmarked on the first step, the product's default before ``optimize()``
-#: chose one configuration).
+#: chose one configuration); ``ours-no-patterns`` (Inductor's pattern matcher off: its patterns' lazy build
+#: on a cold compile); ``ours-early-pool`` (Inductor's compile workers started before data and model load).
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
         "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-eager": ["--backend", "eager"],
         "ours-stance-eager": [], "ours-rows0": [], "ours-one-config": [], "ours-eager-loss": [], "ours-light": [],
-        "ours-combo": [], "ours-autotune": ["--autotune", "on"]}
+        "ours-combo": [], "ours-autotune": ["--autotune", "on"], "ours-no-patterns": [], "ours-early-pool": []}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
 CACHES_OF = {"ours-rebatched": "ours"}
 #: Trials whose start finds no batches kept (the batch cache emptied just before; the token cache kept).
@@ -101,7 +102,8 @@ REBATCHED = ("ours-rebatched",)
 OURS_ENV = {"ours-cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"}, "ours-nested": {NESTED_ENV: "1"},
             "ours-stance-eager": {STANCE_ENV: "force_eager"}, "ours-rows0": {ROWS_ENV: "0"},
             "ours-one-config": {LIGHT_ENV: "one-config"}, "ours-eager-loss": {LIGHT_ENV: "eager-loss"},
-            "ours-light": {LIGHT_ENV: "one-config,eager-loss"}, "ours-combo": {LIGHT_ENV: "combo-kernels"}}
+            "ours-light": {LIGHT_ENV: "one-config,eager-loss"}, "ours-combo": {LIGHT_ENV: "combo-kernels"},
+            "ours-no-patterns": {LIGHT_ENV: "no-patterns"}, "ours-early-pool": {LIGHT_ENV: "early-pool"}}
 #: Seconds a run needs left to be started, by model (a cold whole-model 8B start took minutes).
 NEEDS = {"tiny": 20, "smollm2-135m": 60, "llama-3.2-1b-shape": 120, "llama-3.1-8b-shape": 180}
 STEPS = 60
