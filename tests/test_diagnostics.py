@@ -161,6 +161,34 @@ def test_aot_backend_counts_the_lazy_backward_compile():
     assert set(json.loads(json.dumps(counter.to_dict()))) >= {"compilations", "recompile_reasons"}
 
 
+@pytest.mark.skipif(not counting._metrics_supported(), reason="this torch keeps no compilation metrics")
+def test_a_trace_under_a_reused_compile_id_is_not_counted():
+    # what a graph-break check between torch.compiler.reset() calls does: another trace gets the id 0/0
+    counter = CompileCounter(backend="aot_eager")
+    torch.compiler.reset()
+    w = torch.randn(8, 4, requires_grad=True)
+    torch.compile(_matmul_sum, backend="aot_eager", dynamic=False)(torch.randn(5, 8), w).backward()
+    torch.compiler.reset()
+    fn = counter.compile(_matmul_sum, dynamic=False)
+    fn(torch.randn(5, 8), w).backward()
+    same_id = [m for m in counting._compilation_metrics() if str(m.compile_id) == "0/0"]
+    assert len(same_id) >= 4  # two forwards and two backwards under one id
+    mine = counter._metrics()
+    assert [m.is_forward for m in mine] == [True, False]
+    assert all(m.start_time_us >= same_id[1].end_time_us for m in mine)  # the counter's own, after the other
+    assert counter.compile_s == pytest.approx(
+        mine[0].entire_frame_compile_time_s + mine[1].duration_us / 1e6)
+
+
+def test_a_record_without_times_is_judged_by_its_id_alone():
+    record = types.SimpleNamespace(start_time_us=None, end_time_us=None, is_forward=True)
+    assert counting._handed_over(record, [1.0])
+    timed = types.SimpleNamespace(start_time_us=2_000_000, end_time_us=3_000_000, is_forward=True)
+    assert counting._handed_over(timed, [2.5]) and not counting._handed_over(timed, [1.0, 3.5])
+    backward = types.SimpleNamespace(start_time_us=4_000_000, end_time_us=5_000_000, is_forward=False)
+    assert counting._handed_over(backward, [2.5]) and not counting._handed_over(backward, [6.0])
+
+
 class _ScaledAttention(torch.nn.Module):
     """SDPA with a float attribute as ``scale``, like a transformers attention module."""
 

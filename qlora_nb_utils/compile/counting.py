@@ -77,7 +77,7 @@ class _CountingBackend:
         self._counter = counter
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
-        start = time.perf_counter()
+        start, handed_at = time.perf_counter(), time.time()
         compile_id = _current_compile_id()
         try:
             if runs_graph_as_traced(self._counter.backend):  # else each step's saved tensors are kept
@@ -88,7 +88,7 @@ class _CountingBackend:
                 self._counter._record_restart(compile_id, type(exc).__name__)
             raise
         finally:
-            self._counter._record_graph(compile_id, time.perf_counter() - start)
+            self._counter._record_graph(compile_id, time.perf_counter() - start, handed_at)
 
     def __getattr__(self, name: str) -> Any:  # reset(), get_compiler_config(), compiler_name
         if name.startswith("__") or name in ("_inner", "_counter"):
@@ -124,6 +124,18 @@ def _metrics_supported() -> bool:
         return "recompile_reason" in CompilationMetrics.__dataclass_fields__
     except Exception:
         return False
+
+
+def _handed_over(metric: Any, handed: list[float]) -> bool:
+    """Whether a Dynamo record is of a graph handed to a counter at the times ``handed`` (seconds
+    since the epoch): a forward's record spans one of them, a lazy backward's ends after the first.
+    True where this torch's records carry no times (or no time was taken): the id alone decides."""
+    start, end = getattr(metric, "start_time_us", None), getattr(metric, "end_time_us", None)
+    if start is None or end is None or not handed:
+        return True
+    if metric.is_forward is False:
+        return end / 1e6 >= min(handed)
+    return any(start / 1e6 <= t <= end / 1e6 for t in handed)
 
 
 def _compilation_metrics() -> list[Any]:
@@ -228,8 +240,11 @@ class CompileCounter:
         >>> counter.compilations, counter.recompilations
         (2, 1)
 
-    Don't call ``torch.compiler.reset()`` (or :func:`graph_breaks`) while a counter is
-    counting: compile ids restart from 0 and the metrics can no longer be told apart.
+    Compile ids restart from 0 after ``torch.compiler.reset()``, so another trace under an id
+    this counter saw (:func:`graph_breaks`' ``explain``, a compile with another backend) would
+    read as its own: a forward record counts only when Dynamo's own start and end times for it
+    span the moment this counter's backend was handed the graph, and a backward record only
+    when it ends after that moment (:func:`_handed_over`).
     """
 
     def __init__(self, backend: Any = "inductor", *, reasons_from: str = "auto") -> None:
@@ -255,6 +270,7 @@ class CompileCounter:
 
     def _start(self) -> None:
         self._graphs: list[tuple[str | None, int | None, float]] = []
+        self._handed: dict[str | None, list[float]] = {}  # compile id -> when the backend was handed it
         self._restarts: list[tuple[str | None, str]] = []
         self._metrics_before = _compilation_metrics()  # keeps the old records alive
 
@@ -306,8 +322,11 @@ class CompileCounter:
         backend = self.as_backend(mode=mode, options=options, dynamic=dynamic)
         return torch.compile(model_or_fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
 
-    def _record_graph(self, compile_id: tuple[str | None, int | None], seconds: float) -> None:
+    def _record_graph(self, compile_id: tuple[str | None, int | None], seconds: float,
+                      handed_at: float | None = None) -> None:
         self._graphs.append((compile_id[0], compile_id[1], seconds))
+        if handed_at is not None:
+            self._handed.setdefault(compile_id[0], []).append(handed_at)
 
     def _record_restart(self, compile_id: tuple[str | None, int | None], name: str) -> None:
         self._restarts.append((compile_id[0], name))
@@ -316,7 +335,8 @@ class CompileCounter:
         """Compilation metrics recorded since the start for compiles this counter saw."""
         ids = {cid for cid, _, _ in self._graphs if cid is not None}
         old = {id(m) for m in self._metrics_before}
-        return [m for m in _compilation_metrics() if id(m) not in old and str(m.compile_id) in ids]
+        return [m for m in _compilation_metrics() if id(m) not in old and str(m.compile_id) in ids
+                and _handed_over(m, self._handed.get(str(m.compile_id), []))]
 
     @property
     def compilations(self) -> int:
