@@ -84,6 +84,23 @@ def test_a_trial_of_ours_runs_with_its_environment_and_records_it(tmp_path, monk
     assert "env" not in rec and seen["env"].get("TORCHINDUCTOR_CPP_WRAPPER") != "1"
 
 
+def test_ours_trains_the_peers_learning_rate_schedule(tmp_path, monkeypatch):
+    from qlora_nb_utils.training.loop import TrainConfig
+
+    seen = {}
+
+    def spawn(cmd, env, log, timeout_s):
+        seen["cmd"] = cmd
+        return 0.0, 1.0, 1
+
+    monkeypatch.setattr(cold_start, "_spawn", spawn)
+    shape = {"model": "tiny", "batch_size": 2, "seq_len": 64, "packing": "auto"}
+    cold_start._run_ours("ours", shape, tmp_path, tmp_path / "dirs", "cpu", 2, 10)
+    cmd = seen["cmd"]
+    # HF eager's child trains with TrainConfig's schedule: the learning rate held from the first step
+    assert int(cmd[cmd.index("--warmup-steps") + 1]) == TrainConfig(steps=2).warmup_steps == 0
+
+
 def test_hf_eager_builds_its_batches_and_the_prebuilt_trial_reads_the_parents(tmp_path, monkeypatch):
     seen = []
 

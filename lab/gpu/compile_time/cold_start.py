@@ -351,7 +351,8 @@ def _run_ours(lib: str, shape: dict, work: Path, dirs: Path, device: str, steps:
     argv = ["--model", shape["model"], "--steps", str(steps), "--batch-size", str(shape["batch_size"]),
             "--seq-len", str(shape["seq_len"]), "--packing", shape["packing"], "--device", device,
             "--eval-every", "0", "--save-every", "0", "--eval-size", "8", "--no-progress", "--out", str(out),
-            "--overwrite", *OURS[lib]]
+            # the peers' loops hold the learning rate from the first step: the same schedule, comparable losses
+            "--warmup-steps", "0", "--overwrite", *OURS[lib]]
     cmd = [sys.executable, str(Path(__file__).resolve()), "child-ours", str(side), "--", *argv]
     extra = OURS_ENV.get(lib, {})
     launched, wall, code = _spawn(cmd, {**_env(dirs), **extra}, out.with_suffix(".log"), timeout_s)
