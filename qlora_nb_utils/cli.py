@@ -248,15 +248,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+#: What an ``auto|on|off`` flag passes on: the option's own "auto", True or False.
+_SWITCH = {"auto": "auto", "on": True, "off": False}
+
+
 def _train_options(args: argparse.Namespace) -> dict:
     keys = ("model", "data", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "lora_r", "lora_alpha",
             "eval_every", "eval_size", "save_every", "mode", "backend", "max_memory_gib", "device", "dtype", "seed",
             "check_parity", "scope")
     opts = {k: getattr(args, k) for k in keys}
-    opts["grad_ckpt"] = {"auto": "auto", "on": True, "off": False}[args.grad_ckpt]
-    opts["compile_cache"] = {"auto": "auto", "on": True, "off": False}[args.compile_cache]
-    opts["autotune"] = {"auto": "auto", "on": True, "off": False}[args.autotune]
-    opts["packing"] = {"auto": "auto", "on": True, "off": False}[args.packing]
+    opts.update({k: _SWITCH[getattr(args, k)] for k in ("grad_ckpt", "compile_cache", "autotune", "packing")})
     return opts
 
 
@@ -324,7 +325,7 @@ def _bench(args: argparse.Namespace) -> int:
         model=args.model, quant=args.quant, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         padding=args.padding, device=args.device, dtype=args.dtype, lr=args.lr, warmup=args.warmup,
         seed=args.seed, mode=args.mode, backend=args.backend, data=args.data,
-        grad_ckpt={"auto": "auto", "on": True, "off": False}[args.grad_ckpt], max_memory_gib=args.max_memory_gib,
+        grad_ckpt=_SWITCH[args.grad_ckpt], max_memory_gib=args.max_memory_gib,
         packing=args.packing, limit=args.limit, doc_attention=args.doc_attention, scope=args.scope,
     )
     paths = bench.write_results(results, args.out)
