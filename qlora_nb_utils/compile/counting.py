@@ -129,9 +129,9 @@ def _metrics_supported() -> bool:
 def _handed_over(metric: Any, handed: list[float]) -> bool:
     """Whether a Dynamo record is of a graph handed to a counter at the times ``handed`` (seconds
     since the epoch): a forward's record spans one of them, a lazy backward's ends after the first.
-    True where this torch's records carry no times (or no time was taken): the id alone decides."""
+    True where this torch's records carry no times: the id alone decides."""
     start, end = getattr(metric, "start_time_us", None), getattr(metric, "end_time_us", None)
-    if start is None or end is None or not handed:
+    if start is None or end is None:
         return True
     if metric.is_forward is False:
         return end / 1e6 >= min(handed)
@@ -322,21 +322,18 @@ class CompileCounter:
         backend = self.as_backend(mode=mode, options=options, dynamic=dynamic)
         return torch.compile(model_or_fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
 
-    def _record_graph(self, compile_id: tuple[str | None, int | None], seconds: float,
-                      handed_at: float | None = None) -> None:
+    def _record_graph(self, compile_id: tuple[str | None, int | None], seconds: float, handed_at: float) -> None:
         self._graphs.append((compile_id[0], compile_id[1], seconds))
-        if handed_at is not None:
-            self._handed.setdefault(compile_id[0], []).append(handed_at)
+        self._handed.setdefault(compile_id[0], []).append(handed_at)
 
     def _record_restart(self, compile_id: tuple[str | None, int | None], name: str) -> None:
         self._restarts.append((compile_id[0], name))
 
     def _metrics(self) -> list[Any]:
         """Compilation metrics recorded since the start for compiles this counter saw."""
-        ids = {cid for cid, _, _ in self._graphs if cid is not None}
         old = {id(m) for m in self._metrics_before}
-        return [m for m in _compilation_metrics() if id(m) not in old and str(m.compile_id) in ids
-                and _handed_over(m, self._handed.get(str(m.compile_id), []))]
+        return [m for m in _compilation_metrics() if id(m) not in old and str(m.compile_id) in self._handed
+                and _handed_over(m, self._handed[str(m.compile_id)])]
 
     @property
     def compilations(self) -> int:
