@@ -164,6 +164,9 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--autotune", choices=("auto", "on", "off"), default="auto",
                    help="benchmark each compiled kernel's candidate configurations on the first step (auto: only "
                         "under a max-autotune --mode; otherwise one configuration each, a shorter first step)")
+    t.add_argument("--step-graph", dest="step_graph", choices=("auto", "on", "off"), default="auto",
+                   help="capture each batch shape's whole step as one CUDA graph and replay it (auto: on a GPU "
+                        "in regional scope with few batch shapes; off: every step launched from the host)")
     t.add_argument("--packing", choices=("auto", "on", "off"), default="auto",
                    help="pack whole examples into rows of --seq-len, each attending to itself only (auto: when "
                         "padded batches would be more than a quarter padding)")
@@ -257,7 +260,8 @@ def _train_options(args: argparse.Namespace) -> dict:
             "eval_every", "eval_size", "save_every", "mode", "backend", "max_memory_gib", "device", "dtype", "seed",
             "check_parity", "scope")
     opts = {k: getattr(args, k) for k in keys}
-    opts.update({k: _SWITCH[getattr(args, k)] for k in ("grad_ckpt", "compile_cache", "autotune", "packing")})
+    opts.update({k: _SWITCH[getattr(args, k)] for k in ("grad_ckpt", "compile_cache", "autotune", "packing",
+                                                        "step_graph")})
     return opts
 
 

@@ -46,7 +46,7 @@ __all__ = ["Choice", "MAX_CUDAGRAPH_SHAPES", "choose_dtype", "choose_scope", "ch
            "LORA_OUT_OF_PLACE_WHY", "LORA_NO_GROUP_WHY", "show", "choose_sdpa_kernel", "choose_attention",
            "choose_head", "choose_loss_rows", "LOSS_ROWS_WHEN_IGNORED_OVER", "choose_compile_cache",
            "choose_doc_kernel", "choose_bnb_cpu_layout", "choose_nf4_dequant", "choose_lora_addmm",
-           "choose_autotune"]
+           "choose_autotune", "choose_step_graph", "MAX_STEP_GRAPHS"]
 
 #: At most this many distinct batch shapes get CUDA graphs (one graph each) under ``mode="auto"``.
 MAX_CUDAGRAPH_SHAPES = 4
@@ -166,6 +166,48 @@ def choose_mode(asked: str | None, backend: Any, scope: str, device: torch.devic
     return Choice(None, f"{len(shapes)} batch shapes > {MAX_CUDAGRAPH_SHAPES}: no CUDA graphs")
 
 
+#: The most batch shapes whose whole step is captured (:func:`choose_step_graph`); a graph each, in
+#: one memory pool.
+MAX_STEP_GRAPHS = 2
+
+
+def choose_step_graph(asked: bool | str, *, device: torch.device, scope: str, cuda_graphs: bool,
+                      shapes: Sequence[tuple[int, int]] | None, packed: bool, attention: str,
+                      ckpt_layers: int, offload: bool, memory_target: bool) -> Choice:
+    """Whether the training loop captures each batch shape's whole step (forward, backward, clipping,
+    the optimizer's update) as one CUDA graph and replays it (:mod:`qlora_nb_utils.training.step_graph`).
+
+    In regional scope the compiled layers launch their kernels one call at a time, and where the
+    model is small the host's launches are the step; one replay launches the step at once. What a
+    capture cannot hold keeps it off under ``"auto"``: a CPU; Inductor's own CUDA graphs (whole
+    scope); more than :data:`MAX_STEP_GRAPHS` batch shapes, or none shown; per-batch masks built
+    from the batch (packed documents, attention other than causal-only SDPA); checkpointed or
+    offloaded layers (their recompute reads the RNG state and host copies); a memory target (a
+    capture keeps its pool for the run). ``True`` is refused where it cannot hold, with the reason.
+    """
+    blockers = [why for bad, why in (
+        (device.type != "cuda", f"no CUDA graphs on {device.type}"),
+        (scope != "regional" or cuda_graphs, "whole scope: the compiled graph is the step (Inductor's CUDA graphs "
+                                             "where they apply)"),
+        (shapes is None, "batch shapes not shown"),
+        (shapes is not None and len(shapes) > MAX_STEP_GRAPHS,
+         f"{len(shapes or ())} batch shapes > {MAX_STEP_GRAPHS}"),
+        (packed or attention != "causal", "each batch's attention mask is built from its values"),
+        (ckpt_layers > 0 or offload, "checkpointed layers recompute outside a capture's reach"),
+        (memory_target, "a memory target: a capture's memory pool stays for the run"),
+    ) if bad]
+    if asked is False:
+        return Choice(False, "asked for")
+    if asked is True:
+        if blockers:
+            raise ValueError(f"step_graph=True: the step cannot be captured here: {blockers[0]}; use 'auto' or False")
+        return Choice(True, "asked for")
+    if blockers:
+        return Choice(False, blockers[0])
+    return Choice(True, f"{len(shapes)} batch shape(s): each step captured once as a CUDA graph (forward, backward, "
+                        "optimizer) and replayed, one launch for the host")
+
+
 def choose_autotune(asked: bool | str, mode: str | None, backend: Any, reduction_filter: bool) -> Choice:
     """Autotuning only when asked: without it each Inductor kernel is compiled in one configuration and
     none is benchmarked on the first step (``prepare.one_config_available``: ``reduction_filter``, whether
@@ -220,12 +262,15 @@ def choose_loss(ce_chunks: int, head_asked: bool, rows: int) -> Choice:
                   else "asked for")
 
 
-def choose_loss_rows_scope(rows: tuple[str, str], scope: str) -> Choice:
+def choose_loss_rows_scope(rows: tuple[str, str], scope: str, step_graph: bool = False) -> Choice:
     """The labelled rows (:func:`choose_loss_rows`), per batch where the loss runs outside the
-    graph (regional scope: each batch its own count, in multiples of 64 rows); inside it, one count (the
-    most a batch shown needs: one compilation, one CUDA graph)."""
+    graph (regional scope: each batch its own count, in multiples of 64 rows); inside it, or with the
+    step captured (``step_graph``), one count (the most a batch shown needs: one compilation, one
+    CUDA graph)."""
     value, why = rows
-    if value == "labelled" and scope == "regional":
+    if value == "labelled" and step_graph:
+        why += "; one count for every batch, the most a batch shown needs (one captured step)"
+    elif value == "labelled" and scope == "regional":
         why += "; each batch its own count, in multiples of 64 rows (the loss runs outside the graph)"
     return Choice(value, why)
 

@@ -217,6 +217,13 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             weighs a compile against: a short job compiles one decoder layer, a long one on a GPU
             the whole model. ``train``'s callers in the package (``qlora-nb train``, ``qlora-nb
             bench``) pass it.
+        step_graph: ``"auto"`` (where the step can be captured: CUDA, regional scope, at most
+            :data:`~qlora_nb_utils.compile.choices.MAX_STEP_GRAPHS` batch shapes, causal-only
+            attention, no checkpointing and no memory target:
+            :func:`~qlora_nb_utils.compile.choices.choose_step_graph`), True or False: the training
+            loop captures each batch shape's whole step as one CUDA graph and replays it
+            (``train(step_graph=opt.prepare_step)``, which ``qlora-nb train`` passes; the labelled
+            rows then take one count for every batch).
         doc_attention: for packed batches, ``"auto"`` (flex attention on CUDA, SDPA elsewhere),
             ``"flex_attention"`` or ``"sdpa"``.
         offload: keep checkpointed layers' inputs in pinned CPU memory (:mod:`.offload`):

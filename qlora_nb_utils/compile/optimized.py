@@ -97,6 +97,13 @@ class Optimized:
         """
         return prepare_batch(batch, self.inputs.uncompiled())
 
+    def prepare_step(self, **batch: Any) -> dict:
+        """``batch`` as :attr:`forward` prepares it (the compiled step's marks included), done ahead:
+        :attr:`forward` then finds it prepared and runs only the recipe, which reads no value of
+        the batch on the host. What a step captured as a CUDA graph runs outside the graph
+        (``train(step_graph=opt.prepare_step)``)."""
+        return prepare_batch(batch, self.inputs)
+
     def eager_prepared(self, **batch: Any) -> Any:
         """The recipe uncompiled on a batch from :meth:`prepare` (traceable: no data-dependent step)."""
         module = with_masks(self.module, self.inputs.uncompiled())

@@ -42,6 +42,7 @@ _ONE_OF: dict[str, tuple[Any, ...]] = {
     "dynamic": _AUTO, "eager_numerics": _AUTO, "scope": ("auto", "whole", "regional"), "doc_attention": DOC_ATTENTION,
     "loss_rows": _AUTO, "recompute": _AUTO, "lora_addmm": LORA_ADDMM, "nf4_dequant": _AUTO, "warm_cache": _AUTO,
     "offload": _AUTO, "sdpa_kernel": SDPA_KERNELS, "keep_attention": _AUTO, "autotune": _AUTO,
+    "step_graph": _AUTO,
 }
 #: The Inductor modes that benchmark kernel variants on the first step (they autotune by definition).
 AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
@@ -98,6 +99,7 @@ class OptimizeOptions:
     steps: int | None = None
     compile_cache: bool | str | os.PathLike = "auto"
     autotune: bool | str = "auto"
+    step_graph: bool | str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))

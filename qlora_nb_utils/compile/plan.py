@@ -96,6 +96,7 @@ class Plan:
     windows: tuple[int, ...] = ()  # the sliding windows the model's layers use (flex attention's masks)
     sdpa_cudnn: bool = False  # causal-only SDPA with cuDNN's kernel first
     mode: str | None = None
+    step_graph: bool = False  # the loop captures the whole step as a CUDA graph
     dynamic: bool = False
     autocast: bool = False
     eager_numerics: bool = False
@@ -134,7 +135,7 @@ class Plan:
     @property
     def fine_rows(self) -> bool:
         """Each batch its own row count (the loss outside the graph), not one count for all."""
-        return self.labelled_rows and self.scope == "regional"
+        return self.labelled_rows and self.scope == "regional" and not self.step_graph
 
     @property
     def min_rows(self) -> int:
@@ -148,8 +149,9 @@ class Plan:
 
     @property
     def cuda_graphs(self) -> bool:
-        """CUDA graphs: static inputs at one address (the row count static, the document ids in one buffer)."""
-        return self.mode in ("reduce-overhead", "max-autotune")
+        """CUDA graphs (Inductor's, or the captured step's): static inputs at one address (the row count
+        static, the document ids in one buffer)."""
+        return self.mode in ("reduce-overhead", "max-autotune") or self.step_graph
 
     @property
     def lora_groups(self) -> bool:
@@ -245,6 +247,10 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
         lambda: cudnn_attention_works(device, *_attention_shape(model), p.dtype),
         longest=max((shape[-1] for shape in shapes or []), default=0), cuda_graphs=p.cuda_graphs))) == "cudnn"
     p.keep_attention = p.record("keep_attention", _keep_attention(p, model, shapes)) or False
+    p.step_graph = p.record("step_graph", table.choose_step_graph(
+        opts.step_graph, device=device, scope=p.scope, cuda_graphs=p.cuda_graphs, shapes=shapes, packed=p.packed,
+        attention=p.attention, ckpt_layers=p.ckpt_layers, offload=p.offload,
+        memory_target=opts.max_memory_gib is not None))
     _state_estimate(p)
     p.dynamic = p.record("dynamic", table.choose_dynamic(opts.dynamic, shapes))
     p.record("pad_multiple", table.choose_pad_multiple(opts.pad_multiple))
@@ -253,7 +259,7 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
     p.record("loss", table.choose_loss(p.ce_chunks, p.head is not None, p.chunk_rows))
     if p.ce_chunks > opts.ce_chunks:
         p.reasons["loss"] += f"; pieces of at most {TARGET_CHUNK_ROWS} rows under the memory target"
-    p.record("loss_rows", table.choose_loss_rows_scope(p.loss_rows_choice, p.scope))
+    p.record("loss_rows", table.choose_loss_rows_scope(p.loss_rows_choice, p.scope, p.step_graph))
     p.eager_numerics = p.record("eager_numerics", table.choose_eager_numerics(opts.eager_numerics, p.dtype,
                                                                               opts.backend))
     if opts.memory_budget is not None:

@@ -178,7 +178,8 @@ def prepare_batch(batch: dict, inputs: StepInputs) -> dict:
     The labelled rows (``loss_rows``, when ``inputs.row_chunks`` is not 0) are added when the batch
     has ``labels`` and is not a per-token call (``token_stats``), which needs every row: their
     length a multiple of ``row_chunks``, at least ``min_rows``, marked dynamic unless under CUDA
-    graphs. ``fine_rows``: the count rounded up to a multiple of 64 rows only, not of a sixteenth
+    graphs; a batch that carries ``loss_rows`` already (prepared before) keeps them, so preparing
+    twice reads the labels once. ``fine_rows``: the count rounded up to a multiple of 64 rows only, not of a sixteenth
     of the rows (a loss outside the compiled graph meets any count without compiling again).
     Tensors on another device than ``inputs.device`` are moved there first (:func:`to_device`).
     """
@@ -192,7 +193,8 @@ def prepare_batch(batch: dict, inputs: StepInputs) -> dict:
                 torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
     shifted = torch.is_tensor(batch.get("shift_labels"))  # targets already shifted (a row split by position)
     labels = batch.get("shift_labels" if shifted else "labels")
-    if inputs.row_chunks and torch.is_tensor(labels) and labels.dim() == 2 and not batch.get("token_stats"):
+    if (inputs.row_chunks and torch.is_tensor(labels) and labels.dim() == 2 and not batch.get("token_stats")
+            and "loss_rows" not in batch):  # a batch prepared already keeps its rows
         targets = labels.numel() if shifted else labels[:, 1:].numel()
         rows = labelled_rows(labels, buckets=targets if inputs.fine_rows else ROW_BUCKETS, multiple=inputs.row_chunks,
                              at_least=inputs.min_rows, overflow_to_all=not inputs.dynamic_rows, shifted=shifted)

@@ -26,7 +26,7 @@ DEFAULTS: dict[str, Any] = {
     "warmup_steps": 5, "lora_r": 16, "lora_alpha": 32, "eval_every": 20, "eval_size": 32, "save_every": 20,
     "mode": "auto", "backend": "inductor", "max_memory_gib": None, "grad_ckpt": "auto", "device": "auto",
     "dtype": "auto", "seed": 0, "check_parity": 0, "packing": "auto", "scope": "auto", "compile_cache": "auto",
-    "autotune": "auto",
+    "autotune": "auto", "step_graph": "auto",
 }
 #: What ``backend`` accepts: Inductor (the fast path), and the two that train the same model without
 #: Inductor: ``aot_eager`` (AOTAutograd's graphs run as they are) and ``eager`` (Dynamo's graph run as
@@ -35,7 +35,8 @@ DEFAULTS: dict[str, Any] = {
 BACKENDS = ("inductor", "aot_eager", "eager")
 #: The options of a run that are ``optimize()``'s, by the same names: :func:`check_options` builds
 #: them into one :class:`~qlora_nb_utils.compile.OptimizeOptions`, whose checks are the only ones.
-OPTIMIZE_KEYS = ("mode", "backend", "max_memory_gib", "grad_ckpt", "scope", "compile_cache", "autotune")
+OPTIMIZE_KEYS = ("mode", "backend", "max_memory_gib", "grad_ckpt", "scope", "compile_cache", "autotune",
+                 "step_graph")
 #: What ``packing`` accepts.
 PACKING_CHOICES = ("auto", True, False)
 #: What a run writes into its output folder (``--overwrite`` removes exactly these).

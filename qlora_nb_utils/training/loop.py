@@ -222,6 +222,7 @@ def train(
     scheduler: Any = None,
     start_step: int = 0,
     on_step: Callable[[int, dict], None] | None = None,
+    step_graph: Callable[..., dict] | bool | None = None,
 ) -> pd.DataFrame:
     """Train `model` for `cfg.steps` optimizer steps and return the per-step history.
 
@@ -245,6 +246,11 @@ def train(
         on_step: called as `on_step(step, row)` after each step, outside its timer (evaluate,
             checkpoint or stop there: an exception it raises ends the run as an interrupt does
             when it is a KeyboardInterrupt, and propagates as it is otherwise).
+        step_graph: capture each batch shape's whole step (forward, backward, clipping, the
+            optimizer's update) as a CUDA graph and replay it (:class:`~.step_graph.StepGraphs`;
+            CUDA only, ``grad_accum`` 1): True, or the batch preparation to run outside the graph
+            (``Optimized.prepare_step``: the batch on the device with its labelled rows); the
+            optimizer is made capturable. None/False: every step runs as code.
 
     Returns:
         A DataFrame with one row per optimizer step of this call: `run`, `step`, `loss`, `step_ms`,
@@ -266,6 +272,14 @@ def train(
     opt = optimizer or adamw(params, cfg)
     sched = scheduler if scheduler is not None else warmup_schedule(opt, cfg.warmup_steps)
     next_batch = _micro_batches(_rotate(batches, start_step * cfg.grad_accum))
+    graphs = None
+    if step_graph:
+        if cfg.grad_accum != 1:
+            raise ValueError(f"step_graph captures one micro-batch a step: grad_accum must be 1, got {cfg.grad_accum}")
+        from .step_graph import StepGraphs
+
+        graphs = StepGraphs(forward, params, opt, max_grad_norm=cfg.max_grad_norm,
+                            prepare=step_graph if callable(step_graph) else None)
     rows: list[dict] = []
     model.train()
     # Garbage first: tensors that earlier work left in reference cycles (Dynamo's explain and
@@ -277,7 +291,8 @@ def train(
         for step in range(start_step, cfg.steps):
             with step_lock():  # a no-op unless $QLORA_NB_GPU_LOCK shares the GPU (gpulock.py)
                 reset_peak(device)
-                row = _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
+                row = (_graph_step(graphs, opt, sched, next_batch, device, label, step) if graphs is not None
+                       else _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step))
             row["peak_mem_gib"] = max(row["step_peak_mem_gib"], rows[-1]["peak_mem_gib"] if rows else 0.0)
             rows.append(row)
             bar.update(1)
@@ -345,6 +360,28 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
         "lr": lr,
         "grad_norm": grad_norm,
     }
+
+
+def _graph_step(graphs, opt, sched, next_batch, device, label, step) -> dict:
+    # _one_step's timing, with the step captured (StepGraphs): the batch is prepared inside the
+    # timer, as the optimized forward prepares it there; the scheduler fills the device learning rate.
+    host = next_batch()
+    batch = _to_device(host, device)
+    sync(device)
+    t0 = time.perf_counter()
+    tokens = real_tokens(host)
+    lr = float(opt.param_groups[0]["lr"])
+    loss, norm = graphs.step(batch)
+    sched.step()
+    loss_value = float(loss)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    grad_norm = float(norm) if norm is not None else float("nan")
+    if not math.isfinite(loss_value):
+        raise FloatingPointError(f"{label}: loss is {loss_value} at step {step}")
+    return {"run": label, "step": step, "loss": loss_value, "step_ms": elapsed * 1e3, "tokens": tokens,
+            "tokens_per_s": tokens / elapsed, "step_peak_mem_gib": peak_mem_gib(device), "lr": lr,
+            "grad_norm": grad_norm}
 
 
 def _progress(total: int, label: str, enabled: bool, initial: int = 0):

@@ -89,11 +89,14 @@ BEFORE = ["--scope", "whole", "--compile-cache", "off"]
 #: one, the host's share of a small model's step); ``ours-autotune`` (``--autotune on``: each kernel's
 #: candidate configurations benchmarked on the first step, the product's default before ``optimize()``
 #: chose one configuration); ``ours-no-patterns`` (Inductor's pattern matcher off: its patterns' lazy build
-#: on a cold compile); ``ours-early-pool`` (Inductor's compile workers started before data and model load).
+#: on a cold compile); ``ours-early-pool`` (Inductor's compile workers started before data and model load);
+#: ``ours-no-step-graph`` (``--step-graph off``: every step launched from the host, as before the loop
+#: captured the step where it can).
 OURS = {"ours": [], "ours-before": BEFORE, "ours-cudagraphs": ["--mode", "reduce-overhead"], "ours-cpp-wrapper": [],
         "ours-nested": ["--scope", "whole"], "ours-rebatched": [], "ours-eager": ["--backend", "eager"],
         "ours-stance-eager": [], "ours-rows0": [], "ours-one-config": [], "ours-eager-loss": [], "ours-light": [],
-        "ours-combo": [], "ours-autotune": ["--autotune", "on"], "ours-no-patterns": [], "ours-early-pool": []}
+        "ours-combo": [], "ours-autotune": ["--autotune", "on"], "ours-no-patterns": [], "ours-early-pool": [],
+        "ours-no-step-graph": ["--step-graph", "off"]}
 #: Trials that run on another library's compile caches (its warm runs are warm for them too).
 CACHES_OF = {"ours-rebatched": "ours"}
 #: Trials whose start finds no batches kept (the batch cache emptied just before; the token cache kept).
