@@ -188,6 +188,13 @@ def _cuda_capture(fn: Callable[[], None], pool: Any) -> tuple[Callable[[], None]
     capture runs nothing, so the step it stands for is the first replay's."""
     graph = torch.cuda.CUDAGraph()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    # cuBLAS keeps a workspace per stream, and the capture's stream gets its own, in the graph's
+    # pool: the one the steps before it used is released first (the next step run as code takes a
+    # new one), and the capture's after it (the graph goes on using that memory as scratch, which no
+    # step reads across replays), so the capture holds no second workspace.
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
+    clear()
     with torch.cuda.graph(graph, pool=pool):
         fn()
+    clear()
     return graph.replay, pool
