@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Writes: OUT/small_cudagraphs_<arm>.json (-> lab/results/step/small_cudagraphs_<gpu>.json, one file:
-#   python3 lab/gpu/step/step_overhead.py's JSONs gathered by the arm names), OUT/small_cudagraphs_log.txt
+# Wrote: lab/results/step/small_cudagraphs_h200.json (OUT/small_cudagraphs_<arm>.json, step_overhead.py's JSON of
+#   each arm, gathered under the arm names), beside OUT/small_cudagraphs_log.txt
 # Rerun: OUT=$OUT bash lab/gpu/step/gpu_small_cudagraphs.sh [ARMS]   (the lent GPU machine, repository root;
 #   carry .whl .gpucache)
 # Why: at SmolLM2-135M's shape (4 x 128) the step is the host's; CUDA graphs cut it to a fraction, but
