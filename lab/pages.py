@@ -47,10 +47,6 @@ HEADLINE = (
     ("the same job: HF eager's time over ours",
      "compile_time/cold_start_h200.json", "comparisons/llama-3.1-8b-shape 4 x 2048 cold, call 2026-11-29T06:07:16+00:00",
      "hf_eager_wall_60_ratio", "{:.2f}x"),
-    ("SmolLM2-135M shape, 4 x 128 padded, empty compile caches: launch to the end of step 60, HF eager's time "
-     "over ours (each step one CUDA graph replay)", "compile_time/cold_start_h200.json",
-     "comparisons/smollm2-135m-shape 4 x 128 cold, call 2026-11-30T19:03:45+00:00", "hf_eager_wall_60_ratio",
-     "{:.2f}x"),
 )
 
 #: the columns of a file's table on RESULTS.md, in this order, when the file has them

@@ -145,7 +145,7 @@ DEFAULTS = {  # optimize()'s keyword defaults before the options object
     "dynamic": "auto", "memory_budget": None, "eager_numerics": "auto", "scope": "auto", "doc_attention": "auto",
     "offload": "auto", "loss_rows": "auto", "recompute": "auto", "lora_addmm": "auto", "nf4_dequant": "auto",
     "warm_cache": "auto", "ce_min_rows": "auto", "lora_min_rows": "auto", "tile_mlp": "auto", "sdpa_kernel": "auto", "keep_attention": "auto",
-    "steps": None, "compile_cache": "auto", "autotune": "auto",
+    "steps": None, "compile_cache": "auto", "autotune": "auto", "step_graph": "auto",
 }
 
 
@@ -252,7 +252,7 @@ def test_recipe_options_check_and_hand_prepare_for_compile_its_share():
 
 # ----------------------------------------------------------------------------- the decision table
 def test_the_mode_rule():
-    from qlora_nb_utils.compile.choices import MAX_CUDAGRAPH_SHAPES, choose_mode
+    from qlora_nb_utils.compile.launch_choices import MAX_CUDAGRAPH_SHAPES, choose_mode
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     few, many = [(2, 64)], [(2, 8 * n) for n in range(1, MAX_CUDAGRAPH_SHAPES + 2)]
@@ -269,7 +269,7 @@ def test_the_mode_rule():
 def test_the_autotune_rule():
     """No autotuning unless asked: a max-autotune mode is asking, any other Inductor plan compiles each
     kernel in one configuration; the reason says when this torch cannot hold reductions to one."""
-    from qlora_nb_utils.compile.choices import choose_autotune
+    from qlora_nb_utils.compile.launch_choices import choose_autotune
 
     auto = choose_autotune("auto", None, "inductor", True)
     assert auto.value is False and auto.why.startswith("each Inductor kernel compiled in one configuration")

@@ -8,11 +8,11 @@ and that the losses and weights are exactly the uncaptured loop's.
 
 import pytest
 import torch
+from test_train import make_batches, tiny_lora
 
-from qlora_nb_utils.compile import choices
+from qlora_nb_utils.compile import launch_choices as choices
 from qlora_nb_utils.training.loop import TrainConfig, train
 from qlora_nb_utils.training.step_graph import StepGraphs, _static_copy, batch_signature, make_capturable
-from test_train import make_batches, tiny_lora
 
 
 def _stand_in(params, log):

@@ -99,10 +99,10 @@ from ..ops.model_attention import MODEL_ATTENTION, use_attention
 from ..reversible import PatchHandle
 from .choices import (
     LOSS_ROWS_WHEN_IGNORED_OVER,
-    MAX_CUDAGRAPH_SHAPES,
     show,
 )
 from .compile_cache import CompileCache, cache_key, save_after_first_step
+from .launch_choices import MAX_CUDAGRAPH_SHAPES
 from .memory_estimate import estimate_peak_gib
 from .model_patches import keep_bnb_training_layout, use_lora_addmm, use_nf4_dequant
 from .optimized import Optimized
@@ -218,9 +218,9 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             the whole model. ``train``'s callers in the package (``qlora-nb train``, ``qlora-nb
             bench``) pass it.
         step_graph: ``"auto"`` (where the step can be captured: CUDA, regional scope, at most
-            :data:`~qlora_nb_utils.compile.choices.MAX_STEP_GRAPHS` batch shapes, causal-only
+            :data:`~qlora_nb_utils.compile.launch_choices.MAX_STEP_GRAPHS` batch shapes, causal-only
             attention, no checkpointing and no memory target:
-            :func:`~qlora_nb_utils.compile.choices.choose_step_graph`), True or False: the training
+            :func:`~qlora_nb_utils.compile.launch_choices.choose_step_graph`), True or False: the training
             loop captures each batch shape's whole step as one CUDA graph and replays it
             (``train(step_graph=opt.prepare_step)``, which ``qlora-nb train`` passes; the labelled
             rows then take one count for every batch).
@@ -275,7 +275,7 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
         autotune: let Inductor benchmark each kernel's candidate configurations on the first step:
             ``"auto"`` (only under a max-autotune ``mode``; otherwise every kernel in one
             configuration, none benchmarked:
-            :func:`~qlora_nb_utils.compile.choices.choose_autotune`), True, or False (refused with a
+            :func:`~qlora_nb_utils.compile.launch_choices.choose_autotune`), True, or False (refused with a
             max-autotune mode).
         compile_cache: keep the run's compiled graphs for the next run, PyTorch's cache artifacts
             (:mod:`~qlora_nb_utils.compile.compile_cache`: loaded here before anything compiles,

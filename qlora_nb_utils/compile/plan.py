@@ -21,6 +21,7 @@ from ..ops.attention import cudnn_attention_works
 from ..ops.losses import CHUNK_MIN_ROWS
 from ..ops.model_attention import read_attention
 from . import choices as table
+from . import launch_choices as launch
 from . import offload as host
 from .checkpointing import decoder_layers
 from .choices import choose_attention, choose_doc_kernel, choose_head, choose_loss_rows, choose_sdpa_kernel
@@ -218,7 +219,7 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
     p.dtype = p.record("dtype", table.choose_dtype(opts.dtype, compute_dtype(model, device)))
     shapes = batch_shapes(batches, opts.pad_multiple)
     p.call_rows = (min(b * s for b, s in shapes), max(b * s for b, s in shapes)) if shapes else None
-    whole_mode = table.choose_mode(opts.mode, opts.backend, "whole", device, shapes).value
+    whole_mode = launch.choose_mode(opts.mode, opts.backend, "whole", device, shapes).value
     p.scope = p.record("scope", table.choose_scope(
         opts.scope, steps=opts.steps, device_type=device.type, layers=len(decoder_layers(model)),
         cuda_graphs=whole_mode in ("reduce-overhead", "max-autotune")))
@@ -238,16 +239,16 @@ def decide(model: torch.nn.Module, opts: OptimizeOptions, batches: list[dict] | 
         p.record("doc_attention", table.Choice(*choose_doc_kernel(device, opts.doc_attention, scores)))
     p.attention = p.record("attention", table.Choice(*choose_attention(model, opts.attention, batches, p.packed,
                                                                        scores=scores, device=device)))
-    mode = p.record("mode", table.choose_mode(opts.mode, opts.backend, p.scope, device, shapes))
+    mode = p.record("mode", launch.choose_mode(opts.mode, opts.backend, p.scope, device, shapes))
     p.mode, p.choices["mode"] = mode, mode or "default"
-    p.autotune = p.record("autotune", table.choose_autotune(opts.autotune, p.mode, opts.backend,
+    p.autotune = p.record("autotune", launch.choose_autotune(opts.autotune, p.mode, opts.backend,
                                                             one_config_available()))
     p.sdpa_cudnn = p.record("sdpa_kernel", table.Choice(*choose_sdpa_kernel(
         opts.sdpa_kernel, p.attention, device, _capability(device),
         lambda: cudnn_attention_works(device, *_attention_shape(model), p.dtype),
         longest=max((shape[-1] for shape in shapes or []), default=0), cuda_graphs=p.cuda_graphs))) == "cudnn"
     p.keep_attention = p.record("keep_attention", _keep_attention(p, model, shapes)) or False
-    p.step_graph = p.record("step_graph", table.choose_step_graph(
+    p.step_graph = p.record("step_graph", launch.choose_step_graph(
         opts.step_graph, device=device, scope=p.scope, cuda_graphs=p.cuda_graphs, shapes=shapes, packed=p.packed,
         attention=p.attention, ckpt_layers=p.ckpt_layers, offload=p.offload,
         memory_target=opts.max_memory_gib is not None))
