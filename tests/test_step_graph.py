@@ -188,3 +188,40 @@ def test_the_step_graph_rule(kw, value, why):
     else:
         with pytest.raises(ValueError, match=f"step_graph=True: the step cannot be captured here: .*{why[:12]}"):
             choices.choose_step_graph(True, **args)
+
+
+def test_a_capture_that_fails_leaves_every_step_as_code_and_says_why():
+    order = make_batches(n=3, seq=16, seed=6)
+    order = order + order
+    reference = tiny_lora()
+    want = _plain_losses(reference, order, len(order))
+
+    def refuse(fn, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    model = tiny_lora()
+    params = [p for p in model.parameters() if p.requires_grad]
+    graphs = StepGraphs(model, params, torch.optim.AdamW(params, lr=1e-2), max_grad_norm=1.0, capture=refuse)
+    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph .*not permitted when stream is capturing"):
+        got = [float(graphs.step(dict(b))[0]) for b in order]
+    assert got == want
+    assert graphs.failed.startswith("RuntimeError") and graphs.captured == [] and graphs.plain_steps == len(order)
+
+
+def test_train_captures_where_the_optimized_forward_chose_it_and_on_cuda_only():
+    from qlora_nb_utils.compile.optimized import Optimized
+
+    model = tiny_lora()
+    calls = []
+
+    def forward(**batch):
+        return model(**batch)
+
+    opt = Optimized(forward=forward, module=model, counter=None, choices={"step_graph": True}, reasons={}, fast=None)
+    assert forward.prepare_step == opt.prepare_step  # what train() finds on opt.forward
+    forward.prepare_step = lambda **b: calls.append(1) or b
+    train(model, make_batches(), TrainConfig(steps=2, progress=False), forward=forward)
+    assert calls == []  # a CPU: no capture, nothing prepared ahead
+    plain = Optimized(forward=lambda **b: model(**b), module=model, counter=None, choices={"step_graph": False},
+                      reasons={}, fast=None)
+    assert not hasattr(plain.forward, "prepare_step")

@@ -222,8 +222,8 @@ def optimize(model: torch.nn.Module, options: OptimizeOptions | Mapping[str, Any
             attention, no checkpointing and no memory target:
             :func:`~qlora_nb_utils.compile.launch_choices.choose_step_graph`), True or False: the training
             loop captures each batch shape's whole step as one CUDA graph and replays it
-            (``train(step_graph=opt.prepare_step)``, which ``qlora-nb train`` passes; the labelled
-            rows then take one count for every batch).
+            (``train(..., forward=opt.forward)`` and ``qlora-nb train`` do; the labelled rows then
+            take one count for every batch).
         doc_attention: for packed batches, ``"auto"`` (flex attention on CUDA, SDPA elsewhere),
             ``"flex_attention"`` or ``"sdpa"``.
         offload: keep checkpointed layers' inputs in pinned CPU memory (:mod:`.offload`):

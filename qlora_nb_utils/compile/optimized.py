@@ -47,7 +47,9 @@ class Optimized:
 
     Attributes:
         forward: What to train with: ``forward(**batch).loss`` (moves the batch to the
-            model's device, pads, marks lengths dynamic, runs the compiled recipe).
+            model's device, pads, marks lengths dynamic, runs the compiled recipe). Where the plan
+            chose ``step_graph``, it carries :meth:`prepare_step` as ``forward.prepare_step``, and
+            ``train(..., forward=opt.forward)`` captures each step as a CUDA graph.
         module: The module that was compiled (the model wrapped in the chunked loss, or the
             model itself); graph-break checks look at it.
         counter: The :class:`~qlora_nb_utils.compile.CompileCounter` of every compilation.
@@ -69,6 +71,10 @@ class Optimized:
     options: Any = None
     inputs: StepInputs = dataclasses.field(default_factory=StepInputs)
     _extra: list[PatchHandle] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.choices.get("step_graph"):  # the loop that trains with this forward captures its step
+            self.forward.prepare_step = self.prepare_step
 
     def __call__(self, **batch: Any) -> Any:
         return self.forward(**batch)
@@ -101,7 +107,7 @@ class Optimized:
         """``batch`` as :attr:`forward` prepares it (the compiled step's marks included), done ahead:
         :attr:`forward` then finds it prepared and runs only the recipe, which reads no value of
         the batch on the host. What a step captured as a CUDA graph runs outside the graph
-        (``train(step_graph=opt.prepare_step)``)."""
+        (``train()`` finds it on :attr:`forward` where the plan chose ``step_graph``)."""
         return prepare_batch(batch, self.inputs)
 
     def eager_prepared(self, **batch: Any) -> Any:

@@ -150,7 +150,9 @@ def optimize_sharded(model: nn.Module, *, batches: Iterable[dict], world_size: i
     sample = [step_batch(b) for b in batches]
     with estimate_layout(weight_shards=world_size if sharding else 1):  # a memory target is one rank's
         opt = optimize(model, batches=sample, scope="regional" if sharding else one_scope, cast=False,
-                       grad_ckpt=grad_ckpt, backend=backend, **optimize_kwargs)
+                       grad_ckpt=grad_ckpt, backend=backend, **{"step_graph": False, **optimize_kwargs})
+    if "step_graph" not in optimize_kwargs:
+        opt.reasons["step_graph"] = "each rank's step is the distributed loop's: not captured"
     root = opt.module
     if not sharding:
         return FastSharded(opt=opt, root=root, peft=model, sharded=None, layers=decoder_layers(model))

@@ -506,7 +506,9 @@ def build_pipeline(peft: nn.Module, *, schedule: str, ranges: Sequence[range], r
     sample = [as_packed(b) for b in batches]
     if not last:
         optimize_kwargs["ce_chunks"] = 0
-    opt = optimize(peft, batches=sample, scope="regional", backend=backend, **optimize_kwargs)
+    opt = optimize(peft, batches=sample, scope="regional", backend=backend, **{"step_graph": False, **optimize_kwargs})
+    if "step_graph" not in optimize_kwargs:
+        opt.reasons["step_graph"] = "each stage's step is the pipeline schedule's: not captured"
     try:
         kernel = opt.choices.get("doc_attention") or "sdpa"
         autocast = opt.choices.get("autocast")

@@ -316,8 +316,7 @@ class Run:
         self._ticker = Ticker(self._say, "    still on the first step (compiling): {:.0f} s")
         try:
             train(self.model, self.train_batches, cfg, forward=self.opt.forward, label="train",
-                  optimizer=self.optimizer, scheduler=self.scheduler, start_step=self.start_step, on_step=self.on_step,
-                  step_graph=self.opt.prepare_step if self.opt.choices.get("step_graph") else None)
+                  optimizer=self.optimizer, scheduler=self.scheduler, start_step=self.start_step, on_step=self.on_step)
         finally:
             self._ticker.stop()
         self.stop.immediate = True  # nothing left to save: a signal now stops at once

@@ -161,11 +161,14 @@ def optimized_trainer(trainer: Any, *, sample_batches: int = 64, **options: Any)
         options.setdefault("grad_ckpt", True)
     if getattr(args, "max_steps", -1) > 0:  # the job's length, for the compile scope: one compiled step a micro-batch
         options.setdefault("steps", args.max_steps * max(1, getattr(args, "gradient_accumulation_steps", 1)))
+    own_loop = options.setdefault("step_graph", False) is False  # the Trainer launches each step itself
     checked = OptimizeOptions.from_dict(options)  # before the data loader runs
     batches, whole = _sample_batches(trainer, sample_batches)
     shapes = {tuple(b["input_ids"].shape) for b in batches}
     guard_graphs = checked.mode == "auto" and not whole and len(shapes) > 1
     opt = optimize(model, checked, batches=batches, **({"mode": "default"} if guard_graphs else {}))
+    if own_loop:
+        opt.reasons["step_graph"] = "the Trainer's loop launches each step: not captured"
     if guard_graphs:
         opt.reasons["mode"] = (f"{len(shapes)} shapes in the first {len(batches)} batches and more to come: "
                                "no CUDA graphs")

@@ -248,9 +248,10 @@ def train(
             when it is a KeyboardInterrupt, and propagates as it is otherwise).
         step_graph: capture each batch shape's whole step (forward, backward, clipping, the
             optimizer's update) as a CUDA graph and replay it (:class:`~.step_graph.StepGraphs`;
-            CUDA only, ``grad_accum`` 1): True, or the batch preparation to run outside the graph
-            (``Optimized.prepare_step``: the batch on the device with its labelled rows); the
-            optimizer is made capturable. None/False: every step runs as code.
+            CUDA only, ``grad_accum`` 1; the optimizer is made capturable): None (the default) does
+            where ``forward`` is an optimized step that chose it (``optimize()``'s ``step_graph``:
+            the step's ``prepare_step`` rides on ``opt.forward``); True, or the batch preparation to
+            run outside the graph (``Optimized.prepare_step``), asks for it; False: every step runs as code.
 
     Returns:
         A DataFrame with one row per optimizer step of this call: `run`, `step`, `loss`, `step_ms`,
@@ -273,6 +274,8 @@ def train(
     sched = scheduler if scheduler is not None else warmup_schedule(opt, cfg.warmup_steps)
     next_batch = _micro_batches(_rotate(batches, start_step * cfg.grad_accum))
     graphs = None
+    if step_graph is None and cfg.grad_accum == 1 and device.type == "cuda":
+        step_graph = getattr(forward, "prepare_step", None)  # what optimize() chose, if it did
     if step_graph:
         if cfg.grad_accum != 1:
             raise ValueError(f"step_graph captures one micro-batch a step: grad_accum must be 1, got {cfg.grad_accum}")
@@ -380,8 +383,8 @@ def _graph_step(graphs, opt, sched, next_batch, device, label, step) -> dict:
     if not math.isfinite(loss_value):
         raise FloatingPointError(f"{label}: loss is {loss_value} at step {step}")
     return {"run": label, "step": step, "loss": loss_value, "step_ms": elapsed * 1e3, "tokens": tokens,
-            "tokens_per_s": tokens / elapsed, "step_peak_mem_gib": peak_mem_gib(device), "lr": lr,
-            "grad_norm": grad_norm}
+            "tokens_per_s": tokens / elapsed, "step_peak_mem_gib": max(peak_mem_gib(device), graphs.replayed_peak_gib),
+            "lr": lr, "grad_norm": grad_norm}
 
 
 def _progress(total: int, label: str, enabled: bool, initial: int = 0):

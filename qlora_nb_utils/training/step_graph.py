@@ -31,6 +31,7 @@ It is off on a CPU, where there is no graph to capture.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -85,6 +86,9 @@ class StepGraphs:
     Attributes:
         captured: the signatures captured so far, in order.
         plain_steps: steps run as code (a signature's first, and any past ``max_graphs``).
+        failed: why a capture failed (None: none did); after one, every step runs as code.
+        replayed_peak_gib: the last step's peak where it was a replay (0.0 where it ran as code): its
+            capture's, since a replay allocates nothing, yet runs in the memory the capture took.
     """
 
     def __init__(self, forward: Callable[..., Any], params: Iterable[torch.nn.Parameter],
@@ -109,6 +113,8 @@ class StepGraphs:
         self._pool: Any = None
         self.captured: list[tuple] = []
         self.plain_steps = 0
+        self.failed: str | None = None
+        self.replayed_peak_gib = 0.0
 
     def step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step on ``batch`` (not yet prepared): ``(loss, grad_norm)`` as device
@@ -116,8 +122,14 @@ class StepGraphs:
         batch = self.prepare(**batch)
         sig = batch_signature(batch)
         graph = self._graphs.get(sig)
-        if graph is None and self._seen.get(sig, 0) >= 1 and len(self._graphs) < self.max_graphs:
-            graph = self._graphs[sig] = self._record(batch, sig)
+        if graph is None and self._seen.get(sig, 0) >= 1 and len(self._graphs) < self.max_graphs and not self.failed:
+            try:
+                graph = self._graphs[sig] = self._record(batch, sig)
+            except Exception as err:  # an op the capture cannot hold: the run goes on, every step as code
+                self.failed = f"{type(err).__name__}: {err}"
+                warnings.warn(f"the step could not be captured as a CUDA graph ({self.failed}); every step runs as "
+                              "code from here on (step_graph=False says so from the start)", stacklevel=2)
+        self.replayed_peak_gib = 0.0
         if graph is None:
             self._seen[sig] = self._seen.get(sig, 0) + 1
             self.plain_steps += 1
@@ -126,6 +138,7 @@ class StepGraphs:
             return loss.detach(), norm
         graph.load(batch)
         graph.replay()
+        self.replayed_peak_gib = graph.peak_gib
         return graph.loss, graph.norm
 
     def _body(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -152,7 +165,9 @@ class StepGraphs:
         graph.replay, self._pool = self._capture(body, self._pool)
         graph.grads = [p.grad for p in self.params]  # the buffers the graph writes: kept allocated
         self.captured.append(sig)
-        if torch.cuda.is_available() and self.params[0].device.type == "cuda":
+        if self.params[0].device.type == "cuda":
+            # a replay allocates nothing: the step's peak is the capture's (the loop resets it at each step)
+            graph.peak_gib = torch.cuda.max_memory_allocated(self.params[0].device) / 2**30
             torch.cuda.empty_cache()  # the blocks the steps before it cached, now unused: back to the device
         return graph
 
@@ -166,6 +181,7 @@ class _Captured:
         self.loss: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
         self.grads: list = []
+        self.peak_gib = 0.0
 
     def load(self, batch: dict) -> None:
         for k, v in batch.items():
