@@ -347,6 +347,11 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
     sched.step()
     opt.zero_grad(set_to_none=True)
     loss_value = float(loss_sum) / cfg.grad_accum  # float() syncs; the timer reads after it
+    return _row(label, step, loss_value, t0, tokens, lr, norm, device, peak_mem_gib(device))
+
+
+def _row(label, step, loss_value, t0, tokens, lr, norm, device, step_peak_gib) -> dict:
+    """A step's history row, its timer read after the device's work (refused: a loss not finite)."""
     sync(device)
     elapsed = time.perf_counter() - t0
     grad_norm = float(norm) if norm is not None else float("nan")
@@ -359,7 +364,7 @@ def _one_step(forward, opt, sched, params, next_batch, cfg, device, label, step)
         "step_ms": elapsed * 1e3,
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
-        "step_peak_mem_gib": peak_mem_gib(device),
+        "step_peak_mem_gib": step_peak_gib,
         "lr": lr,
         "grad_norm": grad_norm,
     }
@@ -376,15 +381,8 @@ def _graph_step(graphs, opt, sched, next_batch, device, label, step) -> dict:
     lr = float(opt.param_groups[0]["lr"])
     loss, norm = graphs.step(batch)
     sched.step()
-    loss_value = float(loss)
-    sync(device)
-    elapsed = time.perf_counter() - t0
-    grad_norm = float(norm) if norm is not None else float("nan")
-    if not math.isfinite(loss_value):
-        raise FloatingPointError(f"{label}: loss is {loss_value} at step {step}")
-    return {"run": label, "step": step, "loss": loss_value, "step_ms": elapsed * 1e3, "tokens": tokens,
-            "tokens_per_s": tokens / elapsed, "step_peak_mem_gib": max(peak_mem_gib(device), graphs.replayed_peak_gib),
-            "lr": lr, "grad_norm": grad_norm}
+    return _row(label, step, float(loss), t0, tokens, lr, norm, device,
+                max(peak_mem_gib(device), graphs.replayed_peak_gib))
 
 
 def _progress(total: int, label: str, enabled: bool, initial: int = 0):

@@ -84,7 +84,6 @@ class StepGraphs:
             records ``fn`` and returns ``(replay, pool)``; the default records a ``torch.cuda.CUDAGraph``.
 
     Attributes:
-        captured: the signatures captured so far, in order.
         plain_steps: steps run as code (a signature's first, and any past ``max_graphs``).
         failed: why a capture failed (None: none did); after one, every step runs as code.
         replayed_peak_gib: the last step's peak where it was a replay (0.0 where it ran as code): its
@@ -111,10 +110,14 @@ class StepGraphs:
         self._seen: dict[tuple, int] = {}
         self._graphs: dict[tuple, _Captured] = {}
         self._pool: Any = None
-        self.captured: list[tuple] = []
         self.plain_steps = 0
         self.failed: str | None = None
         self.replayed_peak_gib = 0.0
+
+    @property
+    def captured(self) -> list[tuple]:
+        """The signatures captured so far, in order."""
+        return list(self._graphs)
 
     def step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step on ``batch`` (not yet prepared): ``(loss, grad_norm)`` as device
@@ -124,7 +127,7 @@ class StepGraphs:
         graph = self._graphs.get(sig)
         if graph is None and self._seen.get(sig, 0) >= 1 and len(self._graphs) < self.max_graphs and not self.failed:
             try:
-                graph = self._graphs[sig] = self._record(batch, sig)
+                graph = self._graphs[sig] = self._record(batch)
             except Exception as err:  # an op the capture cannot hold: the run goes on, every step as code
                 self.failed = f"{type(err).__name__}: {err}"
                 warnings.warn(f"the step could not be captured as a CUDA graph ({self.failed}); every step runs as "
@@ -153,7 +156,7 @@ class StepGraphs:
         for p in self.params:
             p.grad = None
 
-    def _record(self, batch: dict, sig: tuple) -> "_Captured":
+    def _record(self, batch: dict) -> "_Captured":
         static = {k: _static_copy(v) if torch.is_tensor(v) else v for k, v in batch.items()}
         graph = _Captured(static)
         self._clear_grads()
@@ -164,7 +167,6 @@ class StepGraphs:
 
         graph.replay, self._pool = self._capture(body, self._pool)
         graph.grads = [p.grad for p in self.params]  # the buffers the graph writes: kept allocated
-        self.captured.append(sig)
         if self.params[0].device.type == "cuda":
             # a replay allocates nothing: the step's peak is the capture's (the loop resets it at each step)
             graph.peak_gib = torch.cuda.max_memory_allocated(self.params[0].device) / 2**30
